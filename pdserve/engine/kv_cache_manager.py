@@ -1,0 +1,203 @@
+"""Which blocks each request holds; prefix hits; deferred frees behind the step fence.
+
+Ints and ids only (no torch).
+
+Deferred frees (DESIGN §4): a block that an in-flight step or KV transfer may still write is
+freed only after the fence (the highest step sequence number known to have completed) passed
+the last step that wrote it, and when no transfer into it is in flight.
+
+    step seq:     ... 7        8 (scheduled, running)     9 (being scheduled)
+    fence:            ^ completed_seq = 7
+    a request last written by step 8 cannot be freed while scheduling 9 -> free is deferred
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pdserve.engine.request import Request
+
+
+@dataclass
+class StepFence:
+    """The highest step sequence number whose model execution has completed.
+
+    The engine advances it after each executed step; tests inject one that does not advance.
+    """
+
+    completed_seq: int = 0
+
+    def advance(self, seq: int) -> None:
+        assert seq >= self.completed_seq
+        self.completed_seq = seq
+
+
+@dataclass
+class _ReqState:
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # blocks already registered in the prefix cache
+    last_write_seq: int = 0  # last step that writes into these blocks
+    inflight_writes: int = 0  # KV transfers writing into these blocks right now
+
+
+class KVCacheManager:
+    """Allocates and frees a request's blocks. Mutates the block pool and its own per-request map."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        fence: StepFence | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.fence = fence if fence is not None else StepFence()
+        self._reqs: dict[str, _ReqState] = {}
+        # (seq after which the blocks may be freed, blocks).
+        self._deferred: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        self.enable_prefix_caching = enable_prefix_caching
+
+    # -- queries -------------------------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        st = self._reqs.get(request_id)
+        return [b.block_id for b in st.blocks] if st else []
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        return sum(len(b) for _, b in self._deferred)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_hashes(self, req: Request) -> None:
+        """Extend ``req.block_hashes`` to cover every full block of its current tokens."""
+        bs = self.block_size
+        n_full = req.num_tokens // bs
+        hashes = req.block_hashes
+        while len(hashes) < n_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, req.token_ids_slice(i * bs, (i + 1) * bs)))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest prefix-cache hit for a new request: (blocks, num tokens they cover).
+
+        At least one token is always left to compute, since the model must produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = self.pool.lookup(req.block_hashes[:max_blocks])
+        self.pool.record_lookup(max_blocks, len(hits))
+        return hits, len(hits) * self.block_size
+
+    # -- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make the request's blocks cover ``num_computed + num_new_computed + num_new_tokens``.
+
+        Returns the newly allocated block ids, or None (changing nothing) if the pool is short.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        st = self._reqs.get(req.request_id)
+        have = len(st.blocks) if st else 0
+        total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        need = self.num_blocks_needed(total) - have - len(new_computed_blocks)
+        # Hit blocks that are free right now also come out of the free count when touched.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(need, 0) > self.pool.num_free_blocks - num_free_hits:
+            return None
+        if st is None:
+            st = self._reqs[req.request_id] = _ReqState()
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            st.blocks.extend(new_computed_blocks)
+            st.num_hashed_blocks = len(st.blocks)
+        new_blocks = self.pool.allocate(need) if need > 0 else []
+        st.blocks.extend(new_blocks)
+        return [b.block_id for b in new_blocks]
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's blocks that became full and computed (after a step ran)."""
+        if not self.enable_prefix_caching:
+            return
+        st = self._reqs.get(req.request_id)
+        if st is None:
+            return
+        self._update_hashes(req)
+        n_full = min(req.num_computed_tokens // self.block_size, len(st.blocks), len(req.block_hashes))
+        for i in range(st.num_hashed_blocks, n_full):
+            self.pool.cache_block(st.blocks[i], req.block_hashes[i])
+        st.num_hashed_blocks = max(st.num_hashed_blocks, n_full)
+
+    # -- fence and in-flight writes --------------------------------------------------------
+    def mark_written(self, request_id: str, step_seq: int) -> None:
+        st = self._reqs.get(request_id)
+        if st is not None:
+            st.last_write_seq = max(st.last_write_seq, step_seq)
+
+    def begin_inflight_write(self, request_id: str) -> None:
+        self._reqs[request_id].inflight_writes += 1
+
+    def end_inflight_write(self, request_id: str) -> None:
+        st = self._reqs.get(request_id)
+        if st is not None:
+            assert st.inflight_writes > 0
+            st.inflight_writes -= 1
+
+    def can_free_now(self, request_id: str) -> bool:
+        """True when nothing may still write the request's blocks (the preemption check)."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            return True
+        return st.inflight_writes == 0 and st.last_write_seq <= self.fence.completed_seq
+
+    # -- freeing -------------------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks: now if the fence allows, else after it passes.
+
+        A request with a transfer still writing into its blocks must not be freed: the caller
+        (the transfer connector) frees it when the write ends.
+        """
+        st = self._reqs.get(request_id)
+        if st is None:
+            return
+        assert st.inflight_writes == 0, f"free of {request_id} while a KV write is in flight"
+        del self._reqs[request_id]
+        blocks = list(reversed(st.blocks))
+        if st.last_write_seq <= self.fence.completed_seq:
+            self.pool.free(blocks)
+        else:
+            self._deferred.append((st.last_write_seq, blocks))
+
+    def process_deferred_frees(self) -> int:
+        """Free deferred blocks whose writers completed; returns how many blocks were freed."""
+        if not self._deferred:
+            return 0
+        done = self.fence.completed_seq
+        keep: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        n = 0
+        for seq, blocks in self._deferred:
+            if seq <= done:
+                self.pool.free(blocks)
+                n += len(blocks)
+            else:
+                keep.append((seq, blocks))
+        self._deferred = keep
+        return n

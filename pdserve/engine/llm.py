@@ -1,0 +1,93 @@
+"""Offline API: ``LLM(model_dir).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs a whole batch to completion in this process.
+
+    Keyword arguments are EngineConfig fields, or CacheConfig / SchedulerConfig fields
+    (e.g. ``block_size=16``, ``max_num_batched_tokens=256``).
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+        sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
+        sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
+        self.config = EngineConfig(
+            model=str(model), cache=CacheConfig(**cache_kw), scheduler=SchedulerConfig(**sched_kw), **kwargs
+        )
+        self.engine = LLMEngine(self.config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Validate everything before admitting anything: a bad request allocates nothing.
+        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, sp in zip(ids_list, params, strict=True):
+            sp.validate()
+            self.engine.validate_prompt(ids, sp)
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for i, (ids, sp) in enumerate(zip(ids_list, params, strict=True)):
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(ids, sp, rid, priority=priorities[i] if priorities else 0)
+            results[rid] = RequestOutput(rid, ids, logprobs=[] if sp.logprobs is not None else None)
+            order.append(rid)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(order), desc="generate")
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                r = results[d.request_id]
+                r.token_ids.extend(d.token_ids)
+                r.text += d.text
+                if d.logprobs and r.logprobs is not None:
+                    r.logprobs.extend(d.logprobs)
+                r.num_cached_tokens = d.num_cached_tokens
+                if d.finish_reason is not None:
+                    r.finish_reason = d.finish_reason
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in order]

@@ -1,0 +1,240 @@
+"""The engine: admit requests, and step() = schedule -> run the model -> post-process.
+
+Synchronous and single-threaded; services drive it from one engine thread (see
+``pdserve.engine.engine_loop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
+from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import GenerationDelta, TokenLogprob
+from pdserve.engine.request import FINISH_REASON, Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
+from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from pdserve.models.loader import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    detok: DetokState | None
+    logprobs: bool
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, load_tokenizer_: bool = True) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        arch = self.runner.arch
+        self.arch = arch
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{arch.max_position_embeddings}"
+            )
+        self.cache_sizes = self.runner.determine_cache_sizes()
+        if self.cache_sizes.num_tokens < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {self.cache_sizes.num_tokens} tokens "
+                f"({self.cache_sizes.num_blocks} blocks x {self.cache_sizes.block_size}), fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.runner.init_kv_cache(self.cache_sizes.num_blocks)
+        self.fence = StepFence()
+        self.kv = KVCacheManager(
+            self.cache_sizes.num_blocks,
+            self.cache_sizes.block_size,
+            config.cache.enable_prefix_caching,
+            self.fence,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.tokenizer = load_tokenizer(config.model) if load_tokenizer_ else None
+        self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.eos_token_ids = frozenset(arch.eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._kv_loads: list[KVLoadSpec] = []
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d",
+            config.model,
+            self.runner.device,
+            self.runner.dtype,
+            self.cache_sizes.num_blocks,
+            self.cache_sizes.num_tokens,
+            self.max_model_len,
+        )
+
+    # -- admission -----------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise a typed error for a request the engine must not admit (nothing is allocated)."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", field="prompt"
+            )
+        max_tokens = params.max_tokens or 1
+        if len(prompt_token_ids) + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+                field="max_tokens" if len(prompt_token_ids) < self.max_model_len else "prompt",
+            )
+
+    def tokenize(self, prompt: str) -> list[int]:
+        assert self.tokenizer is not None
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        output_token_ids: list[int] | None = None,
+    ) -> Request:
+        params.validate()
+        if params.n != 1:
+            raise InvalidRequestError("n: the engine takes n=1 per request; fan out above it", field="n")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(ids, params)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._tracked:
+            raise InvalidRequestError(f"request_id: {rid!r} is already running", field="request_id")
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            kv_transfer_params=kv_transfer_params,
+        )
+        if output_token_ids:
+            req.output_token_ids.extend(output_token_ids)
+        detok = None
+        if self.detok is not None:
+            detok = self.detok.new_state(
+                params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            )
+        self._tracked[rid] = _Tracked(req, detok, params.logprobs is not None)
+        if output_token_ids and detok is not None:
+            assert self.detok is not None
+            self.detok.append(detok, list(output_token_ids))
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_ids: list[str]) -> list[GenerationDelta]:
+        out = []
+        for r in self.scheduler.abort_requests(request_ids):
+            out.append(self._final_delta(r))
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[GenerationDelta]:
+        sched = self.scheduler.schedule()
+        return self.execute_scheduled(sched)
+
+    def take_kv_loads(self) -> list[KVLoadSpec]:
+        """Remote KV pulls the last steps asked for (decode side); the connector starts them."""
+        out, self._kv_loads = self._kv_loads, []
+        return out
+
+    def fail_all(self, message: str) -> list[GenerationDelta]:
+        """Tier-three handling of an engine fault: every request ends with an error, blocks freed."""
+        ids = list(self.scheduler.requests)
+        out = []
+        for r in self.scheduler.abort_requests(ids):
+            d = self._final_delta(r)
+            d.finish_reason, d.error = "error", message
+            out.append(d)
+        return out
+
+    def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
+        self._kv_loads.extend(sched.kv_loads)
+        if sched.is_empty:
+            self.runner.execute(sched)  # lets the runner drop finished requests' state
+            self.fence.advance(sched.step_seq)
+            return []
+        out = self.runner.execute(sched)
+        self.fence.advance(sched.step_seq)
+        touched = self.scheduler.update_from_output(sched, out.sampled)
+        return self._process(touched, out.logprobs)
+
+    def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
+        deltas: list[GenerationDelta] = []
+        for req in touched:
+            tr = self._tracked.get(req.request_id)
+            if tr is None:
+                continue
+            new_ids = req.output_token_ids[tr.emitted_tokens :]
+            tr.emitted_tokens = req.num_output_tokens
+            lp = logprobs.get(req.request_id)
+            text = ""
+            if tr.detok is not None and self.detok is not None:
+                text = self.detok.append(tr.detok, new_ids)
+                if tr.detok.stopped_by is not None and not req.is_finished:
+                    req.stop_reason = tr.detok.stopped_by
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:
+                    text += self.detok.flush(tr.detok)
+            delta = GenerationDelta(
+                request_id=req.request_id,
+                token_ids=new_ids,
+                text=text,
+                logprobs=[lp] if (tr.logprobs and lp is not None) else ([] if tr.logprobs else None),
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens + req.num_external_computed_tokens,
+            )
+            if req.is_finished:
+                delta.finish_reason = FINISH_REASON[req.status]
+                delta.stop_reason = req.stop_reason
+                del self._tracked[req.request_id]
+            deltas.append(delta)
+        return deltas
+
+    def _final_delta(self, req: Request) -> GenerationDelta:
+        self._tracked.pop(req.request_id, None)
+        return GenerationDelta(
+            request_id=req.request_id,
+            token_ids=[],
+            text="",
+            finish_reason=FINISH_REASON.get(req.status, "abort"),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    # -- introspection ----------------------------------------------------------------------------
+    def num_used_blocks(self) -> int:
+        return self.kv.pool.num_used_blocks
+
+    def wait_idle_frees(self, timeout_s: float = 0.0) -> None:
+        """Process deferred frees (the sync engine's fence is always current)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.kv.process_deferred_frees()
+            if not self.kv.num_deferred_blocks or time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)

@@ -1,0 +1,104 @@
+"""A request as the scheduler sees it: ints and ids only (no torch).
+
+One counter model (DESIGN §4): ``num_computed_tokens`` chases ``num_tokens``. There is no
+prefill/decode flag; a request whose prompt is not fully computed simply has a larger gap.
+Remote KV (disaggregated decode) counts as externally computed tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1  # blocks allocated, KV being pulled from a prefill node
+    RUNNING = 2
+    PREEMPTED = 3
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 10  # eos, stop token or stop string
+    FINISHED_LENGTH = 11  # max_tokens or max_model_len
+    FINISHED_ABORTED = 12  # client gone, router cancel, peer failure
+    FINISHED_ERROR = 13  # e.g. KV load failed under policy "fail"
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower value = served first (priority policy)
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Set when this request's prompt KV comes from another node (decode side) or must stay
+    # resident for another node to pull (prefill side). Opaque to the scheduler core.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    num_external_computed_tokens: int = 0  # prompt tokens whose KV came from a remote node
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    # Chained block hashes of this request's full blocks, extended lazily by the KV cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def sort_key(self, policy: str) -> tuple[float, ...]:
+        """Order in which waiting requests are admitted (and the reverse picks preemption victims)."""
+        if policy == "priority":
+            return (self.priority, self.arrival_time, self.arrival_seq)
+        return (self.arrival_time, self.arrival_seq)

@@ -1,0 +1,316 @@
+"""Continuous batching with chunked prefill, prefix hits, preemption by recompute. No torch.
+
+One step:  schedule() -> SchedulerOutput -> (model runner) -> update_from_output().
+
+Running requests are served first (each gets up to its gap ``num_tokens - num_computed``
+within the token budget), then waiting ones are admitted in policy order. When a running
+request cannot get a block, the lowest-ranked running request is preempted (its blocks freed,
+its counter reset to 0) — unless its blocks cannot be freed *now* (an in-flight step or
+transfer may still write them): then scheduling stops for this step before touching any
+state (DESIGN §4: zero progress, zero side effects).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pdserve.config.engine import SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import KVLoadSpec, ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kv: int
+    num_held_for_transfer: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_preemptions_total: int
+
+
+class Scheduler:
+    """Owns the queues. Mutates requests' status and counters, and the KV cache manager."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        on_hold_for_transfer: Callable[[Request, list[int]], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.policy = config.policy
+        self.waiting: list[Request] = []  # sorted by request.sort_key(policy)
+        self.running: list[Request] = []  # admission order
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        # Prefill side: finished requests whose blocks stay held for a decode node to pull.
+        self.held_for_transfer: dict[str, Request] = {}
+        self._on_hold = on_hold_for_transfer
+        self._finished_since_last_step: list[str] = []
+        self._step_seq = 0
+        self.num_preemptions_total = 0
+
+    # -- queue management ------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self._insert_waiting(req)
+
+    def _insert_waiting(self, req: Request) -> None:
+        key = req.sort_key(self.policy)
+        keys = [r.sort_key(self.policy) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, key), req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    def _pick_victim(self) -> Request:
+        # The lowest-ranked running request: the last by policy order.
+        return max(self.running, key=lambda r: r.sort_key(self.policy))
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._step_seq += 1
+        out = SchedulerOutput(step_seq=self._step_seq)
+        out.finished_req_ids, self._finished_since_last_step = self._finished_since_last_step, []
+        self.kv.process_deferred_frees()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        stop_trying = False
+
+        # 1. Running requests.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv.allocate_slots(req, num_new) is not None:
+                    break
+                victim = self._pick_victim()
+                if not self.kv.can_free_now(victim.request_id):
+                    # Zero progress must have zero side effects: nothing has been changed for
+                    # this attempt; stop scheduling for this step.
+                    stop_trying = True
+                    break
+                victim_index = self.running.index(victim)
+                self._preempt(victim, scheduled, out)
+                if victim_index < i:  # an already-scheduled request left the list before us
+                    i -= 1
+                budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
+                if victim is req:
+                    break
+            if stop_trying:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted itself
+                continue
+            scheduled[req.request_id] = self._chunk(req, num_new)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests (not after a preemption or a stop: memory is short).
+        if not stop_trying and not out.preempted_req_ids:
+            self._admit_waiting(budget, scheduled, out)
+
+        out.chunks = list(scheduled.values())
+        out.total_num_scheduled_tokens = sum(c.num_tokens for c in out.chunks)
+        return out
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request=req,
+            start_pos=start,
+            num_tokens=num_new,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
+        scheduled.pop(victim.request_id, None)
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._insert_waiting(victim)
+        out.preempted_req_ids.append(victim.request_id)
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            params = req.kv_transfer_params or {}
+            if params.get("remote_prefill") and req.num_computed_tokens == 0 and req.num_preemptions == 0:
+                # Decode side: all prompt KV comes from the prefill node. Blocks for the whole
+                # prompt are allocated now; the pull writes into them.
+                num_remote = req.num_prompt_tokens
+                if self.kv.allocate_slots(req, num_remote) is None:
+                    break
+                self.waiting.pop(0)
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv[req.request_id] = req
+                self.kv.begin_inflight_write(req.request_id)
+                out.kv_loads.append(
+                    KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, dict(params))
+                )
+                continue
+            hit_blocks, num_hit = ([], 0)
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.pop(0)
+            if req.num_preemptions == 0 or req.num_cached_tokens == 0:
+                req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
+            req.num_computed_tokens += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = self._chunk(req, num_new)
+            budget -= num_new
+
+    # -- after the step --------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters, append sampled tokens, finish what is done. Returns touched requests."""
+        touched: list[Request] = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status != RequestStatus.RUNNING:  # aborted meanwhile
+                continue
+            req.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+            self.kv.mark_written(req.request_id, out.step_seq)
+            self.kv.cache_computed_blocks(req)
+            if not chunk.sample:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            touched.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is; frees or hands over its blocks."""
+        assert status.finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            # The pull still writes into its blocks: the connector frees them when it ends
+            # (finish_kv_load); keep them until then.
+            req.status = status
+            return req
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self._release(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        self._finished_since_last_step.append(req.request_id)
+        params = req.kv_transfer_params or {}
+        if (
+            params.get("remote_decode")
+            and req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+            and self._on_hold is not None
+            and self.kv.holds(req.request_id)
+            and self._on_hold(req, self.kv.block_ids(req.request_id))
+        ):
+            self.held_for_transfer[req.request_id] = req
+            return
+        self.kv.free(req.request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill side: free the blocks kept for a pull (all pulls done, lease expired, abort)."""
+        if self.held_for_transfer.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    # -- remote KV (decode side) ------------------------------------------------------------
+    def finish_kv_load(self, request_id: str, ok: bool, recompute_on_failure: bool) -> Request | None:
+        """The pull for ``request_id`` ended. On success the request joins the running batch."""
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return None
+        self.kv.end_inflight_write(request_id)
+        if req.status.finished:  # aborted while the pull was in flight
+            self._release(req)
+            return req
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            req.num_external_computed_tokens = req.num_prompt_tokens
+            self.kv.mark_written(request_id, self._step_seq)
+            self.kv.cache_computed_blocks(req)
+            if req.num_computed_tokens >= req.num_tokens:
+                # No token to feed yet (should not happen: decode gets the first token): compute the last one.
+                req.num_computed_tokens = req.num_tokens - 1
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            return req
+        if recompute_on_failure:
+            self.kv.free(request_id)
+            req.kv_transfer_params = None
+            req.status = RequestStatus.WAITING
+            self._insert_waiting(req)
+            return req
+        self.requests.pop(request_id, None)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._release(req)
+        return req
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        out = []
+        for rid in request_ids:
+            r = self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if r is not None:
+                out.append(r)
+        return out
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kv=len(self.waiting_for_kv),
+            num_held_for_transfer=len(self.held_for_transfer),
+            kv_usage=self.kv.pool.usage,
+            prefix_hit_rate=self.kv.pool.hit_rate,
+            num_preemptions_total=self.num_preemptions_total,
+        )

@@ -1,0 +1,43 @@
+"""The only contract from the scheduler to the model runner (one per step). No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request  # read-only for the runner: token ids, sampling params, seed
+    start_pos: int  # first position computed this step (= num_computed_tokens when scheduled)
+    num_tokens: int  # tokens computed this step: positions [start_pos, start_pos + num_tokens)
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class KVLoadSpec:
+    """Remote KV a decode node must pull before the request can run."""
+
+    request_id: str
+    block_ids: list[int]  # destination blocks, covering num_tokens positions from position 0
+    num_tokens: int
+    params: dict[str, Any]  # the request's kv_transfer_params (peer address, transfer_id, ...)
+
+
+@dataclass
+class SchedulerOutput:
+    step_seq: int  # monotonic; the fence compares against it
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # requests computed this step, in batch order
+    total_num_scheduled_tokens: int = 0  # sum of chunks' num_tokens (<= the token budget)
+    preempted_req_ids: list[str] = field(default_factory=list)  # preempted this step (recompute later)
+    finished_req_ids: list[str] = field(
+        default_factory=list
+    )  # finished since the last step: drop runner state
+    kv_loads: list[KVLoadSpec] = field(default_factory=list)  # remote KV pulls to start (decode side)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

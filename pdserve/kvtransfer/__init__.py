@@ -1,0 +1,50 @@
+"""KV transfer between prefill and decode (DESIGN section 3).
+
+regions       Region, alignment by (layer_name, occurrence), descriptors, batches  (pure Python)
+backend       TransferBackend seam: MooncakeBackend (real), LoopbackBackend (unit tests)
+send_tracker  prefill-side completion counting and leases                          (pure Python)
+handshake     compatibility hash, epoch, field-by-field check                      (pure Python)
+"""
+
+from __future__ import annotations
+
+from pdserve.kvtransfer.backend import LoopbackBackend, MooncakeBackend, TransferBackend, TransferError
+from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat, compat_hash, new_epoch
+from pdserve.kvtransfer.regions import (
+    MAX_DESCRIPTORS_PER_BATCH,
+    BlockIdError,
+    Descriptor,
+    Region,
+    RegionMismatchError,
+    align_regions,
+    build_descriptors,
+    check_block_ids,
+    regions_for_kv_cache,
+    split_batches,
+)
+from pdserve.kvtransfer.send_tracker import KVSendTracker, SendEntry, UnknownTransferError
+
+__all__ = [
+    "MAX_DESCRIPTORS_PER_BATCH",
+    "BlockIdError",
+    "Descriptor",
+    "HandshakeError",
+    "HandshakeInfo",
+    "KVSendTracker",
+    "LoopbackBackend",
+    "MooncakeBackend",
+    "Region",
+    "RegionMismatchError",
+    "SendEntry",
+    "TransferBackend",
+    "TransferError",
+    "UnknownTransferError",
+    "align_regions",
+    "build_descriptors",
+    "check_block_ids",
+    "check_compat",
+    "compat_hash",
+    "new_epoch",
+    "regions_for_kv_cache",
+    "split_batches",
+]

@@ -1,0 +1,166 @@
+"""Architecture config parsed from a Hugging Face ``config.json`` (+ ``generation_config.json``).
+
+Only what the decoder models read is kept; anything the models cannot honour (sliding windows,
+unknown RoPE scaling, partial rotary) raises ``UnsupportedError`` here, at load time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.errors import ConfigError, UnsupportedError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    theta: float
+    factor: float = 1.0  # linear, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        """Reads v5 ``rope_parameters`` or v4 ``rope_theta`` + ``rope_scaling``."""
+        params = dict(hf.get("rope_parameters") or {})
+        if params and all(isinstance(v, dict) for v in params.values()):
+            raise UnsupportedError(f"per-layer-type rope_parameters {sorted(params)} are not supported")
+        params.update(hf.get("rope_scaling") or {})  # v4: scaling keys live apart from rope_theta
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise UnsupportedError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        if rope_type == "default":
+            return cls(rope_type, float(theta))
+        if rope_type == "linear":
+            return cls(rope_type, float(theta), factor=float(params["factor"]))
+        return cls(
+            rope_type,
+            float(theta),
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", hf["max_position_embeddings"])
+            ),
+        )
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Inverse frequencies [head_dim // 2] in fp32, the same formulas as transformers."""
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (self.theta**exponent)  # [head_dim // 2]
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            old_ctx = self.original_max_position_embeddings
+            low_freq_wavelen = old_ctx / self.low_freq_factor
+            high_freq_wavelen = old_ctx / self.high_freq_factor
+            wavelen = 2 * torch.pi / inv_freq
+            # wavelen < high: keep; wavelen > low: divide by factor; between: interpolate.
+            scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (old_ctx / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            return torch.where(is_medium, smoothed, scaled)
+        return inv_freq
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    architectures: tuple[str, ...]  # HF class names, e.g. ("Qwen3ForCausalLM",)
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Llama/Qwen3: bias on q/k/v/o; Qwen2 always has q/k/v bias (see qwen2.py)
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]  # generation_config.json first, then config.json
+    bos_token_id: int | None
+    torch_dtype: str | None  # checkpoint dtype as written ("bfloat16"), None if absent
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelArchConfig:
+        def need(key: str) -> Any:
+            if key not in hf or hf[key] is None:
+                raise ConfigError(f"config.json has no {key!r}; is this a decoder-only LLM checkpoint?")
+            return hf[key]
+
+        layer_types = hf.get("layer_types") or []
+        if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise UnsupportedError("sliding-window attention is not supported; set use_sliding_window=false")
+        num_heads = int(need("num_attention_heads"))
+        generation = generation or {}
+        eos: list[int] = []
+        for source in (generation.get("eos_token_id"), hf.get("eos_token_id")):
+            ids = source if isinstance(source, list) else [] if source is None else [source]
+            eos.extend(int(i) for i in ids if int(i) not in eos)
+        bos = generation.get("bos_token_id", hf.get("bos_token_id"))
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' list; cannot pick a model class")
+        return cls(
+            architectures=tuple(archs),
+            model_type=str(hf.get("model_type", "")),
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or need("hidden_size") // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias") or False),
+            mlp_bias=bool(hf.get("mlp_bias") or False),
+            eos_token_ids=tuple(eos),
+            bos_token_id=None if bos is None else int(bos),
+            torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelArchConfig:
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{config_path} not found; pass a Hugging Face checkpoint folder")
+        hf = json.loads(config_path.read_text())
+        gen_path = model_dir / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        return cls.from_hf(hf, generation)
+
+
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: the residual stream before the next layer's norm."""
+
+    hidden_states: torch.Tensor  # [num_tokens, hidden_size]
+    residual: torch.Tensor  # [num_tokens, hidden_size]

@@ -1,0 +1,318 @@
+"""Llama decoder (also the base of Qwen2 / Qwen3), one pipeline stage of it.
+
+A stage holds decoder layers [layer_start, layer_end). Parameter names follow the HF checkpoint
+(``model.layers.{i}...`` with the global layer index) except two fused projections:
+
+    qkv_proj     = cat(q_proj, k_proj, v_proj)   rows: [H*D | Hkv*D | Hkv*D]
+    gate_up_proj = cat(gate_proj, up_proj)       rows: [I | I]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.errors import ConfigError
+from pdserve.kernels import fused_add_rms_norm, rms_norm
+from pdserve.models.attention import AttentionMetadata, paged_attention
+from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
+
+# HF weight name piece -> (our fused parameter piece, shard id)
+STACKED_PARAMS: dict[str, tuple[str, str]] = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", "gate"),
+    ".up_proj.": (".gate_up_proj.", "up"),
+}
+
+
+class RMSNorm(nn.Module):
+    """Weight holder around ``pdserve.kernels``; with a residual it is the fused add + norm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate_half), cos/sin computed per step from positions in fp32."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        # A plain attribute, not a buffer: the model may be built on the meta device and
+        # materialised with to_empty(), which would leave a buffer uninitialised.
+        self._inv_freq: torch.Tensor | None = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = self.rope.inv_freq(self.head_dim).to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, D]; cos, sin: [n, D] fp32 -> x rotated (rotate_half convention), in x.dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [n, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_bias, o_bias = self.bias_flags(cfg)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+
+    @staticmethod
+    def bias_flags(cfg: ModelArchConfig) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o)."""
+        return cfg.attention_bias, cfg.attention_bias
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook applied to per-head q/k before RoPE; Llama has none."""
+        return q, k
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [n, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [n, H, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
+        q, k = self.qk_norm(q, k)
+        cos, sin = cos_sin
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, H, D]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [n, hidden]
+        residual: torch.Tensor | None,  # [n, hidden]; None before the first layer
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is deferred into the next norm (vLLM style): the stream is
+        # residual + hidden, and each norm fuses the add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelArchConfig, layer_start: int, layer_end: int, layer_cls: type[LlamaDecoderLayer]
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if layer_start == 0 else None
+        # Keyed by the global index so parameter names match the checkpoint's.
+        self.layers = nn.ModuleDict({str(i): layer_cls(cfg, i) for i in range(layer_start, layer_end)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if layer_end == cfg.num_hidden_layers else None
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+
+class LlamaForCausalLM(nn.Module):
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelArchConfig, layer_start: int = 0, layer_end: int | None = None) -> None:
+        super().__init__()
+        layer_end = cfg.num_hidden_layers if layer_end is None else layer_end
+        if not 0 <= layer_start < layer_end <= cfg.num_hidden_layers:
+            raise ConfigError(
+                f"pipeline stage layers [{layer_start}, {layer_end}) must be a non-empty range "
+                f"inside [0, {cfg.num_hidden_layers})"
+            )
+        self.cfg = cfg
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.is_first_stage = layer_start == 0
+        self.is_last_stage = layer_end == cfg.num_hidden_layers
+        self.layer_names = [f"model.layers.{i}.self_attn" for i in range(layer_start, layer_end)]
+        self.model = LlamaModel(cfg, layer_start, layer_end, self.decoder_layer_cls)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last_stage else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head with embed_tokens when the stage holds both and the config ties them."""
+        if self.cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [n]
+        positions: torch.Tensor,  # [n]
+        kv_caches: list[torch.Tensor],  # one view per local layer
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # [n, hidden]
+    ) -> torch.Tensor | IntermediateTensors:
+        assert len(kv_caches) == len(self.model.layers), (
+            f"{len(kv_caches)} caches for {len(self.model.layers)} layers"
+        )
+        residual: torch.Tensor | None
+        if self.is_first_stage:
+            if inputs_embeds is not None:
+                hidden = inputs_embeds
+            else:
+                assert input_ids is not None and self.model.embed_tokens is not None
+                hidden = self.model.embed_tokens(input_ids)  # [n, hidden]
+            residual = None
+        else:
+            assert intermediate is not None, "a later pipeline stage needs the previous stage's tensors"
+            hidden, residual = intermediate.hidden_states, intermediate.residual
+
+        cos_sin = self.model.rotary_emb.cos_sin(positions)  # shared by all layers
+        for layer, kv_cache in zip(self.model.layers.values(), kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
+        assert residual is not None
+
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, residual)
+        assert self.model.norm is not None
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden  # [n, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return self.lm_head(hidden).float()  # [n, vocab]
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def needs_weight(self, name: str) -> bool:
+        """Whether this stage keeps the checkpoint tensor ``name`` (the loader reads only those)."""
+        if "rotary_emb.inv_freq" in name:
+            return False
+        if name.startswith("model.layers."):
+            return self.layer_start <= int(name.split(".")[2]) < self.layer_end
+        if name.startswith("model.embed_tokens."):
+            # A tied last stage without the embedding reads its lm_head from here.
+            return self.is_first_stage or (self.is_last_stage and self.cfg.tie_word_embeddings)
+        if name.startswith("model.norm."):
+            return self.is_last_stage
+        if name.startswith("lm_head."):
+            return self.is_last_stage and not self.cfg.tie_word_embeddings
+        return True  # unknown names are reported by load_weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into this stage; skips what it does not hold. Raises ConfigError on
+        unknown names, wrong shapes, or parameters left unloaded."""
+        self.tie_weights()
+        params = dict(self.named_parameters())  # tied weights appear once, under embed_tokens
+        loaded: set[tuple[str, str]] = set()  # (parameter name, shard id or "")
+        for hf_name, tensor in weights:
+            if not self.needs_weight(hf_name):
+                continue
+            name = hf_name
+            if name.startswith("model.embed_tokens.") and self.model.embed_tokens is None:
+                name = "lm_head.weight"  # tied last stage
+            loaded.add(self._load_one(params, name, tensor))
+        expected = {(n, s) for n in params for s in self._shard_ids(n)}
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            raise ConfigError(f"checkpoint lacks {len(missing)} weights this stage needs, e.g. {missing[:3]}")
+
+    @staticmethod
+    def _shard_ids(param_name: str) -> tuple[str, ...]:
+        if ".qkv_proj." in param_name:
+            return ("q", "k", "v")
+        if ".gate_up_proj." in param_name:
+            return ("gate", "up")
+        return ("",)
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> tuple[str, str]:
+        for piece, (fused_piece, shard) in STACKED_PARAMS.items():
+            if piece in name:
+                fused_name = name.replace(piece, fused_piece)
+                offset, size = self._shard_range(shard)
+                dst = self._param(params, fused_name, name).data.narrow(0, offset, size)
+                self._check_shape(name, dst, tensor)
+                dst.copy_(tensor)
+                return fused_name, shard
+        dst = self._param(params, name, name).data
+        self._check_shape(name, dst, tensor)
+        dst.copy_(tensor)
+        return name, ""
+
+    def _shard_range(self, shard: str) -> tuple[int, int]:
+        q_size = self.cfg.num_attention_heads * self.cfg.head_dim
+        kv_size = self.cfg.num_key_value_heads * self.cfg.head_dim
+        inter = self.cfg.intermediate_size
+        return {
+            "q": (0, q_size),
+            "k": (q_size, kv_size),
+            "v": (q_size + kv_size, kv_size),
+            "gate": (0, inter),
+            "up": (inter, inter),
+        }[shard]
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str, hf_name: str) -> nn.Parameter:
+        if name not in params:
+            raise ConfigError(f"checkpoint weight {hf_name!r} has no matching parameter; wrong architecture?")
+        return params[name]
+
+    @staticmethod
+    def _check_shape(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.shape != src.shape:
+            raise ConfigError(
+                f"checkpoint weight {name!r} has shape {tuple(src.shape)}, model expects {tuple(dst.shape)}"
+            )

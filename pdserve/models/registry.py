@@ -1,0 +1,27 @@
+"""HF ``architectures`` name -> our model class."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.errors import UnsupportedError
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.qwen2 import Qwen2ForCausalLM
+from pdserve.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_architectures: Sequence[str] | str) -> type[LlamaForCausalLM]:
+    """The class for the first supported name in config.json's ``architectures``."""
+    names = [hf_architectures] if isinstance(hf_architectures, str) else list(hf_architectures)
+    for name in names:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    raise UnsupportedError(
+        f"model architecture {names} is not supported; supported: {', '.join(sorted(MODEL_CLASSES))}"
+    )

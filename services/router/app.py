@@ -1,0 +1,126 @@
+"""The router's OpenAI-compatible HTTP app, independent of how generation happens.
+
+    create_app(backend, tokenizer, ["my-model"], max_model_len=4096) -> FastAPI
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (behind the
+optional API key); ``GET /health``, ``GET /metrics`` (always open, for probes and scrapers).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from services.router.backend import GenerateBackend
+from services.router.chat import create_chat_completion
+from services.router.completions import create_completion
+from services.router.errors import APIError, install_error_handlers
+from services.router.metrics import RouterMetrics
+from services.router.middleware import RequestGuard
+from services.router.prompt_embeds import max_prompt_embeds_bytes
+from services.router.protocol import ChatCompletionRequest, CompletionRequest
+from services.router.serving import ServingContext
+from services.router.streams import ClientDisconnected
+
+# nginx's "client closed request": logged, never seen by the (gone) client.
+_STATUS_CLIENT_CLOSED = 499
+
+
+def create_app(
+    backend: GenerateBackend,
+    tokenizer: Any,
+    served_model_names: list[str],
+    max_model_len: int,
+    api_key: str | None = None,
+    metrics: RouterMetrics | None = None,
+    *,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+    max_body_bytes: int | None = None,
+) -> FastAPI:
+    """Build the app.
+
+    ``hidden_size`` enables prompt_embeds (their width); ``vocab_size`` defaults to
+    ``len(tokenizer)``; ``max_body_bytes`` defaults to room for two base64 prompt_embeds of
+    ``max_model_len`` float32 rows, and at least 32 MiB.
+    """
+    if not served_model_names:
+        raise ValueError("served_model_names is empty: name at least one model to serve")
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    metrics = metrics if metrics is not None else RouterMetrics()
+    ctx = ServingContext(
+        backend=backend,
+        tokenizer=tokenizer,
+        served_model_names=tuple(served_model_names),
+        max_model_len=max_model_len,
+        metrics=metrics,
+        vocab_size=vocab_size if vocab_size is not None else len(tokenizer),
+        hidden_size=hidden_size,
+        max_prompt_embeds_bytes=max_prompt_embeds_bytes(max_model_len, hidden_size or 0),
+    )
+    if max_body_bytes is None:
+        max_body_bytes = max(32 << 20, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)
+    created = int(time.time())
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check_api_key(request: Request) -> None:
+        if expected_auth is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(got, expected_auth):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = ctx
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=_STATUS_CLIENT_CLOSED)
+
+    app.add_middleware(RequestGuard, metrics=metrics, max_body_bytes=max_body_bytes)
+
+    guarded = [Depends(check_api_key)]
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request.receive)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request.receive)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> JSONResponse:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdserve",
+                "max_model_len": max_model_len,
+            }
+            for name in served_model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

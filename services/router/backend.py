@@ -1,0 +1,51 @@
+"""The seam between the router's HTTP layer and whatever produces tokens.
+
+The HTTP layer (``app.py``) only ever sees :class:`GenerateBackend`: the real one dispatches to
+prefill and decode nodes over gRPC, tests use a fake. One :class:`BackendRequest` is one sequence
+on the nodes: the HTTP layer fans a request with ``n`` choices (or a batch of prompts) out into
+several backend requests and merges their deltas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pdserve.engine.outputs import GenerationDelta
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class BackendRequest:
+    request_id: str  # unique per sequence: "<http id>-<prompt index>-<choice index>"
+    # Empty when prompt_embeds is given: embeddings have no token ids, and placeholder ids would
+    # make different embeddings collide in the prefix cache.
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # n == 1 always; the router fans out choices (seed + i)
+    prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden_size], already checked
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.prompt_embeds is not None:
+            return int(self.prompt_embeds.shape[0])
+        return len(self.prompt_token_ids)
+
+
+class GenerateBackend(Protocol):
+    def generate(self, req: BackendRequest) -> AsyncIterator[GenerationDelta]:
+        """Yield deltas for ``req`` until one has ``finish_reason`` set, then stop.
+
+        The caller owns the iterator: cancelling the task that consumes it, or ``aclose()`` on
+        it, must abort the request on every node it reached and free what it holds there.
+        Failures after the request was accepted arrive as a delta with ``finish_reason ==
+        "error"`` and ``error`` set; a refusal before it was accepted may raise ``CapacityError``.
+        """
+        ...
+
+    async def check_capacity(self) -> None:
+        """Raise ``pdserve.errors.CapacityError`` when no node can take work now (HTTP 503)."""
+        ...

@@ -1,0 +1,113 @@
+"""``POST /v1/chat/completions``: messages through the chat template to choices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+from starlette.types import Receive
+
+from pdserve.engine.outputs import GenerationDelta
+from services.router.errors import bad_request
+from services.router.logprobs import chat_logprobs
+from services.router.protocol import ChatCompletionRequest
+from services.router.serving import (
+    Prompt,
+    ServingContext,
+    check_token_ids,
+    collect,
+    fan_out,
+    new_request_id,
+    resolve_max_tokens,
+    sampling_params,
+    stream_events,
+    usage,
+)
+from services.router.streams import SSEResponse, until_disconnect
+
+
+def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prompt:
+    messages = [m.template_dict(j) for j, m in enumerate(body.messages)]
+    if getattr(ctx.tokenizer, "chat_template", None) is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    # Render to text, then tokenize without special tokens: the template already wrote them.
+    text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    check_token_ids(ctx, token_ids, "messages")
+    return Prompt(token_ids)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, receive: Receive
+) -> Response:
+    arrival_s = time.monotonic()
+    ctx.check_model(body.model)
+    body.reject_unsupported()
+    requested = body.requested_max_tokens
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    num_top = body.top_logprobs or 0
+    params = sampling_params(body, requested, num_top if body.logprobs else None)
+    prompt = render_chat_prompt(ctx, body)
+    max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
+    await ctx.backend.check_capacity()
+
+    request_id = new_request_id("chatcmpl")
+    reqs = fan_out(request_id, [prompt], params, [max_tokens])
+    created = int(time.time())
+
+    if body.stream:
+        header: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+        }
+        # Every choice opens with the role, as OpenAI's stream does.
+        first = [
+            {
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            }
+            for i in range(len(reqs))
+        ]
+
+        def make_chunk(i: int, delta: GenerationDelta) -> dict[str, Any]:
+            lp = (
+                chat_logprobs(ctx.token_texts, delta.logprobs, num_top)
+                if body.logprobs and delta.logprobs
+                else None
+            )
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            choice = {"index": i, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason}
+            if delta.finish_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            return {"choices": [choice]}
+
+        return SSEResponse(
+            stream_events(
+                ctx, reqs, arrival_s, header, first, make_chunk, prompt.num_tokens, body.include_usage
+            )
+        )
+
+    results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": chat_logprobs(ctx.token_texts, r.logprobs, num_top) if body.logprobs else None,
+            "finish_reason": r.finish_reason,
+            "stop_reason": r.stop_reason,
+        }
+        for i, r in enumerate(results)
+    ]
+    completion_tokens = sum(r.num_tokens for r in results)
+    header = {"id": request_id, "object": "chat.completion", "created": created, "model": body.model}
+    return JSONResponse({**header, "choices": choices, "usage": usage(prompt.num_tokens, completion_tokens)})

@@ -1,0 +1,58 @@
+"""Router metrics in the ``pdserve:`` namespace, named like the ones operators already chart.
+
+Each :class:`RouterMetrics` owns (or is given) its ``CollectorRegistry``, so several apps can live
+in one process (tests) without name clashes in the global registry. Everything is counted per
+backend sequence: a request with ``n`` choices is ``n`` sequences on the nodes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Buckets as vLLM's, so dashboards built for it read ours unchanged.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Arrival at the router to the first generated token, per sequence.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between consecutive deltas of a sequence, divided by the tokens in the later one.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Arrival at the router to the last delta, per sequence.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.request_success = Counter(
+            "pdserve:request_success",
+            "Sequences that finished, by finish reason (abort: client gone or node aborted).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Prompt tokens sent to the nodes (once per sequence).", registry=r
+        )
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", registry=r)
+        self.num_requests_running = Gauge(
+            "pdserve:num_requests_running", "Sequences in flight on the nodes.", registry=r
+        )
+        self.http_errors = Counter(
+            "pdserve:http_request_errors",
+            "Requests answered with an error, by HTTP status.",
+            ["status"],
+            registry=r,
+        )

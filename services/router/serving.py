@@ -1,0 +1,223 @@
+"""What completions and chat share: prompt checks, sampling parameters, fan-out, collection, SSE.
+
+A request becomes ``len(prompts) * n`` backend sequences; sequence ``p * n + i`` is choice
+``p * n + i`` of the answer (prompt ``p``, sample ``i``), as in vLLM's batch completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.outputs import GenerationDelta, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import PdserveError, PromptTooLongError
+from services.router.backend import BackendRequest, GenerateBackend
+from services.router.errors import APIError, bad_request, to_api_error
+from services.router.logprobs import TokenTexts
+from services.router.metrics import RouterMetrics
+from services.router.protocol import SamplingFields
+from services.router.streams import run_sequences, sse_event
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_SEED_MOD = 2**63
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """Everything a handler needs; built once by ``create_app``."""
+
+    backend: GenerateBackend
+    tokenizer: Any  # a transformers tokenizer (encode, decode, apply_chat_template)
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    metrics: RouterMetrics
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    hidden_size: int | None  # prompt_embeds width; None: prompt_embeds refused
+    max_prompt_embeds_bytes: int
+    token_texts: TokenTexts = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_texts", TokenTexts(self.tokenizer))
+
+    def check_model(self, model: str) -> None:
+        if model not in self.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves {list(self.served_model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]  # empty when embeds is set
+    embeds: torch.Tensor | None = None  # [num_tokens, hidden_size]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeds.shape[0]) if self.embeds is not None else len(self.token_ids)
+
+
+def check_token_ids(ctx: ServingContext, token_ids: list[int], param: str) -> None:
+    if not token_ids:
+        raise bad_request("the prompt is empty", param)
+    bad = [t for t in token_ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", param)
+
+
+def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str) -> int:
+    """The max_tokens a sequence runs with; raises OpenAI's context_length_exceeded when it can't fit."""
+    room = ctx.max_model_len - num_prompt_tokens
+    if room < 1 or (requested is not None and requested > room):
+        asked = f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the completion)"
+        raise PromptTooLongError(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            + (asked if requested is not None else f"{num_prompt_tokens} tokens in the prompt")
+            + ". Please reduce the length of the prompt or the completion.",
+            field=param,
+        )
+    return requested if requested is not None else room
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param)."""
+    kwargs: dict[str, Any] = {
+        "n": body.n,
+        "max_tokens": max_tokens,
+        "min_tokens": body.min_tokens,
+        "stop": body.stop or [],
+        "stop_token_ids": body.stop_token_ids or [],
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        value = getattr(body, name)
+        if value is not None:
+            kwargs[name] = value
+    return SamplingParams(**kwargs)
+
+
+def fan_out(
+    request_id: str, prompts: list[Prompt], params: SamplingParams, max_tokens: list[int]
+) -> list[BackendRequest]:
+    """One backend request per (prompt, choice); choice i of a seeded request gets seed + i."""
+    reqs = []
+    for p, prompt in enumerate(prompts):
+        for i in range(params.n):
+            seed = None if params.seed is None else (params.seed + i) % _SEED_MOD
+            sp = dataclasses.replace(params, n=1, seed=seed, max_tokens=max_tokens[p])
+            reqs.append(BackendRequest(f"{request_id}-{p}-{i}", prompt.token_ids, sp, prompt.embeds))
+    return reqs
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ChoiceResult:
+    """One choice collected to the end (non-streaming)."""
+
+    text_parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def _failure(delta: GenerationDelta) -> APIError:
+    reason = delta.error or (
+        "the request was aborted on the serving node" if delta.finish_reason == "abort" else ""
+    )
+    return APIError(500, f"generation failed: {reason or 'unknown error'}", code="generation_failed")
+
+
+async def collect(ctx: ServingContext, reqs: list[BackendRequest], arrival_s: float) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in reqs]
+    async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s):
+        if delta.finish_reason in ("error", "abort"):
+            raise _failure(delta)  # leaving run_sequences aborts the other choices
+        r = results[i]
+        r.text_parts.append(delta.text)
+        r.num_tokens += len(delta.token_ids)
+        if delta.logprobs:
+            r.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            r.finish_reason, r.stop_reason = delta.finish_reason, delta.stop_reason
+    return results
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def stream_events(
+    ctx: ServingContext,
+    reqs: list[BackendRequest],
+    arrival_s: float,
+    header: dict[str, Any],
+    first_chunks: list[dict[str, Any]],
+    make_chunk: Callable[[int, GenerationDelta], dict[str, Any]],
+    num_prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE events: ``first_chunks``, one chunk per delta, the usage chunk, then ``[DONE]``.
+
+    ``header`` (id, object, created, model) starts every chunk. Errors after the headers went out
+    become one error event in OpenAI's shape (the openai client raises it as APIError).
+    """
+    extra = {"usage": None} if include_usage else {}
+    num_completion_tokens = 0
+    try:
+        for chunk in first_chunks:
+            yield sse_event(_dumps({**header, **chunk, **extra}))
+        async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s):
+            if delta.finish_reason in ("error", "abort"):
+                raise _failure(delta)
+            num_completion_tokens += len(delta.token_ids)
+            yield sse_event(_dumps({**header, **make_chunk(i, delta), **extra}))
+        if include_usage:
+            final = {**header, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)}
+            yield sse_event(_dumps(final))
+    except (APIError, PdserveError) as e:
+        err = to_api_error(e)
+        ctx.metrics.http_errors.labels(status=str(err.status)).inc()
+        yield sse_event(_dumps(err.body()))
+    except Exception as e:  # a bug or a broken node connection: tell the client, keep the trace
+        logger.exception("stream %s failed", header.get("id"))
+        ctx.metrics.http_errors.labels(status="500").inc()
+        yield sse_event(_dumps(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
+    yield sse_event("[DONE]")
