@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 
 import typer
@@ -86,6 +89,83 @@ def generate(
             )
         else:
             typer.echo(f"{p!r} -> {o.text!r} ({o.finish_reason})")
+
+
+@app.command()
+def serve(
+    role: str = typer.Argument(..., help="router | prefill | decode | colocated"),
+    config: Path = typer.Option(..., help="cluster config file (YAML or TOML)"),
+    node: str | None = typer.Option(None, help="this node's name in the config (not for the router)"),
+    bind_host: str | None = typer.Option(
+        None, help="address to bind (default: the node's host if it is an IP)"
+    ),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Start one node of a cluster (what compose and Kubernetes run)."""
+    _setup_logging(log_level)
+    from pdserve.config.cluster import load_cluster_config
+
+    cluster = load_cluster_config(config)
+    if role == "router":
+        from services.router.server import run_router
+
+        run_router(cluster)
+        return
+    if node is None:
+        raise typer.BadParameter("--node is required for engine nodes")
+    from pdserve.config.resolver import resolve_node_settings
+    from services.launch import run_node
+    from services.node import NodeOptions
+
+    resolved = resolve_node_settings(cluster, node)
+    if resolved.role != role:
+        raise typer.BadParameter(f"node {node!r} has role {resolved.role!r} in {config}, not {role!r}")
+    n = resolved.node
+    host = bind_host or (n.host if _is_ip(n.host) else "0.0.0.0")
+    kv_host = os.environ.get("PDSERVE_KV_HOST") or (
+        n.host if _is_ip(n.host) else socket.gethostbyname(socket.gethostname())
+    )
+    run_node(
+        NodeOptions(
+            name=n.name,
+            role=role,
+            engine=resolved.engine_config(),
+            host=host,
+            grpc_port=n.grpc_port,
+            metrics_port=n.metrics_port,
+            kv_host=kv_host,
+            kv_transport=n.kv_transport,
+            kv_lease_s=n.kv_lease_s,
+            kv_load_failure_policy="recompute"
+            if n.kv_load_failure_policy == "reprefill"
+            else n.kv_load_failure_policy,
+            shared_token=cluster.shared_token,
+        )
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+@app.command()
+def up(
+    model: Path | None = typer.Option(
+        None, help="checkpoint folder (default: a tiny demo model, created if missing)"
+    ),
+    base_port: int = typer.Option(8000, help="router port; nodes take the next four (another block if busy)"),
+    run_dir: Path = typer.Option(Path(".run"), help="where the cluster config and logs go"),
+    example_request: bool = typer.Option(False, "--example-request", help="send one real request once up"),
+    exit_after_example: bool = typer.Option(False, help="stop the cluster after the example request"),
+) -> None:
+    """Start router + prefill + decode locally, wait for health, print how to call it."""
+    from pdserve.launcher import up as run_up
+
+    raise typer.Exit(run_up(model, base_port, run_dir, example_request, exit_after_example))
 
 
 if __name__ == "__main__":

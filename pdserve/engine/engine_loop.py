@@ -68,6 +68,16 @@ class EngineLoop:
         """Fire-and-forget variant of :meth:`call` (safe from any thread)."""
         self._cmds.put(lambda: fn(self.engine))
 
+    def post_and_dispatch(self, fn: Callable[[LLMEngine], list[GenerationDelta]]) -> None:
+        """Run ``fn(engine)`` on the engine thread and deliver the deltas it returns (any thread)."""
+
+        def run() -> None:
+            deltas = fn(self.engine)
+            if deltas:
+                self.loop.call_soon_threadsafe(self._dispatch, deltas)
+
+        self._cmds.put(run)
+
     async def generate(
         self,
         prompt_token_ids: list[int],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,13 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, load_tokenizer_: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        load_tokenizer_: bool = True,
+        on_hold_for_transfer: Callable[[Request, list[int]], bool] | None = None,
+    ) -> None:
         self.config = config
         self.runner = ModelRunner(config)
         arch = self.runner.arch
@@ -63,12 +70,13 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             self.fence,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, on_hold_for_transfer)
         self.tokenizer = load_tokenizer(config.model) if load_tokenizer_ else None
         self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._kv_loads: list[KVLoadSpec] = []
+        self.num_aborted_total = 0
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d",
             config.model,
@@ -135,7 +143,9 @@ class LLMEngine:
             detok = self.detok.new_state(
                 params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
-        self._tracked[rid] = _Tracked(req, detok, params.logprobs is not None)
+        self._tracked[rid] = _Tracked(
+            req, detok, params.logprobs is not None, emitted_tokens=len(output_token_ids or ())
+        )
         if output_token_ids and detok is not None:
             assert self.detok is not None
             self.detok.append(detok, list(output_token_ids))
@@ -145,6 +155,7 @@ class LLMEngine:
     def abort(self, request_ids: list[str]) -> list[GenerationDelta]:
         out = []
         for r in self.scheduler.abort_requests(request_ids):
+            self.num_aborted_total += 1
             out.append(self._final_delta(r))
         return out
 
@@ -160,6 +171,18 @@ class LLMEngine:
         """Remote KV pulls the last steps asked for (decode side); the connector starts them."""
         out, self._kv_loads = self._kv_loads, []
         return out
+
+    def finish_kv_load(
+        self, request_id: str, ok: bool, policy: str, error: str = ""
+    ) -> list[GenerationDelta]:
+        """A remote KV pull ended (decode side). ``policy`` is kv_load_failure_policy: fail | recompute."""
+        req = self.scheduler.finish_kv_load(request_id, ok, recompute_on_failure=policy == "recompute")
+        if req is None or not req.is_finished or request_id not in self._tracked:
+            return []
+        d = self._final_delta(req)
+        if req.status == RequestStatus.FINISHED_ERROR:
+            d.finish_reason, d.error = "error", f"KV transfer failed: {error or 'unknown error'}"
+        return [d]
 
     def fail_all(self, message: str) -> list[GenerationDelta]:
         """Tier-three handling of an engine fault: every request ends with an error, blocks freed."""

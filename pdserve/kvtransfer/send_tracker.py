@@ -6,7 +6,7 @@ reported. A consumer is one (D stage, D TP rank) pull, so a P stage expects
 that failed still reports: that consumer is done with this P (it fails, recomputes or asks
 another P), so holding the blocks for it would only strand them.
 
-An entry is freed - ``free_fn(block_ids)`` called exactly once - on the first of:
+An entry is freed - ``free_fn(transfer_id, block_ids)`` called exactly once - on the first of:
 
     reported (sent + failed) >= need_send   and nothing in flight
     lease passed (expire())                 and nothing in flight
@@ -58,7 +58,7 @@ class KVSendTracker:
 
     def __init__(
         self,
-        free_fn: Callable[[Sequence[int]], None],
+        free_fn: Callable[[str, Sequence[int]], None],
         lease_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -112,7 +112,7 @@ class KVSendTracker:
             if done:
                 del self._entries[transfer_id]
         if done:
-            self._free_fn(entry.block_ids)
+            self._free_fn(entry.transfer_id, entry.block_ids)
         return done
 
     @contextmanager
@@ -147,7 +147,7 @@ class KVSendTracker:
             if entry.sending > 0:
                 return False
             del self._entries[transfer_id]
-        self._free_fn(entry.block_ids)
+        self._free_fn(entry.transfer_id, entry.block_ids)
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -158,7 +158,7 @@ class KVSendTracker:
             for e in freed:
                 del self._entries[e.transfer_id]
         for e in freed:
-            self._free_fn(e.block_ids)
+            self._free_fn(e.transfer_id, e.block_ids)
         return [e.transfer_id for e in freed]
 
     # --- queries (metrics) -------------------------------------------------------------------

@@ -19,7 +19,7 @@ class FakeClock:
 def env():
     freed: list[tuple[int, ...]] = []
     clock = FakeClock()
-    tracker = KVSendTracker(lambda ids: freed.append(tuple(ids)), lease_s=30.0, clock=clock)
+    tracker = KVSendTracker(lambda _tid, ids: freed.append(tuple(ids)), lease_s=30.0, clock=clock)
     return tracker, freed, clock
 
 
@@ -116,7 +116,7 @@ def test_free_fn_exactly_once_under_threads():
     calls: list[tuple[int, ...]] = []
     lock = threading.Lock()
 
-    def free(ids):
+    def free(_tid, ids):
         with lock:
             calls.append(tuple(ids))
 

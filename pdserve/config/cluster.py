@@ -1,0 +1,426 @@
+"""The cluster config file: every node of one deployment, its address, model, sizes and roles.
+
+One file (YAML or TOML, chosen by extension) describes the whole deployment; each node reads
+its own entry, the router reads all of them. Settings that follow from the roles
+(``kv_role`` when omitted, ``ec_role``, ``accept_mm_embeds``, ``allow_missing_mm_embeds``) are
+derived by :func:`pdserve.config.resolver.resolve_node_settings`, not here.
+
+Everything that can be checked without the checkpoint is checked at load, and every problem
+is a :class:`~pdserve.errors.ConfigError` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdserve.errors import ConfigError
+
+try:  # Python 3.11+; pdserve supports 3.10, where tomli is the same parser
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover
+    import tomli as tomllib  # type: ignore[no-redef]
+
+Role = Literal["prefill", "decode", "encoder", "colocated"]
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+EcRole = Literal["ec_producer", "ec_consumer"]
+
+# The KV role each service type holds (DESIGN §1). An explicit kv_role must equal it: a prefill
+# node that consumes KV is a contradiction, not a preference.
+KV_ROLE_OF_ROLE: dict[str, KvRole | None] = {
+    "prefill": "kv_producer",
+    "decode": "kv_consumer",
+    "colocated": "kv_both",
+    "encoder": None,
+}
+DECODE_CAPABLE_ROLES = ("decode", "colocated")
+_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class UnknownNodeError(ConfigError, KeyError):
+    """``ClusterConfig.node(name)`` for a name the file does not list."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RouterConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)  # OpenAI HTTP API and /metrics
+    api_key: str | None = None  # clients send "Authorization: Bearer <api_key>" when set
+    policy: Literal["least_loaded", "prefix_affinity", "round_robin"] = "least_loaded"
+    # Conditional disaggregation: prompts shorter than this prefill on the decode node, where a
+    # KV transfer would cost more than the prefill itself. 0 disaggregates every prompt.
+    local_prefill_max_tokens: int = Field(default=32, ge=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)  # whole request, first byte to last token
+    prefill_timeout_s: float = Field(default=120.0, gt=0)  # P's leg: admitted to first token + KV ready
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> RouterConfig:
+        if self.prefill_timeout_s > self.request_timeout_s:
+            raise ConfigError(
+                f"router.prefill_timeout_s ({self.prefill_timeout_s}) exceeds router.request_timeout_s "
+                f"({self.request_timeout_s}); the prefill leg is part of the request, lower it"
+            )
+        return self
+
+
+class NodeConfig(_Frozen):
+    name: str
+    role: Role  # service type
+    model: str  # checkpoint folder; filled from the file's top-level `model` when omitted
+    host: str = "127.0.0.1"  # the address peers and the router dial (not necessarily the bind address)
+    grpc_port: int = Field(ge=1, le=65535)
+    metrics_port: int = Field(ge=1, le=65535)  # Prometheus /metrics of the node
+    kv_role: KvRole | None = None  # None: derived from role
+    ec_role: EcRole | None = None  # derived by the resolver
+    tp: int = 1
+    pp: int = 1
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_transport: Literal["tcp", "rdma"] = "tcp"  # Mooncake Transfer Engine protocol
+    kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    block_size: int = 16
+    kv_load_failure_policy: Literal["fail", "recompute", "reprefill"] = "recompute"  # decode side
+    kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer
+    max_model_len: int | None = Field(default=None, ge=1)
+    accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
+    allow_missing_mm_embeds: bool = False  # derived, see the resolver
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ConfigError(
+                f"node name {v!r} is invalid: use letters, digits, '-', '_' and '.', "
+                "starting and ending with a letter or digit (it becomes a metric label and a DNS-ish id)"
+            )
+        return v
+
+    @field_validator("tp", "pp")
+    @classmethod
+    def _check_parallel(cls, v: int, info: Any) -> int:
+        if v < 1:
+            what = "GPUs per pipeline stage" if info.field_name == "tp" else "pipeline stages"
+            raise ConfigError(f"{info.field_name} must be >= 1 (the number of {what}), got {v}; use 1")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, v: int) -> int:
+        if v <= 0 or v & (v - 1):
+            raise ConfigError(f"block_size must be a power of two > 0 (e.g. 16), got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> NodeConfig:
+        expected = KV_ROLE_OF_ROLE[self.role]
+        if self.kv_role is not None and self.kv_role != expected:
+            fix = f"set kv_role: {expected} or omit it" if expected else "omit kv_role"
+            raise ConfigError(
+                f"node {self.name!r}: role {self.role} contradicts kv_role {self.kv_role} "
+                f"(a {self.role} node holds kv_role {expected}); {fix}"
+            )
+        if self.ec_role == "ec_producer" and self.role != "encoder":
+            raise ConfigError(
+                f"node {self.name!r}: only encoder nodes produce embeddings, but role {self.role} "
+                "has ec_role ec_producer; omit ec_role (it is derived) or make the node role: encoder"
+            )
+        if self.role == "encoder" and self.ec_role == "ec_consumer":
+            raise ConfigError(
+                f"node {self.name!r}: an encoder node is an ec_producer, not an ec_consumer; omit ec_role"
+            )
+        return self
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_address(self) -> str:
+        return f"{self.host}:{self.metrics_port}"
+
+
+class ClusterConfig(_Frozen):
+    model: str | None = None  # default checkpoint of every node that does not name its own
+    served_model_name: str | None = None  # name of `model` in the API; default: its folder name
+    router: RouterConfig = RouterConfig()  # frozen, so one shared default is safe
+    redis_url: str | None = None  # node registry / embedding-cache index
+    shared_token: str | None = None  # internal gRPC calls carry "authorization: Bearer <token>"
+    nodes: tuple[NodeConfig, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_node_models(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not isinstance(data.get("nodes"), list | tuple):
+            return data  # pydantic reports the shape error
+        default = data.get("model")
+        nodes = []
+        for i, node in enumerate(data["nodes"]):
+            if isinstance(node, Mapping) and node.get("model") is None:
+                if default is None:
+                    raise ConfigError(
+                        f"nodes[{i}] ({node.get('name', '?')!r}) has no model: set the top-level "
+                        "`model` (the default of every node) or the node's own `model`"
+                    )
+                node = {**node, "model": default}
+            nodes.append(node)
+        return {**data, "nodes": nodes}
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> ClusterConfig:
+        names = [n.name for n in self.nodes]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ConfigError(f"duplicate node names {dups}: every node needs its own name")
+        if not any(n.role in DECODE_CAPABLE_ROLES for n in self.nodes):
+            raise ConfigError(
+                "no decode-capable node: add a node with role decode or colocated "
+                "(a prefill node hands its KV to one; without it no request can finish)"
+            )
+        self._check_models()
+        self._check_addresses()
+        return self
+
+    def _check_models(self) -> None:
+        if self.model is not None and all(n.model != self.model for n in self.nodes):
+            raise ConfigError(
+                f"model {self.model!r} is served by no node (every node names its own model): "
+                "remove the top-level `model` or let a node use it"
+            )
+        for model in self.models:
+            users = [n for n in self.nodes if n.model == model]
+            if not any(n.role in DECODE_CAPABLE_ROLES for n in users):
+                raise ConfigError(
+                    f"model {model!r} is served by no decode-capable node (only "
+                    f"{[n.name for n in users]}): add a decode or colocated node with this model"
+                )
+            # P and D compare block_size at the KV handshake (DESIGN §3); fail now, not per request.
+            kv_nodes = [n for n in users if n.role != "encoder"]
+            if len({n.block_size for n in kv_nodes}) > 1:
+                sizes = {n.name: n.block_size for n in kv_nodes}
+                raise ConfigError(
+                    f"nodes of model {model!r} exchange KV and must share block_size, got {sizes}"
+                )
+        by_name: dict[str, str] = {}
+        for model in self.models:
+            name = self.served_name(model)
+            if by_name.setdefault(name, model) != model:
+                raise ConfigError(
+                    f"models {by_name[name]!r} and {model!r} are both served as {name!r}: "
+                    "rename a checkpoint folder or set served_model_name"
+                )
+
+    def _check_addresses(self) -> None:
+        owners: dict[tuple[str, int], str] = {}
+        endpoints = [("router.port", self.router.host, self.router.port)]
+        for n in self.nodes:
+            endpoints += [(f"{n.name}.grpc_port", n.host, n.grpc_port)]
+            endpoints += [(f"{n.name}.metrics_port", n.host, n.metrics_port)]
+        for owner, host, port in endpoints:
+            key = (_normalize_host(host), port)
+            if key in owners:
+                raise ConfigError(
+                    f"{owners[key]} and {owner} both use {host}:{port}: give each a distinct port"
+                )
+            owners[key] = owner
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def node(self, name: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UnknownNodeError(
+            f"no node named {name!r} in the cluster config; known nodes: {[n.name for n in self.nodes]}"
+        )
+
+    def nodes_with_role(self, role: Role) -> tuple[NodeConfig, ...]:
+        return tuple(n for n in self.nodes if n.role == role)
+
+    @property
+    def prefill_nodes(self) -> tuple[NodeConfig, ...]:
+        return self.nodes_with_role("prefill")
+
+    @property
+    def decode_nodes(self) -> tuple[NodeConfig, ...]:
+        """Nodes that can decode: role decode or colocated."""
+        return tuple(n for n in self.nodes if n.role in DECODE_CAPABLE_ROLES)
+
+    @property
+    def encoder_nodes(self) -> tuple[NodeConfig, ...]:
+        return self.nodes_with_role("encoder")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Distinct checkpoints, in order of first use."""
+        return tuple(dict.fromkeys(n.model for n in self.nodes))
+
+    def served_name(self, model: str) -> str:
+        """The name clients use for ``model`` (OpenAI ``model`` field)."""
+        if model == self.model and self.served_model_name:
+            return self.served_model_name
+        return Path(model).name or model
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.router.host}:{self.router.port}"
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "cluster config") -> ClusterConfig:
+        """Validate ``data``; every problem becomes one ConfigError listing each bad field."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            lines = [_describe_error(err, data) for err in e.errors()]
+            raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+
+
+def load_cluster_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Read a cluster config (``.yaml`` / ``.yml`` / ``.toml``).
+
+    ``${NAME}`` in a string value is replaced by the environment variable ``NAME`` (``env``,
+    default ``os.environ``) so secrets such as ``shared_token`` can come from a k8s Secret.
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml"):
+        raise ConfigError(f"cluster config {p}: unknown extension {p.suffix!r}; use .yaml, .yml or .toml")
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read cluster config {p}: {e.strerror or e}") from e
+    try:
+        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cluster config {p} is not valid {suffix[1:].upper()}: {e}") from e
+    data = _expand_env(data, os.environ if env is None else env, str(p))
+    return ClusterConfig.from_dict(data, source=f"cluster config {p}")
+
+
+def write_cluster_config(cluster: ClusterConfig, path: str | os.PathLike[str]) -> Path:
+    """Write ``cluster`` as YAML (for ``pdserve up`` to hand its child processes one file).
+
+    Only fields that were set are written, so derived fields stay derived on reload.
+    """
+    p = Path(path)
+    if p.suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"write_cluster_config writes YAML; use a .yaml path, got {p}")
+    p.write_text(yaml.safe_dump(cluster.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+    return p
+
+
+def default_local_cluster(
+    model_dir: str | os.PathLike[str],
+    base_port: int = 8000,
+    *,
+    host: str = "127.0.0.1",
+    served_model_name: str | None = None,
+) -> ClusterConfig:
+    """The cluster ``pdserve up`` starts: router + one prefill + one decode node on one host.
+
+    Ports, from ``base_port``:
+
+        base+0  router HTTP (OpenAI API, /metrics)
+        base+1  prefill-0 gRPC      base+2  prefill-0 /metrics
+        base+3  decode-0 gRPC       base+4  decode-0 /metrics
+    """
+    if not 1 <= base_port <= 65535 - 4:
+        raise ConfigError(f"base_port must be in [1, {65535 - 4}] (5 ports are used), got {base_port}")
+    data = {
+        "model": str(model_dir),
+        "served_model_name": served_model_name,
+        "router": {"host": host, "port": base_port},
+        "nodes": [
+            {"name": "prefill-0", "role": "prefill", "host": host}
+            | {"grpc_port": base_port + 1, "metrics_port": base_port + 2},
+            {"name": "decode-0", "role": "decode", "host": host}
+            | {"grpc_port": base_port + 3, "metrics_port": base_port + 4},
+        ],
+    }
+    return ClusterConfig.from_dict(data, source="default local cluster")
+
+
+def _normalize_host(host: str) -> str:
+    host = host.lower().rstrip(".")
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _expand_env(value: Any, env: Mapping[str, str], source: str) -> Any:
+    if isinstance(value, str):
+
+        def sub(m: re.Match[str]) -> str:
+            if m.group(1) not in env:
+                raise ConfigError(
+                    f"cluster config {source} uses ${{{m.group(1)}}}, which is not set; "
+                    "set that environment variable or write the value"
+                )
+            return env[m.group(1)]
+
+        return _ENV_RE.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _expand_env(v, env, source) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v, env, source) for v in value]
+    return value
+
+
+def _describe_error(err: Any, data: Mapping[str, Any]) -> str:
+    loc = tuple(err["loc"])
+    if err["type"] == "extra_forbidden":
+        parent: type[BaseModel] = ClusterConfig
+        if loc[0] == "nodes":
+            parent = NodeConfig
+        elif loc[0] == "router" and len(loc) == 2:
+            parent = RouterConfig
+        allowed = list(parent.model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        where = _format_loc(loc[:-1], data) or "top level"
+        return f"unknown field {loc[-1]!r} in {where}; {hint}allowed: {', '.join(allowed)}"
+    where = _format_loc(loc, data)
+    if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), ConfigError):
+        msg = str(err["ctx"]["error"])
+        return f"{where}: {msg}" if where else msg
+    if err["type"] == "missing":
+        return f"{where}: required field is missing"
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    return f"{where}: {err['msg']}{got}"
+
+
+def _format_loc(loc: tuple[Any, ...], data: Mapping[str, Any]) -> str:
+    """("nodes", 1, "tp") -> "nodes[1] ('decode-0').tp"."""
+    where = ""
+    for part in loc:
+        where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else str(part))
+        if isinstance(part, int) and loc[0] == "nodes":
+            try:
+                where += f" ({data['nodes'][part]['name']!r})"
+            except (KeyError, IndexError, TypeError):
+                pass
+    return where

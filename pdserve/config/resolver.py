@@ -1,0 +1,174 @@
+"""Derived settings: the one place that turns a node's roles into the settings that follow.
+
+DESIGN §1: derived settings are derived, never hand-set. :func:`resolve_node_settings`
+assigns them unconditionally; where that replaces a value written in the file it logs a
+warning naming the node, the field, the hand-set value and the derived one.
+
+    role       kv_role (derived)   ec_role (derived)
+    ---------  ------------------  ----------------------------------------------------------
+    prefill    kv_producer         ec_consumer if the model is multimodal and an encoder serves it
+    colocated  kv_both             same as prefill (it prefills too)
+    decode     kv_consumer         None
+    encoder    None                ec_producer
+
+    accept_mm_embeds = allow_missing_mm_embeds = ec_consumer or (KV consumer of a multimodal model)
+    where "KV consumer" is kv_consumer or kv_both. accept_mm_embeds is only ever turned on:
+    a hand-set True stays True even where it is not derived.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.config.cluster import KV_ROLE_OF_ROLE, ClusterConfig, EcRole, KvRole, NodeConfig, Role
+from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_MM_ARCH_MARKERS = ("Llava", "VL")
+
+
+def checkpoint_is_multimodal(model: str) -> bool:
+    """True when the checkpoint's ``config.json`` has a ``vision_config`` or a VLM architecture."""
+    path = Path(model) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"cannot tell whether model {model!r} is multimodal: {path} does not exist; "
+            "point `model` at a Hugging Face checkpoint folder"
+        ) from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    if "vision_config" in cfg:
+        return True
+    archs = cfg.get("architectures") or []
+    return any(marker in arch for arch in archs for marker in _MM_ARCH_MARKERS)
+
+
+@dataclass(frozen=True)
+class ResolvedNode:
+    """One node's settings with every derived field assigned."""
+
+    node: NodeConfig  # the file's entry, derived fields replaced
+    cluster: ClusterConfig  # the whole file: peers, router, redis_url, shared_token
+    served_model_name: str  # the node's model as clients name it
+    is_multimodal: bool
+    overridden: tuple[str, ...] = ()  # fields whose hand-set value was replaced (each logged)
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def role(self) -> Role:
+        return self.node.role
+
+    @property
+    def kv_role(self) -> KvRole | None:
+        return self.node.kv_role
+
+    @property
+    def ec_role(self) -> EcRole | None:
+        return self.node.ec_role
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.node.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.node.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def accept_mm_embeds(self) -> bool:
+        return self.node.accept_mm_embeds
+
+    @property
+    def allow_missing_mm_embeds(self) -> bool:
+        return self.node.allow_missing_mm_embeds
+
+    def engine_config(self, pipeline_rank: int = 0, seed: int = 0) -> EngineConfig:
+        """The engine settings of this node (of pipeline stage ``pipeline_rank`` when pp > 1)."""
+        n = self.node
+        return EngineConfig(
+            model=n.model,
+            dtype=n.dtype,
+            device=n.device,
+            max_model_len=n.max_model_len,
+            seed=seed,
+            cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
+            scheduler=SchedulerConfig(
+                max_num_seqs=n.max_num_seqs, max_num_batched_tokens=n.max_num_batched_tokens
+            ),
+            parallel=ParallelConfig(
+                pipeline_parallel_size=n.pp, pipeline_rank=pipeline_rank, tensor_parallel_size=n.tp
+            ),
+        )
+
+
+def resolve_node_settings(
+    cluster: ClusterConfig,
+    node_name: str,
+    *,
+    is_multimodal: Callable[[str], bool] = checkpoint_is_multimodal,
+) -> ResolvedNode:
+    """Derive ``node_name``'s role-dependent settings (see the module docstring's table).
+
+    ``is_multimodal(model)`` tells whether a checkpoint is a vision-language model; tests pass
+    a lambda, nodes use :func:`checkpoint_is_multimodal` (reads ``config.json``).
+    Raises ConfigError for an unknown node or an encoder node of a text-only model.
+    """
+    node = cluster.node(node_name)
+    multimodal = is_multimodal(node.model)
+    if node.role == "encoder" and not multimodal:
+        raise ConfigError(
+            f"node {node.name!r} is an encoder but model {node.model!r} has no vision tower; "
+            "give the encoder a multimodal checkpoint or remove the node"
+        )
+    # Load already rejected an explicit kv_role that contradicts the role.
+    kv_role = KV_ROLE_OF_ROLE[node.role]
+    has_encoder = any(e.model == node.model for e in cluster.encoder_nodes)
+    ec_role: EcRole | None = None
+    if node.role == "encoder":
+        ec_role = "ec_producer"
+    elif node.role in ("prefill", "colocated") and multimodal and has_encoder:
+        ec_role = "ec_consumer"
+    kv_consumer = kv_role in ("kv_consumer", "kv_both")
+    mm_embeds = ec_role == "ec_consumer" or (kv_consumer and multimodal)
+
+    derived: dict[str, Any] = {
+        "kv_role": kv_role,
+        "ec_role": ec_role,
+        # one direction only: deriving turns accept_mm_embeds on, never off
+        "accept_mm_embeds": mm_embeds or node.accept_mm_embeds,
+        "allow_missing_mm_embeds": mm_embeds,
+    }
+    overridden = []
+    for field, value in derived.items():
+        hand_set = getattr(node, field)
+        # None roles mean "derive"; for the flags, any value written in the file counts as hand-set.
+        written = field in node.model_fields_set and (hand_set is not None or field.endswith("_embeds"))
+        if written and hand_set != value:
+            logger.warning(
+                "node %s: %s is hand-set to %r but derived as %r from its roles; using %r",
+                node.name,
+                field,
+                hand_set,
+                value,
+                value,
+            )
+            overridden.append(field)
+    return ResolvedNode(
+        node=node.model_copy(update=derived),
+        cluster=cluster,
+        served_model_name=cluster.served_name(node.model),
+        is_multimodal=multimodal,
+        overridden=tuple(overridden),
+    )

@@ -1,0 +1,182 @@
+"""The engine's side of KV transfer: what a prefill node holds and pushes, what a decode node
+announces. Services translate gRPC to these calls; no gRPC here.
+
+    prefill (producer)                                  decode (consumer)
+    ------------------                                  -----------------
+    request finishes -> on_hold(): blocks held          allocates blocks (WAITING_FOR_REMOTE_KV)
+      under a lease (KVSendTracker)              <----  PushKV(transfer_id, block ids, regions, session)
+    push(): align regions by name, merge blocks,
+      one batched write into decode's blocks     ---->  bytes land in its KV tensor
+    end_send(): count the pull; free at need_send       finish_kv_load(ok) -> RUNNING
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.handshake import HandshakeInfo
+from pdserve.kvtransfer.regions import Region, align_regions, build_descriptors, regions_for_kv_cache
+from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
+
+logger = logging.getLogger(__name__)
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """Identifies a checkpoint across hosts (paths differ): its config plus its weight files' sizes."""
+    d = Path(model_dir)
+    h = hashlib.sha256(json.dumps(json.loads((d / "config.json").read_text()), sort_keys=True).encode())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def kv_regions_of(runner: Any) -> list[Region]:
+    """The regions of a model runner's KV cache tensor (one per local layer)."""
+    cache = runner.kv_cache
+    a = runner.arch
+    return regions_for_kv_cache(
+        cache.data_ptr(),
+        cache.shape[0],
+        runner.model.layer_names,
+        runner.block_size,
+        a.num_key_value_heads,
+        a.head_dim,
+        cache.element_size(),
+    )
+
+
+def handshake_info_of(runner: Any, model_dir: str | Path, epoch: str) -> HandshakeInfo:
+    a = runner.arch
+    return HandshakeInfo(
+        model_id=model_identity(model_dir),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        block_size=runner.block_size,
+        layer_names=tuple(f"model.layers.{i}.self_attn" for i in range(a.num_hidden_layers)),
+        num_kv_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        epoch=epoch,
+    )
+
+
+@dataclass
+class PushResult:
+    ok: bool
+    bytes: int
+    num_descriptors: int
+    seconds: float
+    error: str = ""
+
+
+class KVProducer:
+    """Prefill side. Thread-safe: ``on_hold`` runs on the engine thread, ``push`` on gRPC workers."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        regions: Sequence[Region],
+        block_size: int,
+        release: Callable[[str], None],
+        lease_s: float = 30.0,
+    ) -> None:
+        self.backend = backend
+        self.regions = list(regions)
+        self.block_size = block_size
+        self._release = release  # frees the request's blocks (posted to the engine thread)
+        self._ready: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.tracker = KVSendTracker(free_fn=self._free_transfer, lease_s=lease_s)
+        # Counters for metrics.
+        self.bytes_total = 0
+        self.seconds_total = 0.0
+        self.failures_total = 0
+        self.pushes_total = 0
+
+    def expect(self, transfer_id: str) -> None:
+        """A prefill for ``transfer_id`` was admitted: a push may wait for it."""
+        with self._lock:
+            self._ready.setdefault(transfer_id, threading.Event())
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._ready.pop(transfer_id, None)
+
+    def on_hold(self, transfer_id: str, block_ids: list[int], need_send: int) -> None:
+        """Engine thread: the request's KV is complete; hold its blocks under a lease."""
+        with self._lock:
+            ev = self._ready.setdefault(transfer_id, threading.Event())
+        self.tracker.add(transfer_id, block_ids, need_send)
+        ev.set()
+
+    def _free_transfer(self, transfer_id: str, _block_ids: Sequence[int]) -> None:
+        self.forget(transfer_id)
+        self._release(transfer_id)
+
+    def wait_ready(self, transfer_id: str, timeout_s: float) -> bool:
+        """Block until the transfer's KV is held. False on timeout; KeyError if never expected."""
+        with self._lock:
+            ev = self._ready.get(transfer_id)
+        if ev is None:
+            raise KeyError(transfer_id)
+        return ev.wait(timeout_s)
+
+    def push(
+        self,
+        transfer_id: str,
+        dst_block_ids: Sequence[int],
+        num_tokens: int,
+        dst_regions: Sequence[Region],
+        dst_session: str,
+    ) -> PushResult:
+        """Write the held KV into the puller's blocks. Validation errors raise before anything is
+        written (InvalidRequestError, RegionMismatchError, BlockIdError, UnknownTransferError);
+        a failed write returns ok=False and counts as a report (DESIGN §3)."""
+        entry = self.tracker.get(transfer_id)
+        if entry is None:
+            raise UnknownTransferError(transfer_id)
+        need_blocks = -(-num_tokens // self.block_size)
+        if num_tokens < 1 or need_blocks > len(entry.block_ids):
+            raise InvalidRequestError(
+                f"num_tokens {num_tokens} does not fit the {len(entry.block_ids)} blocks held for {transfer_id}"
+            )
+        if len(dst_block_ids) != need_blocks:
+            raise InvalidRequestError(
+                f"{len(dst_block_ids)} destination blocks for {num_tokens} tokens; expected {need_blocks}"
+            )
+        pairs = align_regions(self.regions, dst_regions)
+        descs = build_descriptors(pairs, list(entry.block_ids[:need_blocks]), list(dst_block_ids))
+        nbytes = sum(d[2] for d in descs)
+        t0 = time.perf_counter()
+        ok, err = False, ""
+        self.tracker.begin_send(transfer_id)
+        try:
+            self.backend.write(dst_session, descs, transfer_id=transfer_id)
+            ok = True
+        except Exception as e:  # the write failed: counted and reported, never swallowed silently
+            err = str(e)
+            logger.warning("KV push %s -> %s failed: %s", transfer_id, dst_session, e)
+        finally:
+            dt = time.perf_counter() - t0
+            self.tracker.end_send(transfer_id, ok)
+        self.pushes_total += 1
+        if ok:
+            self.bytes_total += nbytes
+            self.seconds_total += dt
+        else:
+            self.failures_total += 1
+        return PushResult(ok, nbytes if ok else 0, len(descs), dt, err)
+
+    def abort(self, transfer_id: str) -> bool:
+        freed = self.tracker.abort(transfer_id)
+        if transfer_id not in self.tracker:
+            self.forget(transfer_id)
+        return freed

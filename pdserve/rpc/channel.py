@@ -1,0 +1,63 @@
+"""Shared gRPC settings: message size limits, the optional shared token, status mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from pdserve.errors import CapacityError, InvalidRequestError
+
+MAX_MESSAGE_BYTES = 512 << 20  # prompt_embeds and long prompts exceed gRPC's 4 MiB default
+OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),  # a dead peer is noticed by a failed ping, not a long timeout
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without the cluster's shared token (when one is configured)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+
+        self._deny = deny
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        md = dict(details.invocation_metadata or ())
+        if details.method.startswith("/grpc.health") or md.get("authorization") == self._expected:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._deny, request_deserializer=handler.request_deserializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            self._deny, request_deserializer=handler.request_deserializer
+        )
+
+
+def error_to_status(e: BaseException) -> grpc.StatusCode:
+    if isinstance(e, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.INTERNAL

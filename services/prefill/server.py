@@ -1,0 +1,212 @@
+"""The prefill node: prompt -> first token, KV held under a lease, pushed into decode's blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from pdserve.engine.request import Request
+from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.connector import KVProducer
+from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
+from pdserve.kvtransfer.send_tracker import UnknownTransferError
+from pdserve.rpc import channel, convert
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.node import NodeBase, NodeOptions
+
+logger = logging.getLogger(__name__)
+EXPIRE_EVERY_S = 0.5
+
+
+def handshake_to_pb(h: HandshakeInfo) -> pb.HandshakeInfo:
+    return pb.HandshakeInfo(**h.to_dict())
+
+
+def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
+    return HandshakeInfo.from_dict(
+        {
+            "model_id": m.model_id,
+            "dtype": m.dtype,
+            "block_size": m.block_size,
+            "layer_names": list(m.layer_names),
+            "num_kv_heads": m.num_kv_heads,
+            "head_dim": m.head_dim,
+            "layout_version": m.layout_version,
+            "epoch": m.epoch,
+            "compat_hash": m.compat_hash,
+        }
+    )
+
+
+class PrefillNode(NodeBase):
+    def __init__(self, opts: NodeOptions) -> None:
+        super().__init__(opts)
+        assert isinstance(self.backend, TransferBackend)
+        self.producer = KVProducer(
+            self.backend, self.regions, self.engine.kv.block_size, self._release, lease_s=opts.kv_lease_s
+        )
+        self._last_expire = 0.0
+
+    def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
+        params = req.kv_transfer_params or {}
+        self.producer.on_hold(params["transfer_id"], block_ids, int(params.get("need_send", 1)))
+        return True
+
+    def _release(self, transfer_id: str) -> None:
+        # Tracker callback (any thread): the engine thread frees the blocks.
+        assert self.engine_loop is not None
+        self.engine_loop.post(lambda e: e.scheduler.release_held(transfer_id))
+
+    def _on_step(self, engine: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_expire >= EXPIRE_EVERY_S:
+            self._last_expire = now
+            expired = self.producer.tracker.expire()
+            if expired:
+                logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
+
+    def held_transfer_blocks(self) -> int:
+        return self.producer.tracker.num_held_blocks
+
+    def stranded_kv_blocks(self) -> int:
+        return self.producer.tracker.stranded_blocks()
+
+    def transfer_counters(self) -> list[tuple[str, str, float]]:
+        p = self.producer
+        return [
+            ("kv_transfer_bytes", "KV bytes pushed to decode nodes", p.bytes_total),
+            ("kv_transfer_seconds", "Seconds spent in KV pushes", p.seconds_total),
+            ("kv_transfer_failures", "KV pushes that failed", p.failures_total),
+            ("kv_transfers", "KV pushes attempted", p.pushes_total),
+        ]
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), server)
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, node: PrefillNode) -> None:
+        self.node = node
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:
+        node = self.node
+        tid = request.transfer_id
+        if not tid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
+        try:
+            params = convert.sampling_from_pb(request.sampling)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # Prefill samples the first token only; decode continues with the client's params.
+        first_params = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=list(params.stop)
+        )
+        kv_params = {"remote_decode": True, "transfer_id": tid, "need_send": max(1, request.need_send)}
+        node.producer.expect(tid)
+        assert node.engine_loop is not None
+        first = None
+        try:
+            async for d in node.engine_loop.generate(
+                list(request.prompt_token_ids), first_params, tid, kv_transfer_params=kv_params
+            ):
+                first = d
+        except PdserveError as e:
+            node.producer.forget(tid)
+            await context.abort(channel.error_to_status(e), str(e))
+        except asyncio.CancelledError:
+            node.producer.forget(tid)  # the router went away: generate() aborted the request
+            raise
+        assert first is not None
+        if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
+            first.finish_reason = None  # length of the prefill leg only: decode continues
+        held = tid in node.producer.tracker
+        if not held:
+            node.producer.forget(tid)
+        return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
+
+    async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
+        node = self.node
+        tid = request.transfer_id
+        if request.expected_src_epoch and request.expected_src_epoch != node.epoch:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"prefill restarted: epoch is {node.epoch}, decode expected {request.expected_src_epoch}",
+            )
+        if request.dst_compat_hash != node.handshake.compat_hash:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "KV layout mismatch (compat hash differs): run Handshake to see which field",
+            )
+        try:
+            ready = await asyncio.to_thread(node.producer.wait_ready, tid, node.opts.kv_ready_timeout_s)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
+        if not ready:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
+        try:
+            regions = [
+                Region(
+                    r.layer_name,
+                    r.occurrence,
+                    r.base_addr,
+                    r.block_stride_bytes,
+                    r.block_bytes,
+                    r.num_blocks or None,
+                )
+                for r in request.dst_regions
+            ]
+            res = await asyncio.to_thread(
+                node.producer.push,
+                tid,
+                list(request.dst_block_ids),
+                request.num_tokens,
+                regions,
+                request.dst_session,
+            )
+        except UnknownTransferError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except (RegionMismatchError, BlockIdError, InvalidRequestError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not res.ok:
+            logger.warning("push %s failed: %s", tid, res.error)
+        return pb.PushKVResponse(
+            ok=[tid] if res.ok else [],
+            failed=[] if res.ok else [tid],
+            bytes=res.bytes,
+            num_descriptors=res.num_descriptors,
+            seconds=res.seconds,
+        )
+
+    async def Handshake(
+        self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HandshakeResponse:
+        try:
+            remote = handshake_from_pb(request.info)
+            check_compat(self.node.handshake, remote)
+        except HandshakeError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.HandshakeResponse(info=handshake_to_pb(self.node.handshake))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        node = self.node
+        n = 0
+        ids = set(request.transfer_ids) | set(request.request_ids)
+        for tid in ids:
+            if node.producer.abort(tid):
+                n += 1
+        assert node.engine_loop is not None
+        aborted = await node.engine_loop.call(lambda e: e.abort(list(ids)))
+        return pb.AbortResponse(num_aborted=n + len(aborted))
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        return self.node.load_report(pb)

@@ -1,0 +1,63 @@
+"""The router process: OpenAI HTTP API (services.router.app) over the P/D backend."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+
+from pdserve.config.cluster import ClusterConfig
+from services.router.app import create_app
+from services.router.metrics import RouterMetrics
+from services.router.pd_backend import PDBackend, RouterPolicy
+
+logger = logging.getLogger(__name__)
+
+
+async def serve_router(cluster: ClusterConfig) -> None:
+    from pdserve.models.config import ModelArchConfig
+    from pdserve.models.loader import load_tokenizer
+
+    model = cluster.model
+    arch = ModelArchConfig.from_model_dir(model)
+    max_len = min(
+        [n.max_model_len or arch.max_position_embeddings for n in cluster.decode_nodes]
+        + [arch.max_position_embeddings]
+    )
+    r = cluster.router
+    metrics = RouterMetrics()
+    backend = PDBackend(
+        prefill=[(n.name, n.grpc_address) for n in cluster.prefill_nodes],
+        decode=[(n.name, n.grpc_address) for n in cluster.decode_nodes],
+        policy=RouterPolicy(
+            policy=r.policy,
+            local_prefill_max_tokens=r.local_prefill_max_tokens,
+            prefill_timeout_s=r.prefill_timeout_s,
+            request_timeout_s=r.request_timeout_s,
+        ),
+        shared_token=cluster.shared_token,
+        registry=metrics.registry,
+    )
+    backend.start()
+    app = create_app(
+        backend,
+        load_tokenizer(model),
+        [cluster.served_name(model)],
+        max_len,
+        api_key=r.api_key,
+        metrics=metrics,
+        vocab_size=arch.vocab_size,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")
+    )
+    print(f"pdserve router ready on http://{r.host}:{r.port}/v1", flush=True)
+    try:
+        await server.serve()
+    finally:
+        await backend.close()
+
+
+def run_router(cluster: ClusterConfig) -> None:
+    asyncio.run(serve_router(cluster))
