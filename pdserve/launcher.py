@@ -82,7 +82,7 @@ def wait_ready(cluster: ClusterConfig, children: list[Child], timeout_s: float =
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     pending = {n.name: n.grpc_address for n in cluster.nodes}
-    router_url = f"http://{cluster.router.host}:{cluster.router.port}/health"
+    router_url = f"http://{cluster.router.host}:{cluster.router.port}/ready"
     deadline = time.monotonic() + timeout_s
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True

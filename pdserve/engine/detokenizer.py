@@ -62,7 +62,14 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self, st: DetokState) -> str:
-        """The request finished: hand out whatever was held back."""
+        """The request finished: hand out whatever was held back, an incomplete character too
+        (as U+FFFD, like a full decode of the output would show it)."""
+        if st.stopped_by is None and st.read_offset < len(st.token_ids):
+            prefix = self._decode(st.token_ids[st.prefix_offset : st.read_offset], st.skip_special)
+            full = self._decode(st.token_ids[st.prefix_offset :], st.skip_special)
+            if len(full) > len(prefix):
+                st.text += full[len(prefix) :]
+            st.prefix_offset = st.read_offset = len(st.token_ids)
         out = st.text[st.emitted :]
         st.emitted = len(st.text)
         return out

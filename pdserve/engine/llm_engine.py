@@ -37,6 +37,13 @@ class _Tracked:
     emitted_tokens: int = 0
 
 
+def _continues_elsewhere(req: Request) -> bool:
+    """A prefill leg whose decode continues on another node: keep an incomplete character
+    back (decode's detokenizer completes it) instead of flushing it as U+FFFD."""
+    p = req.kv_transfer_params or {}
+    return bool(p.get("remote_decode")) and not p.get("final_at_prefill") and req.stop_reason is None
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -220,7 +227,7 @@ class LLMEngine:
                 if tr.detok.stopped_by is not None and not req.is_finished:
                     req.stop_reason = tr.detok.stopped_by
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                if req.is_finished:
+                if req.is_finished and not _continues_elsewhere(req):
                     text += self.detok.flush(tr.detok)
             delta = GenerationDelta(
                 request_id=req.request_id,

@@ -1,32 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sampling(_message.Message):
-    __slots__ = (
-        "frequency_penalty",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "logprobs",
-        "max_tokens",
-        "min_p",
-        "min_tokens",
-        "presence_penalty",
-        "repetition_penalty",
-        "seed",
-        "skip_special_tokens",
-        "stop",
-        "stop_token_ids",
-        "temperature",
-        "top_k",
-        "top_p",
-    )
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -59,40 +40,20 @@ class Sampling(_message.Message):
     frequency_penalty: float
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(
-        self,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        max_tokens: int | None = ...,
-        min_tokens: int | None = ...,
-        stop: _Iterable[str] | None = ...,
-        stop_token_ids: _Iterable[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        logprobs: int | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        include_stop_str_in_output: bool | None = ...,
-        skip_special_tokens: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("data", "dtype", "shape")
+    __slots__ = ("dtype", "shape", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(
-        self, dtype: str | None = ..., shape: _Iterable[int] | None = ..., data: bytes | None = ...
-    ) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("logprob", "token_id", "top_logprobs", "top_token_ids")
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -101,28 +62,10 @@ class TokenLogprob(_message.Message):
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(
-        self,
-        token_id: int | None = ...,
-        logprob: float | None = ...,
-        top_token_ids: _Iterable[int] | None = ...,
-        top_logprobs: _Iterable[float] | None = ...,
-    ) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = (
-        "error",
-        "finish_reason",
-        "has_logprobs",
-        "logprobs",
-        "num_cached_tokens",
-        "num_output_tokens",
-        "num_prompt_tokens",
-        "request_id",
-        "stop_reason",
-        "text",
-        "token_ids",
-    )
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "has_logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -145,23 +88,10 @@ class Delta(_message.Message):
     num_output_tokens: int
     num_cached_tokens: int
     error: str
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        text: str | None = ...,
-        logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
-        has_logprobs: bool | None = ...,
-        finish_reason: str | None = ...,
-        stop_reason: str | None = ...,
-        num_prompt_tokens: int | None = ...,
-        num_output_tokens: int | None = ...,
-        num_cached_tokens: int | None = ...,
-        error: str | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("need_send", "prompt_embeds", "prompt_token_ids", "sampling", "transfer_id")
+    __slots__ = ("transfer_id", "prompt_token_ids", "sampling", "need_send", "prompt_embeds")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -172,29 +102,20 @@ class PrefillRequest(_message.Message):
     sampling: Sampling
     need_send: int
     prompt_embeds: Tensor
-    def __init__(
-        self,
-        transfer_id: str | None = ...,
-        prompt_token_ids: _Iterable[int] | None = ...,
-        sampling: Sampling | _Mapping | None = ...,
-        need_send: int | None = ...,
-        prompt_embeds: Tensor | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., need_send: _Optional[int] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("epoch", "first", "kv_held")
+    __slots__ = ("first", "kv_held", "epoch")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     KV_HELD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     first: Delta
     kv_held: bool
     epoch: str
-    def __init__(
-        self, first: Delta | _Mapping | None = ..., kv_held: bool | None = ..., epoch: str | None = ...
-    ) -> None: ...
+    def __init__(self, first: _Optional[_Union[Delta, _Mapping]] = ..., kv_held: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("base_addr", "block_bytes", "block_stride_bytes", "layer_name", "num_blocks", "occurrence")
+    __slots__ = ("layer_name", "occurrence", "base_addr", "block_stride_bytes", "block_bytes", "num_blocks")
     LAYER_NAME_FIELD_NUMBER: _ClassVar[int]
     OCCURRENCE_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -207,28 +128,10 @@ class Region(_message.Message):
     block_stride_bytes: int
     block_bytes: int
     num_blocks: int
-    def __init__(
-        self,
-        layer_name: str | None = ...,
-        occurrence: int | None = ...,
-        base_addr: int | None = ...,
-        block_stride_bytes: int | None = ...,
-        block_bytes: int | None = ...,
-        num_blocks: int | None = ...,
-    ) -> None: ...
+    def __init__(self, layer_name: _Optional[str] = ..., occurrence: _Optional[int] = ..., base_addr: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
-    __slots__ = (
-        "block_size",
-        "compat_hash",
-        "dtype",
-        "epoch",
-        "head_dim",
-        "layer_names",
-        "layout_version",
-        "model_id",
-        "num_kv_heads",
-    )
+    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -247,41 +150,22 @@ class HandshakeInfo(_message.Message):
     layout_version: int
     epoch: str
     compat_hash: str
-    def __init__(
-        self,
-        model_id: str | None = ...,
-        dtype: str | None = ...,
-        block_size: int | None = ...,
-        layer_names: _Iterable[str] | None = ...,
-        num_kv_heads: int | None = ...,
-        head_dim: int | None = ...,
-        layout_version: int | None = ...,
-        epoch: str | None = ...,
-        compat_hash: str | None = ...,
-    ) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("info",)
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: HandshakeInfo
-    def __init__(self, info: HandshakeInfo | _Mapping | None = ...) -> None: ...
+    def __init__(self, info: _Optional[_Union[HandshakeInfo, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("info",)
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: HandshakeInfo
-    def __init__(self, info: HandshakeInfo | _Mapping | None = ...) -> None: ...
+    def __init__(self, info: _Optional[_Union[HandshakeInfo, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = (
-        "dst_block_ids",
-        "dst_compat_hash",
-        "dst_regions",
-        "dst_session",
-        "expected_src_epoch",
-        "num_tokens",
-        "transfer_id",
-    )
+    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -296,19 +180,10 @@ class PushKVRequest(_message.Message):
     dst_session: str
     dst_compat_hash: str
     expected_src_epoch: str
-    def __init__(
-        self,
-        transfer_id: str | None = ...,
-        dst_block_ids: _Iterable[int] | None = ...,
-        num_tokens: int | None = ...,
-        dst_regions: _Iterable[Region | _Mapping] | None = ...,
-        dst_session: str | None = ...,
-        dst_compat_hash: str | None = ...,
-        expected_src_epoch: str | None = ...,
-    ) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
-    __slots__ = ("bytes", "failed", "num_descriptors", "ok", "seconds")
+    __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds")
     OK_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -319,26 +194,10 @@ class PushKVResponse(_message.Message):
     bytes: int
     num_descriptors: int
     seconds: float
-    def __init__(
-        self,
-        ok: _Iterable[str] | None = ...,
-        failed: _Iterable[str] | None = ...,
-        bytes: int | None = ...,
-        num_descriptors: int | None = ...,
-        seconds: float | None = ...,
-    ) -> None: ...
+    def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = (
-        "output_token_ids",
-        "prefill_address",
-        "prompt_embeds",
-        "prompt_token_ids",
-        "remote_prefill",
-        "request_id",
-        "sampling",
-        "transfer_id",
-    )
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -355,17 +214,7 @@ class DecodeRequest(_message.Message):
     transfer_id: str
     prefill_address: str
     prompt_embeds: Tensor
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        prompt_token_ids: _Iterable[int] | None = ...,
-        sampling: Sampling | _Mapping | None = ...,
-        output_token_ids: _Iterable[int] | None = ...,
-        remote_prefill: bool | None = ...,
-        transfer_id: str | None = ...,
-        prefill_address: str | None = ...,
-        prompt_embeds: Tensor | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids", "transfer_ids")
@@ -373,35 +222,20 @@ class AbortRequest(_message.Message):
     TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     transfer_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self, request_ids: _Iterable[str] | None = ..., transfer_ids: _Iterable[str] | None = ...
-    ) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., transfer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("num_aborted",)
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
     num_aborted: int
-    def __init__(self, num_aborted: int | None = ...) -> None: ...
+    def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = (
-        "block_size",
-        "epoch",
-        "node",
-        "num_aborted_total",
-        "num_blocks_held_for_transfer",
-        "num_blocks_total",
-        "num_blocks_used",
-        "num_held_requests",
-        "num_running",
-        "num_waiting",
-        "role",
-        "stranded_kv_blocks",
-    )
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -426,18 +260,4 @@ class LoadReport(_message.Message):
     stranded_kv_blocks: int
     num_aborted_total: int
     block_size: int
-    def __init__(
-        self,
-        node: str | None = ...,
-        role: str | None = ...,
-        epoch: str | None = ...,
-        num_running: int | None = ...,
-        num_waiting: int | None = ...,
-        num_blocks_total: int | None = ...,
-        num_blocks_used: int | None = ...,
-        num_blocks_held_for_transfer: int | None = ...,
-        num_held_requests: int | None = ...,
-        stranded_kv_blocks: int | None = ...,
-        num_aborted_total: int | None = ...,
-        block_size: int | None = ...,
-    ) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -111,7 +111,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         first_params = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=list(params.stop)
         )
-        kv_params = {"remote_decode": True, "transfer_id": tid, "need_send": max(1, request.need_send)}
+        kv_params = {
+            "remote_decode": True,
+            "transfer_id": tid,
+            "need_send": max(1, request.need_send),
+            "final_at_prefill": params.max_tokens == 1,
+        }
         node.producer.expect(tid)
         assert node.engine_loop is not None
         first = None

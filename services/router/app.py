@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
@@ -117,6 +118,16 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: the router process answers."""
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: a decode-capable node is reachable (what `pdserve up` and k8s wait for)."""
+        try:
+            await backend.check_capacity()
+        except CapacityError as e:
+            return Response(str(e), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -43,7 +43,7 @@ class NodeHandle:
     role: str  # prefill | decode | colocated
     address: str
     channel: grpc.aio.Channel
-    healthy: bool = True
+    healthy: bool = False  # until a GetLoad answers
     in_flight: int = 0  # sequences the router has on this node now
     reported_load: int = 0  # running + waiting, from the node's last GetLoad
     block_size: int = 16
@@ -129,7 +129,7 @@ class PDBackend:
             else pb_grpc.DecodeServiceStub(n.channel)
         )
         try:
-            rep = await stub.GetLoad(pb.LoadRequest(), timeout=2.0, metadata=self._md)
+            rep = await stub.GetLoad(pb.LoadRequest(), timeout=2.0, metadata=self._md, wait_for_ready=True)
             n.healthy = True
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
@@ -139,13 +139,19 @@ class PDBackend:
 
     async def _poll_loads(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll_one(n) for n in self.prefill + self.decode))
+            try:
+                await asyncio.gather(*(self._poll_one(n) for n in self.prefill + self.decode))
+            except Exception:  # keep polling: one bad answer must not blind the router
+                logger.exception("load poll failed")
             await asyncio.sleep(LOAD_POLL_S)
 
     async def check_capacity(self) -> None:
         self.start()
         if not any(n.healthy for n in self.decode):
-            raise CapacityError("no decode node is reachable; retry later")
+            # The last poll may predate a node's start: ask once more before refusing.
+            await asyncio.gather(*(self._poll_one(n) for n in self.decode))
+            if not any(n.healthy for n in self.decode):
+                raise CapacityError("no decode node is reachable; retry later")
 
     # -- choosing nodes ---------------------------------------------------------------------------
     def _pick(

@@ -1,0 +1,108 @@
+"""Start real node processes on loopback for end-to-end tests (the same commands `pdserve up` runs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
+from pdserve.launcher import Child, pick_base_port, start_child, stop_children, wait_ready
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+
+_next_base = [31000]
+
+
+@dataclass
+class RunningCluster:
+    cluster: ClusterConfig
+    children: list[Child]
+    run_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.cluster.router_url + "/v1"
+
+    @property
+    def model_name(self) -> str:
+        return self.cluster.served_name(self.cluster.model)
+
+    def node(self, name: str) -> Any:
+        return self.cluster.node(name)
+
+    def load(self, name: str) -> pb.LoadReport:
+        n = self.cluster.node(name)
+        with grpc.insecure_channel(n.grpc_address) as ch:
+            stub = pb_grpc.PrefillServiceStub(ch) if n.role == "prefill" else pb_grpc.DecodeServiceStub(ch)
+            return stub.GetLoad(pb.LoadRequest(), timeout=5)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {c.name}\n{c.log_path.read_text(errors='replace')[-3000:]}" for c in self.children
+        )
+
+
+def make_cluster_config(
+    model_dir: Path, *, router: dict[str, Any] | None = None, **node_overrides: Any
+) -> ClusterConfig:
+    base = pick_base_port("127.0.0.1", _next_base[0])
+    _next_base[0] = base + 10
+    c = default_local_cluster(model_dir, base)
+    data = c.model_dump(mode="json", exclude_unset=True)
+    data["router"] = {**data["router"], **(router or {})}
+    for n in data["nodes"]:
+        n.update(node_overrides.get(n["name"], {}))
+        n.update(node_overrides.get("all", {}))
+    return ClusterConfig.from_dict(data)
+
+
+@contextlib.contextmanager
+def running_cluster(
+    cluster: ClusterConfig, run_dir: Path, *, router: bool = True
+) -> Iterator[RunningCluster]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = write_cluster_config(cluster, run_dir / "cluster.yaml")
+    children = [start_child(cfg, n.role, n.name, run_dir) for n in cluster.nodes]
+    if router:
+        children.append(start_child(cfg, "router", None, run_dir))
+    rc = RunningCluster(cluster, children, run_dir)
+    try:
+        if router:
+            wait_ready(cluster, children, timeout_s=180)
+        else:
+            _wait_nodes(cluster, children)
+        yield rc
+    except BaseException:
+        print(rc.logs())
+        raise
+    finally:
+        stop_children(children)
+
+
+def _wait_nodes(cluster: ClusterConfig, children: list[Child]) -> None:
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + 180
+    pending = {n.grpc_address for n in cluster.nodes}
+    while pending:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
+        for addr in list(pending):
+            with grpc.insecure_channel(addr) as ch:
+                try:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        pending.discard(addr)
+                except grpc.RpcError:
+                    pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nodes not ready: {pending}")
+        time.sleep(0.3)

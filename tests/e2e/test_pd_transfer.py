@@ -1,0 +1,271 @@
+"""Prefill and decode as separate OS processes; KV moves through real Mooncake TE over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import grpc
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc import convert
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.router.backend import BackendRequest
+from services.router.pd_backend import PDBackend, RouterPolicy
+from tests.e2e.cluster import make_cluster_config, running_cluster
+from tests.engine.test_engine_parity import NEW_TOKENS, _reference, compare_greedy
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = [1, 3, 9, 17, 30, 47, 64, 80, 95, 120, 150, 33, 5, 70, 200, 260]  # 16 requests
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in LENGTHS]
+
+
+async def _run_disaggregated(rc, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    p, d = rc.node("prefill-0"), rc.node("decode-0")
+    backend = PDBackend(
+        [(p.name, p.grpc_address)], [(d.name, d.grpc_address)], RouterPolicy(local_prefill_max_tokens=0)
+    )
+
+    async def one(i: int, ids: list[int]) -> list[int]:
+        toks: list[int] = []
+        async for delta in backend.generate(BackendRequest(f"r{i}", ids, params)):
+            assert delta.finish_reason != "error", delta.error
+            toks += delta.token_ids
+        return toks
+
+    try:
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+    finally:
+        await backend.close()
+        assert backend.path_total.labels("disaggregated")._value.get() == len(prompts)
+
+
+def _assert_nothing_held(rc) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        reports = [rc.load("prefill-0"), rc.load("decode-0")]
+        held = [
+            (
+                r.node,
+                r.num_blocks_used,
+                r.num_held_requests,
+                r.num_blocks_held_for_transfer,
+                r.stranded_kv_blocks,
+            )
+            for r in reports
+        ]
+        if all(h[1:] == (0, 0, 0, 0) for h in held) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(h[1:] == (0, 0, 0, 0) for h in held), held
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_disaggregated_greedy_equals_colocated_and_transformers(
+    arch, tiny_models, make_llm, tmp_path
+) -> None:
+    model_dir = tiny_models[arch]
+    cfg = make_cluster_config(model_dir, all={"max_num_batched_tokens": 256})
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with running_cluster(cfg, tmp_path / "run", router=False) as rc:
+        llm = make_llm(model_dir)
+        prompts = _prompts(llm.engine.arch.vocab_size, seed=len(arch))
+        disagg = asyncio.run(_run_disaggregated(rc, prompts, params))
+        colocated = [o.token_ids for o in llm.generate(prompts, params)]
+        assert disagg == colocated
+        ties = compare_greedy(disagg, _reference(model_dir, prompts))
+        assert ties <= 2
+        _assert_nothing_held(rc)
+        _bad_push_requests_are_refused(rc, prompts[5])
+        _assert_nothing_held(rc)
+
+
+def _bad_push_requests_are_refused(rc, prompt: list[int]) -> None:
+    p = rc.node("prefill-0")
+    with grpc.insecure_channel(p.grpc_address) as ch:
+        stub = pb_grpc.PrefillServiceStub(ch)
+        info = stub.Handshake(pb.HandshakeRequest(info=_decode_handshake(rc)), timeout=5).info
+        fake_region = dict(
+            layer_name="model.layers.0.self_attn",
+            occurrence=0,
+            base_addr=1 << 20,
+            block_stride_bytes=1 << 14,
+            block_bytes=1 << 13,
+            num_blocks=8,
+        )
+        base = dict(
+            dst_session="127.0.0.1:1", dst_compat_hash=info.compat_hash, expected_src_epoch=info.epoch
+        )
+        # Unknown transfer id: NOT_FOUND, nothing written.
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushKV(
+                pb.PushKVRequest(
+                    transfer_id="nope",
+                    dst_block_ids=[0],
+                    num_tokens=4,
+                    dst_regions=[pb.Region(**fake_region)],
+                    **base,
+                ),
+                timeout=10,
+            )
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
+        # A real held transfer, then bad pushes against it.
+        tid = uuid.uuid4().hex
+        sp = SamplingParams(temperature=0.0, max_tokens=8)
+        r = stub.Prefill(
+            pb.PrefillRequest(
+                transfer_id=tid, prompt_token_ids=prompt, sampling=convert.sampling_to_pb(sp), need_send=1
+            ),
+            timeout=30,
+        )
+        assert r.kv_held
+        nblocks = -(-len(prompt) // 16)
+        good = rc.load("decode-0")
+        with pytest.raises(grpc.RpcError) as e:  # block ids outside the decode pool
+            stub.PushKV(
+                pb.PushKVRequest(
+                    transfer_id=tid,
+                    dst_block_ids=[100 + i for i in range(nblocks)],
+                    num_tokens=len(prompt),
+                    dst_regions=_decode_regions(rc, good, num_blocks=8),
+                    **base,
+                ),
+                timeout=10,
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # regions that do not match (wrong block size)
+            stub.PushKV(
+                pb.PushKVRequest(
+                    transfer_id=tid,
+                    dst_block_ids=list(range(nblocks)),
+                    num_tokens=len(prompt),
+                    dst_regions=[pb.Region(**fake_region)],
+                    **base,
+                ),
+                timeout=10,
+            )
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "model.layers.0.self_attn" in e.value.details()
+        )
+        with pytest.raises(grpc.RpcError) as e:  # stale epoch (prefill "restarted")
+            stub.PushKV(
+                pb.PushKVRequest(
+                    transfer_id=tid,
+                    dst_block_ids=[0],
+                    num_tokens=1,
+                    dst_regions=[],
+                    **{**base, "expected_src_epoch": "0000"},
+                ),
+                timeout=10,
+            )
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in e.value.details()
+        # Prefill still holds the KV and still serves: abort releases it.
+        assert rc.load("prefill-0").num_blocks_held_for_transfer == nblocks
+        assert stub.Abort(pb.AbortRequest(transfer_ids=[tid]), timeout=5).num_aborted >= 1
+
+
+def _decode_handshake(rc) -> pb.HandshakeInfo:
+    # A well-formed handshake of the same model (taken from prefill's own answer shape).
+    from pdserve.engine.model_runner import ModelRunner  # noqa: F401  (documentation: same fields)
+
+    p = rc.node("prefill-0")
+    with grpc.insecure_channel(p.grpc_address) as ch:
+        stub = pb_grpc.PrefillServiceStub(ch)
+        # Prefill answers with its info; decode of the same model sends identical fields.
+        probe = pb.HandshakeInfo()
+        try:
+            stub.Handshake(pb.HandshakeRequest(info=probe), timeout=5)
+        except grpc.RpcError:
+            pass
+    from pdserve.kvtransfer.connector import model_identity
+    from pdserve.models.config import ModelArchConfig
+
+    a = ModelArchConfig.from_model_dir(rc.cluster.model)
+    from pdserve.kvtransfer.handshake import HandshakeInfo
+
+    h = HandshakeInfo(
+        model_id=model_identity(rc.cluster.model),
+        dtype="float32",
+        block_size=16,
+        layer_names=tuple(f"model.layers.{i}.self_attn" for i in range(a.num_hidden_layers)),
+        num_kv_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        epoch="test",
+    )
+    return pb.HandshakeInfo(**h.to_dict())
+
+
+def _decode_regions(rc, load: pb.LoadReport, num_blocks: int) -> list[pb.Region]:
+    from pdserve.kvtransfer.regions import regions_for_kv_cache
+    from pdserve.models.config import ModelArchConfig
+
+    a = ModelArchConfig.from_model_dir(rc.cluster.model)
+    regs = regions_for_kv_cache(
+        1 << 30,
+        num_blocks,
+        [f"model.layers.{i}.self_attn" for i in range(a.num_hidden_layers)],
+        16,
+        a.num_key_value_heads,
+        a.head_dim,
+        4,
+    )
+    return [pb.Region(**r.to_dict()) for r in regs]
+
+
+def test_decode_with_other_dtype_is_refused_at_handshake(tiny_models, tmp_path) -> None:
+    model_dir = tiny_models["llama"]
+    cfg = make_cluster_config(model_dir, **{"decode-0": {"dtype": "bfloat16"}})
+    with running_cluster(cfg, tmp_path / "run", router=False) as rc:
+        p, d = rc.node("prefill-0"), rc.node("decode-0")
+        sp = SamplingParams(temperature=0.0, max_tokens=8)
+        prompt = list(range(40))
+        tid = uuid.uuid4().hex
+        with grpc.insecure_channel(p.grpc_address) as pch, grpc.insecure_channel(d.grpc_address) as dch:
+            first = (
+                pb_grpc.PrefillServiceStub(pch)
+                .Prefill(
+                    pb.PrefillRequest(
+                        transfer_id=tid,
+                        prompt_token_ids=prompt,
+                        sampling=convert.sampling_to_pb(sp),
+                        need_send=1,
+                    ),
+                    timeout=30,
+                )
+                .first
+            )
+            stream = pb_grpc.DecodeServiceStub(dch).Decode(
+                pb.DecodeRequest(
+                    request_id="x",
+                    prompt_token_ids=prompt,
+                    sampling=convert.sampling_to_pb(sp),
+                    output_token_ids=first.token_ids,
+                    remote_prefill=True,
+                    transfer_id=tid,
+                    prefill_address=p.grpc_address,
+                ),
+                timeout=30,
+            )
+            with pytest.raises(grpc.RpcError) as e:
+                tokens = [t for m in stream for t in m.token_ids]
+                assert not tokens
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "dtype" in e.value.details() and "bfloat16" in e.value.details()
+            assert (
+                pb_grpc.PrefillServiceStub(pch)
+                .Abort(pb.AbortRequest(transfer_ids=[tid]), timeout=5)
+                .num_aborted
+                >= 1
+            )
+        assert rc.load("decode-0").num_blocks_used == 0
+        assert rc.load("prefill-0").num_blocks_used == 0

@@ -1,0 +1,192 @@
+"""The official openai client against real router, prefill and decode processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.e2e.cluster import make_cluster_config, running_cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16})
+    with running_cluster(cfg, tmp_path_factory.mktemp("router-e2e")) as rc:
+        yield rc
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    from pdserve.models.loader import load_tokenizer
+
+    return load_tokenizer(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        g = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return g[0, len(ids) :].tolist()
+
+    return greedy
+
+
+def _client(rc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=rc.base_url, api_key="unused", max_retries=0)
+
+
+def _metric(rc, name: str) -> float:
+    text = httpx.get(rc.cluster.router_url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _wait_all_free(rc) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        reps = [rc.load("prefill-0"), rc.load("decode-0")]
+        state = [
+            (r.num_blocks_used, r.num_held_requests, r.num_blocks_held_for_transfer, r.stranded_kv_blocks)
+            for r in reps
+        ]
+        if all(s == (0, 0, 0, 0) for s in state):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: {state}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("prompt_words", [2, 60])  # local prefill on decode / disaggregated
+def test_completions_greedy_equals_transformers(cluster, tokenizer, reference, prompt_words) -> None:
+    prompt = " ".join(["disaggregated serving moves the KV cache"] * prompt_words)[: prompt_words * 12]
+    ids = tokenizer.encode(prompt)
+    resp = _client(cluster).completions.create(
+        model=cluster.model_name, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    want = tokenizer.decode(reference(ids, 24), skip_special_tokens=True)
+    assert resp.choices[0].text == want
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 24
+    _wait_all_free(cluster)
+
+
+def test_both_paths_were_taken(cluster) -> None:
+    c = _client(cluster)
+    c.completions.create(model=cluster.model_name, prompt="hi", max_tokens=2, temperature=0)
+    c.completions.create(model=cluster.model_name, prompt="word " * 40, max_tokens=2, temperature=0)
+    assert _metric(cluster, 'pdserve:router_requests_by_path_total{path="local"}') >= 1
+    assert _metric(cluster, 'pdserve:router_requests_by_path_total{path="disaggregated"}') >= 1
+
+
+def test_chat_stream_usage_is_exact(cluster, tokenizer, reference) -> None:
+    messages = [{"role": "user", "content": "Tell me about prefill and decode " * 4}]
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    stream = _client(cluster).chat.completions.create(
+        model=cluster.model_name,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage:
+            usage = chunk.usage
+    assert usage is not None and usage.prompt_tokens == len(ids) and usage.completion_tokens == 20
+    assert usage.total_tokens == len(ids) + 20
+    assert text == tokenizer.decode(reference(ids, 20), skip_special_tokens=True)
+
+
+def test_async_client_streaming_and_n(cluster) -> None:
+    async def run() -> tuple[list[str], str]:
+        c = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+        streamed = ""
+        stream = await c.completions.create(
+            model=cluster.model_name,
+            prompt="async " * 30,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for ch in stream:
+            streamed += ch.choices[0].text
+        full = await c.completions.create(
+            model=cluster.model_name,
+            prompt="async " * 30,
+            max_tokens=12,
+            temperature=0.8,
+            n=3,
+            seed=7,
+            extra_body={"ignore_eos": True},
+        )
+        await c.close()
+        return [ch.text for ch in full.choices], streamed
+
+    texts, streamed = asyncio.run(run())
+    assert len(texts) == 3 and all(texts) and streamed
+    _wait_all_free(cluster)
+
+
+def test_error_classes_leave_nothing_held(cluster) -> None:
+    c = _client(cluster)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=cluster.model_name, prompt="x", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=cluster.model_name, prompt="long " * 3000, max_tokens=10)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=cluster.model_name, prompt=[[10**7]], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=cluster.model_name, prompt="", max_tokens=4)
+    _wait_all_free(cluster)
+
+
+def test_client_disconnect_aborts_both_legs(cluster) -> None:
+    before = cluster.load("decode-0").num_aborted_total
+    body = {
+        "model": cluster.model_name,
+        "prompt": "stream me " * 40,
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    with httpx.Client(timeout=30) as h, h.stream("POST", cluster.base_url + "/completions", json=body) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got >= 3:
+                    break
+    deadline = time.monotonic() + 5
+    while cluster.load("decode-0").num_aborted_total == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.load("decode-0").num_aborted_total > before
+    _wait_all_free(cluster)

@@ -1,0 +1,65 @@
+"""Generated stubs are never hand-edited: regenerating them gives no diff."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.outputs import GenerationDelta, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
+from pdserve.rpc import convert
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_regenerating_stubs_gives_no_diff(tmp_path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            str(ROOT / "proto/pdserve/rpc/node.proto"),
+        ],
+        check=True,
+    )
+    for name in ("node_pb2.py", "node_pb2_grpc.py", "node_pb2.pyi"):
+        fresh = (tmp_path / "pdserve/rpc" / name).read_text()
+        committed = (ROOT / "pdserve/rpc" / name).read_text()
+        assert fresh == committed, (
+            f"pdserve/rpc/{name} differs from a fresh protoc run: run scripts/gen_proto.sh"
+        )
+
+
+def test_sampling_and_delta_round_trip() -> None:
+    sp = SamplingParams(temperature=0.5, top_k=3, seed=9, max_tokens=7, stop=["x"], logprobs=2, min_p=0.1)
+    assert convert.sampling_from_pb(convert.sampling_to_pb(sp)) == sp
+    d = GenerationDelta(
+        "r", [1, 2], "ab", [TokenLogprob(1, -0.5, ((1, -0.5), (4, -1.0)))], "stop", "x", 3, 2, 1
+    )
+    assert convert.delta_from_pb(convert.delta_to_pb(d)) == d
+
+
+def test_tensor_checks() -> None:
+    t = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert torch.equal(convert.tensor_from_pb(convert.tensor_to_pb(t)), t)
+    m = convert.tensor_to_pb(t)
+    m.data = m.data[:-2]
+    try:
+        convert.tensor_from_pb(m)
+        raise AssertionError("short data accepted")
+    except InvalidRequestError as e:
+        assert "bytes" in str(e)
+    bad = convert.tensor_to_pb(torch.tensor([1.0, float("nan")]))
+    try:
+        convert.tensor_from_pb(bad)
+        raise AssertionError("NaN accepted")
+    except InvalidRequestError as e:
+        assert "NaN" in str(e)
