@@ -1,0 +1,73 @@
+"""`pdserve up` (the README's main job) brings a cluster up, answers a request, stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.launcher import ports_free
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_answers_a_request_and_exits(tiny_models, tmp_path) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(tiny_models["llama"]),
+            "--base-port",
+            "32100",
+            "--run-dir",
+            str(tmp_path),
+            "--example-request",
+            "--exit-after-example",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pdserve is up" in r.stdout and "answered:" in r.stdout
+    assert (tmp_path / "cluster.yaml").exists()
+
+
+def test_up_stops_everything_on_sigterm(tiny_models, tmp_path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(tiny_models["llama"]),
+            "--base-port",
+            "32200",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    seen = ""
+    while "Ctrl-C stops everything" not in seen:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen
+        seen += line
+        assert time.monotonic() < deadline, seen
+    base = int(seen.split("http://127.0.0.1:")[1].split("/")[0])
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    time.sleep(0.5)
+    assert ports_free("127.0.0.1", list(range(base, base + 5))), "a child process still holds a port"

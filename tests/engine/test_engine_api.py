@@ -1,0 +1,98 @@
+"""Engine behaviour through the offline API: seeds, stop handling, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError, PromptTooLongError
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_models, make_llm) -> None:
+    llm = make_llm(tiny_models["qwen2"], max_num_batched_tokens=64)
+    target = list(range(3, 40))
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=32, ignore_eos=True)
+    alone = llm.generate([target], sp)[0].token_ids
+    others = [list(range(100, 100 + n)) for n in (5, 77, 130)]
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    mixed = llm.generate([others[0], target, others[1], others[2]], [noise, sp, noise, noise])
+    assert mixed[1].token_ids == alone
+    last = llm.generate([*others, target], [noise, noise, noise, sp])
+    assert last[3].token_ids == alone
+    other_seed = llm.generate([target], SamplingParams(**{**sp.__dict__, "seed": 99}))[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_strings_and_max_tokens(tiny_models, make_llm) -> None:
+    llm = make_llm(tiny_models["llama"])
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(["Once upon a time"], greedy)[0]
+    assert len(full.token_ids) == 40 and full.finish_reason == "length"
+    stop = full.text[10:13]
+    assert stop
+    cut = llm.generate(["Once upon a time"], SamplingParams(**{**greedy.__dict__, "stop": [stop]}))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    stop_tok = full.token_ids[5]
+    by_id = llm.generate(
+        ["Once upon a time"], SamplingParams(**{**greedy.__dict__, "stop_token_ids": [stop_tok]})
+    )[0]
+    assert (
+        by_id.finish_reason == "stop"
+        and by_id.token_ids == full.token_ids[: full.token_ids.index(stop_tok) + 1]
+    )
+
+
+def test_logprobs_are_returned(tiny_models, make_llm) -> None:
+    llm = make_llm(tiny_models["llama"])
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 3 and lp.top[0][0] == tok  # greedy = top-1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"presence_penalty": 5.0}, "presence_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_bad_prompts_are_rejected_before_allocation(tiny_models, make_llm) -> None:
+    llm = make_llm(tiny_models["llama"], max_model_len=128)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=8)
+    cases = [
+        ([], InvalidRequestError, "empty"),
+        ([1, 2, eng.arch.vocab_size], InvalidRequestError, "vocabulary"),
+        ([-1], InvalidRequestError, "vocabulary"),
+        (list(range(125)), PromptTooLongError, "max_model_len"),
+    ]
+    for prompt, exc, words in cases:
+        with pytest.raises(exc) as e:
+            llm.generate([prompt], sp)
+        assert words in str(e.value)
+        assert eng.kv.pool.num_used_blocks == 0 and not eng.has_unfinished()
+    # A bad request in a batch admits nothing from the batch.
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[1, 2, 3], []], sp)
+    assert not eng.has_unfinished() and eng.kv.pool.num_used_blocks == 0
+
+
+def test_max_model_len_must_fit_the_cache(tiny_models) -> None:
+    from pdserve.engine.llm import LLM
+    from pdserve.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        LLM(str(tiny_models["llama"]), num_blocks_override=4, block_size=16, max_model_len=512)
+    assert "max_model_len" in str(e.value) and "64 tokens" in str(e.value)
