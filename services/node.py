@@ -93,7 +93,7 @@ class NodeBase:
         interceptors = (
             [channel.TokenAuthInterceptor(self.opts.shared_token)] if self.opts.shared_token else []
         )
-        server = grpc.aio.server(options=channel.OPTIONS, interceptors=interceptors)
+        server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
         self.add_servicers(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -53,6 +53,11 @@ class Request:
     # Set when this request's prompt KV comes from another node (decode side) or must stay
     # resident for another node to pull (prefill side). Opaque to the scheduler core.
     kv_transfer_params: dict[str, Any] | None = None
+    # Prompt given as embeddings ([num_prompt_tokens, hidden] tensor, opaque here): the prompt
+    # token ids are placeholders, and ``cache_salt`` (a digest of the embeddings) keeps their
+    # blocks apart in the prefix cache.
+    prompt_embeds: Any | None = None
+    cache_salt: bytes = b""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -24,6 +24,14 @@ OPTIONS = [
 ]
 
 
+# Servers must accept the clients' idle keepalive pings, else they answer GOAWAY "too_many_pings".
+SERVER_OPTIONS = [
+    *OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 

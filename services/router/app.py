@@ -128,6 +128,9 @@ def create_app(
             await backend.check_capacity()
         except CapacityError as e:
             return Response(str(e), status_code=503)
+        probe = getattr(backend, "ready", None)
+        if probe is not None and not await probe():
+            return Response("not every role has a reachable node yet", status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

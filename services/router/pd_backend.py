@@ -153,6 +153,13 @@ class PDBackend:
             if not any(n.healthy for n in self.decode):
                 raise CapacityError("no decode node is reachable; retry later")
 
+    async def ready(self) -> bool:
+        """Every role can take work: a decode node and (when configured) a prefill node answer."""
+        await asyncio.gather(*(self._poll_one(n) for n in self.prefill + self.decode if not n.healthy))
+        return any(n.healthy for n in self.decode) and (
+            not self.prefill or any(n.healthy for n in self.prefill)
+        )
+
     # -- choosing nodes ---------------------------------------------------------------------------
     def _pick(
         self, nodes: list[NodeHandle], key: bytes | None, exclude: set[str] = frozenset()
@@ -214,10 +221,19 @@ class PDBackend:
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
-                if len(tried) >= len(self.prefill):  # reprefill: every prefill node failed
-                    yield _error_delta(req, f"prefill failed: {e.code().name}: {e.details()}")
+                logger.warning(
+                    "prefill leg of %s on %s failed: %s %s",
+                    req.request_id,
+                    p_node.name,
+                    e.code().name,
+                    e.details(),
+                )
+                if len(tried) >= len(self.prefill):
+                    # Every prefill node failed: prefill on the decode node instead (no transfer).
+                    self.path_total.labels("local_fallback").inc()
+                    async for d in self._decode_leg(d_node, req, None, None, []):
+                        yield d
                     return
-                logger.warning("prefill on %s failed (%s); trying another", p_node.name, e.code().name)
         assert p_node is not None
         yield first
         if first.finish_reason is not None:
@@ -289,6 +305,13 @@ class PDBackend:
                 yield _error_delta(req, "decode node closed the stream without finishing")
         except grpc.aio.AioRpcError as e:
             self.leg_failures.labels("decode", e.code().name).inc()
+            logger.warning(
+                "decode leg of %s on %s failed: %s %s",
+                req.request_id,
+                d_node.name,
+                e.code().name,
+                e.details(),
+            )
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT and transfer_id is None:
                 raise InvalidRequestError(e.details() or "invalid request") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:

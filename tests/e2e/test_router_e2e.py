@@ -190,3 +190,22 @@ def test_client_disconnect_aborts_both_legs(cluster) -> None:
         time.sleep(0.05)
     assert cluster.load("decode-0").num_aborted_total > before
     _wait_all_free(cluster)
+
+
+def test_prefill_death_falls_back_to_local_prefill(cluster, tokenizer, reference) -> None:
+    """Runs last in this module: it kills the prefill node."""
+    import os
+    import signal
+
+    p = next(c for c in cluster.children if c.name == "prefill-0")
+    os.killpg(p.proc.pid, signal.SIGKILL)
+    p.proc.wait(timeout=10)
+    prompt = "after the prefill node died " * 6
+    resp = _client(cluster).completions.create(
+        model=cluster.model_name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    want = tokenizer.decode(reference(tokenizer.encode(prompt), 16), skip_special_tokens=True)
+    assert resp.choices[0].text == want
+    assert _metric(cluster, 'pdserve:router_requests_by_path_total{path="local_fallback"}') >= 1
+    d = cluster.load("decode-0")
+    assert d.num_blocks_used == 0 and d.num_held_requests == 0
