@@ -128,7 +128,10 @@ class EngineLoop:
     def _run(self) -> None:
         eng = self.engine
         while not self._stopped.is_set():
-            block = not eng.has_unfinished()
+            # Sleep on the command queue unless a step can make progress: requests waiting only
+            # for remote KV, or a step that could schedule nothing, wait for an event (a finished
+            # pull, a new request, an abort) instead of spinning against the pull for the CPU.
+            block = not eng.has_runnable() or eng.last_step_empty
             try:
                 cmd = self._cmds.get(timeout=IDLE_WAIT_S) if block else self._cmds.get_nowait()
             except queue.Empty:
@@ -143,7 +146,7 @@ class EngineLoop:
                     cmd = None
             if self._stopped.is_set():
                 break
-            if not eng.has_unfinished():
+            if not eng.has_runnable():
                 continue
             try:
                 deltas = eng.step()

@@ -84,6 +84,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._kv_loads: list[KVLoadSpec] = []
         self.num_aborted_total = 0
+        self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d",
             config.model,
@@ -169,9 +170,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_runnable(self) -> bool:
+        return self.scheduler.has_runnable()
+
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[GenerationDelta]:
         sched = self.scheduler.schedule()
+        self.last_step_empty = sched.is_empty and not sched.kv_loads
         return self.execute_scheduled(sched)
 
     def take_kv_loads(self) -> list[KVLoadSpec]:

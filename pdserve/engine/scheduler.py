@@ -72,6 +72,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)
 
+    def has_runnable(self) -> bool:
+        """Work a step could do now (requests waiting only for remote KV are not)."""
+        return bool(self.waiting or self.running)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
