@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+.venv/bin/ruff check pdserve services tests bench
+.venv/bin/ruff format --check pdserve services tests bench
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

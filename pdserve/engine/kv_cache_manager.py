@@ -87,7 +87,9 @@ class KVCacheManager:
         while len(hashes) < n_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, req.token_ids_slice(i * bs, (i + 1) * bs), req.cache_salt))
+            hashes.append(
+                hash_block_tokens(parent, req.token_ids_slice(i * bs, (i + 1) * bs), req.cache_salt)
+            )
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest prefix-cache hit for a new request: (blocks, num tokens they cover).
