@@ -5,21 +5,27 @@ The only engine module that makes tensors. Owns the KV cache tensor of its stage
     kv_cache: [num_blocks, num_local_layers, 2, block_size, num_kv_heads, head_dim]
 
 and exposes each local layer's slice of it as a registrable memory region for KV transfer.
+
+On CUDA, pure-decode steps replay captured CUDA graphs (``pdserve.engine.cuda_graphs``, off with
+``enforce_eager``); other steps run eagerly. The attention path (torch or Triton) is chosen once
+here, by ``select_attention_backend``, and carried in every step's ``AttentionMetadata``.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.config.engine import CacheSizes, EngineConfig
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampler import Sampler, SamplerInput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError
-from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 from pdserve.models.loader import load_model
 
@@ -44,6 +50,53 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _extend_slots(slots: array, block_ids: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the KV slots of positions [start, end): one range per block touched, not per token."""
+    pos = start
+    while pos < end:
+        b = pos // block_size
+        stop = min(end, (b + 1) * block_size)
+        base = block_ids[b] * block_size - b * block_size  # slot = block_ids[b] * bs + (pos - b * bs)
+        slots.extend(range(base + pos, base + stop))
+        pos = stop
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host, request after request (see pdserve.models.attention).
+
+    Built in ``array`` buffers (C ints): a 64-request decode step costs tens of microseconds,
+    where nested lists through ``torch.tensor`` cost hundreds.
+    """
+
+    token_ids: array  # 'q' [num_tokens]
+    positions: array  # 'q' [num_tokens]
+    slots: array  # 'q' [num_tokens] block_id * block_size + offset
+    query_lens: list[int]  # [num_seqs]
+    seq_lens: list[int]  # [num_seqs] context length after this step
+    block_table_flat: array  # 'i' [num_seqs * width], each row padded with block 0
+    width: int  # blocks per block-table row: the step's longest block list
+    sample_idx: list[int]  # token rows whose hidden state is sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes exactly one token (the CUDA-graph case)."""
+        return len(self.token_ids) == len(self.seq_lens)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """[num_seqs, width] int32, sharing the host buffer."""
+        return torch.frombuffer(self.block_table_flat, dtype=torch.int32).view(self.num_seqs, self.width)
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> sampled token (chunks with sample=True)
@@ -63,6 +116,12 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
+        a = self.arch
+        self.max_model_len = config.max_model_len or a.max_position_embeddings  # as LLMEngine
+        self.attn_backend = select_attention_backend(
+            self.device, self.dtype, a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        )
+        self.cuda_graphs: CudaGraphRunner | None = None  # set by init_kv_cache on CUDA
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -106,49 +165,88 @@ class ModelRunner:
         )
         # [num_blocks, 2, block_size, num_kv_heads, head_dim] views, one per local layer
         self.layer_caches = [self.kv_cache[:, i] for i in range(self.num_local_layers)]
+        reason = self._cuda_graphs_off_reason()
+        if reason is not None:
+            logger.info("CUDA graphs off: %s", reason)
+            return
+        self.cuda_graphs = CudaGraphRunner(
+            self.model,
+            self.layer_caches,
+            max_num_seqs=min(
+                self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens
+            ),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            attn_backend=self.attn_backend,
+        )
+        self.cuda_graphs.capture()
+
+    def _cuda_graphs_off_reason(self) -> str | None:
+        if self.device.type != "cuda":
+            return f"device {self.device}"
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if self.attn_backend != "triton":
+            return f"attention backend {self.attn_backend!r} writes KV with data-dependent shapes"
+        if not (self.model.is_first_stage and self.model.is_last_stage):
+            return "pipeline stages run eagerly"
+        return None
 
     # -- one step ----------------------------------------------------------------------------
-    def _prepare(
-        self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, sched: SchedulerOutput) -> HostBatch:
+        """The step's inputs on the host (the only per-token Python work of a step)."""
         bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
+        token_ids, positions, slots = array("q"), array("q"), array("q")
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_idx: list[int] = []
-        max_blocks = 0
+        width = max(len(c.block_ids) for c in sched.chunks)
+        table = array("i")
+        zeros = [0] * width
         for c in sched.chunks:
-            token_ids.extend(c.request.token_ids_slice(c.start_pos, c.start_pos + c.num_tokens))
-            positions.extend(range(c.start_pos, c.start_pos + c.num_tokens))
-            query_lens.append(c.num_tokens)
-            seq_lens.append(c.start_pos + c.num_tokens)
+            start, n, blocks = c.start_pos, c.num_tokens, c.block_ids
+            if n == 1:  # decode: no slices, no ranges
+                token_ids.append(c.request.token_id_at(start))
+                positions.append(start)
+                b = start // bs
+                slots.append(blocks[b] * bs + start - b * bs)
+            else:
+                token_ids.extend(c.request.token_ids_slice(start, start + n))
+                positions.extend(range(start, start + n))
+                _extend_slots(slots, blocks, start, start + n, bs)
+            query_lens.append(n)
+            seq_lens.append(start + n)
             if c.sample:
                 sample_idx.append(len(token_ids) - 1)
-            max_blocks = max(max_blocks, len(c.block_ids))
-        table = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in sched.chunks]
+            table.extend(blocks)
+            table.extend(zeros[: width - len(blocks)])
+        return HostBatch(token_ids, positions, slots, query_lens, seq_lens, table, width, sample_idx)
+
+    def _to_device(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Eager inputs: two host-to-device copies (int64 per token, int32 per request)."""
+        n, b = batch.num_tokens, batch.num_seqs
         dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        bt = torch.tensor(table, dtype=torch.int32)
-        qlens_t = torch.tensor(query_lens, dtype=torch.int32)
-        req_idx = torch.repeat_interleave(torch.arange(len(query_lens)), qlens_t)
-        slots = bt[req_idx, pos_t // bs].long() * bs + pos_t % bs
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(qlens_t, 0, out=qsl[1:])
+        qsl = array("i", [0])
+        for q in batch.query_lens:
+            qsl.append(qsl[-1] + q)
+        i64 = torch.frombuffer(batch.token_ids + batch.positions + batch.slots, dtype=torch.int64)
+        i32 = torch.frombuffer(array("i", batch.seq_lens) + qsl + batch.block_table_flat, dtype=torch.int32)
+        i64_d = i64.to(dev, non_blocking=True).view(3, n)  # rows: input ids, positions, slots
+        i32_d = i32.to(dev, non_blocking=True)  # [b seq_lens | b + 1 query_start_loc | b * width table]
         meta = AttentionMetadata(
-            num_tokens=len(token_ids),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            query_start_loc=qsl.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
+            num_tokens=n,
+            slot_mapping=i64_d[2],
+            query_start_loc=i32_d[b : 2 * b + 1],
+            seq_lens=i32_d[:b],
+            block_tables=i32_d[2 * b + 1 :].view(b, batch.width),
+            query_lens_cpu=batch.query_lens,
+            seq_lens_cpu=batch.seq_lens,
+            max_query_len=max(batch.query_lens),
+            max_seq_len=max(batch.seq_lens),
+            block_size=self.block_size,
+            backend=self.attn_backend,
         )
-        ids_t = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return ids_t, pos_t.to(dev, non_blocking=True), meta, sample_idx
+        return i64_d[0], i64_d[1], meta
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -168,13 +266,26 @@ class ModelRunner:
             self._generators.pop(rid, None)
         if sched.is_empty:
             return RunnerOutput({}, {})
-        input_ids, positions, meta, sample_idx = self._prepare(sched)
-        out = self.model(input_ids, positions, self.layer_caches, meta, intermediate=intermediate)
+        batch = self._prepare(sched)
+        graphs = self.cuda_graphs
+        out: torch.Tensor | IntermediateTensors
+        if graphs is not None and intermediate is None and graphs.can_run(batch):
+            out = graphs.run(batch)  # [num_tokens, hidden], a view of the graph's output buffer
+        else:
+            input_ids, positions, meta = self._to_device(batch)
+            out = self.model(input_ids, positions, self.layer_caches, meta, intermediate=intermediate)
         if not self.model.is_last_stage:
+            assert isinstance(out, IntermediateTensors)
             return RunnerOutput({}, {}, intermediate=out)
+        assert isinstance(out, torch.Tensor)
+        sample_idx = batch.sample_idx
         if not sample_idx:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(out[sample_idx])  # [num_sampled, vocab] fp32
+        if len(sample_idx) == batch.num_tokens:  # every token samples (decode): no gather
+            hidden = out
+        else:
+            hidden = out[torch.tensor(sample_idx, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         sampling_chunks = [c for c in sched.chunks if c.sample]
         inputs = [
             SamplerInput(

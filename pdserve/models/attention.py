@@ -14,14 +14,39 @@ Tokens of a step are laid out request after request:
     query tokens : | req0: q0 tokens | req1: q1 tokens | ... |      query_start_loc = [0, q0, q0+q1, ...]
     req i context: positions [seq_lens[i] - q_i, seq_lens[i])  are the new tokens; earlier ones
                    are already in the cache (computed earlier, prefix hit or remote KV).
+
+Two implementations, picked once per runner by ``select_attention_backend`` (the one predicate,
+``triton_attention_unsupported_reason``, of what the Triton kernels can compute) and carried in
+``AttentionMetadata.backend``, so metadata building and execution agree:
+
+    kernels backend   device          -> attention path
+    ---------------   -------------   --------------------------------------------------------
+    auto              CPU             torch (gather the context, SDPA)
+    auto              CUDA            Triton (pdserve.kernels.triton_attention); unsupported: raise
+    triton            any             Triton (CPU needs TRITON_INTERPRET=1); unsupported: raise
+    torch             any             torch
+
+A slot < 0 in ``slot_mapping`` marks a padding token (a CUDA-graph batch padded up to its
+captured size): its K/V is not stored, and a request with seq_len 0 attends to nothing.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from pdserve import kernels
+from pdserve.errors import UnsupportedError
+
+AttentionBackend = Literal["torch", "triton"]
+TRITON_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_triton_impl: ModuleType | None = None
+_sm_counts: dict[torch.device, int] = {}
 
 
 @dataclass
@@ -36,16 +61,76 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    backend: AttentionBackend = "torch"  # from select_attention_backend, fixed per runner
+    # Captured for a CUDA graph: the host-side lens are static upper bounds (max_seq_len =
+    # max_model_len, query lens 1), not this step's values; only the device tensors are current.
+    static_bounds: bool = False
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
 
+# ----------------------------------------------------------------------------- backend choice
+
+
+def triton_attention_unsupported_reason(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> str | None:
+    """Why the Triton attention kernels cannot compute this case, or None if they can."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"device {device} needs CUDA, or TRITON_INTERPRET=1 set before importing triton"
+    if dtype not in TRITON_ATTENTION_DTYPES:
+        return f"dtype {dtype} is not one of fp16/bf16/fp32"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads"
+    if num_heads // num_kv_heads > 64:
+        return f"{num_heads // num_kv_heads} query heads per KV head exceed 64 (one tile)"
+    if not 0 < head_dim <= 256:
+        return f"head_dim {head_dim} is outside 1..256"
+    return None
+
+
+def select_attention_backend(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> AttentionBackend:
+    """The attention path for a runner, following the process-wide ``pdserve.kernels`` backend."""
+    backend = kernels.get_backend()
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return "torch"
+    reason = triton_attention_unsupported_reason(device, dtype, num_heads, num_kv_heads, head_dim)
+    if reason is not None:
+        raise UnsupportedError(
+            f"no Triton paged-attention kernel for {num_heads} heads / {num_kv_heads} KV heads, "
+            f"head_dim {head_dim}, {dtype} on {device}: {reason}; use the torch backend "
+            "(pdserve.kernels.set_backend('torch')) or a supported model/dtype"
+        )
+    return "triton"
+
+
+def _triton() -> ModuleType:
+    global _triton_impl
+    if _triton_impl is None:
+        from pdserve.kernels import triton_attention
+
+        _triton_impl = triton_attention
+    return _triton_impl
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _sm_counts:
+        _sm_counts[device] = _triton().device_sm_count(device)
+    return _sm_counts[device]
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the new tokens' K/V at their slots. Mutates ``kv_cache`` (a layer view) in place."""
+    """Store the new tokens' K/V at their slots (slots < 0: padding, skipped). Mutates ``kv_cache``
+    (a layer view) in place. Torch path; data-dependent when padding is present (no CUDA graph)."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     block_size = kv_cache.shape[2]
     block_ids = slot_mapping // block_size  # [num_tokens]
     offsets = slot_mapping % block_size  # [num_tokens]
@@ -93,6 +178,9 @@ def paged_attention(
     Query i of request r sits at absolute position ``seq_len_r - q_len_r + i`` and sees keys at
     positions <= its own. Returns [num_tokens, num_heads, head_dim] in q.dtype.
     """
+    if meta.backend == "triton":
+        return _paged_attention_triton(q, k, v, kv_cache, meta, scale)
+    assert meta.backend == "torch", f"attention backend {meta.backend!r}"
     num_tokens, num_heads, head_dim = q.shape
     _, two, _, num_kv_heads, cache_head_dim = kv_cache.shape
     assert two == 2 and cache_head_dim == head_dim, f"kv_cache shape {tuple(kv_cache.shape)}"
@@ -143,3 +231,38 @@ def paged_attention(
         enable_gqa=group > 1,
     )  # [B, H, max_q, D]
     return out.transpose(1, 2)[batch_idx, pos_idx].to(q.dtype)  # [num_tokens, H, D]
+
+
+def _paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The Triton path: one KV-write launch, one attention launch (plus a merge when split).
+
+    Reads only device tensors and launch-shape values (num_tokens, batch size, max_query_len as
+    decode-or-not), so it is safe inside a CUDA graph whose metadata holds static bounds.
+    """
+    num_tokens, _, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}"
+    impl = _triton()
+    impl.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    batch = meta.batch_size
+    splits = 1
+    if meta.max_query_len == 1:  # tile shape only; the kernel is the same for every query length
+        splits = impl.num_kv_splits(batch, num_kv_heads, _sm_count(q.device))
+    return impl.paged_attention(
+        q,
+        kv_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+        scale,
+        splits,
+    )
