@@ -192,6 +192,7 @@ class CudaGraphRunner:
         self.ids_pos_slots[:, :bs].copy_(host_i64, non_blocking=True)
         self.seq_lens[:bs].copy_(host_lens, non_blocking=True)
         self.block_tables[:n, : batch.width].copy_(batch.block_table, non_blocking=True)
+        self._metas[bs].refilled()
         self.num_runs += 1
         if bs not in self._graphs:
             return self._forward(bs)[:n]

@@ -33,7 +33,7 @@ captured size): its K/V is not stored, and a request with seq_len 0 attends to n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal
 
@@ -65,10 +65,17 @@ class AttentionMetadata:
     # Captured for a CUDA graph: the host-side lens are static upper bounds (max_seq_len =
     # max_model_len, query lens 1), not this step's values; only the device tensors are current.
     static_bounds: bool = False
+    # Torch path: the context gather index, built by the first layer of a step, reused by the rest.
+    # Whoever refills a metadata's tensors in place (static CUDA-graph buffers) calls refilled().
+    _ctx_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def refilled(self) -> None:
+        """The device tensors were overwritten in place for a new step: drop derived caches."""
+        self._ctx_index = None
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -140,27 +147,38 @@ def write_kv_cache(
     kv_cache[:, 1][block_ids, offsets] = v
 
 
-def _gather_context(
-    kv_cache: torch.Tensor, meta: AttentionMetadata, max_seq_len: int
+def _context_index(
+    meta: AttentionMetadata, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K, V of every request's whole context, padded to ``max_seq_len``, and the key-validity mask.
+    """Where each request's context lives in the cache, computed once per step for all layers.
 
-    Padded key slots are zeroed: they come from padding blocks or from the unwritten tail of a
-    request's last block, which may hold NaN in a ``torch.empty`` cache (0 * NaN poisons softmax@V).
+    Returns (block ids, offsets, key_valid), each [B, max_seq]. Positions past a request's
+    seq_len point at its own position 0, which is always written, so gathered padding is finite
+    (never uninitialised memory) and the mask alone excludes it.
     """
-    block_size = kv_cache.shape[2]
-    num_ctx_blocks = -(-max_seq_len // block_size)
-    assert meta.block_tables.shape[1] >= num_ctx_blocks, "block_tables too narrow for max_seq_len"
-    block_table = meta.block_tables[:, :num_ctx_blocks].long()  # [B, nb]
-    batch = block_table.shape[0]
-    kv = kv_cache[block_table]  # [B, nb, 2, block_size, Hkv, D]
-    kv = kv.transpose(1, 2).reshape(batch, 2, num_ctx_blocks * block_size, *kv.shape[-2:])
-    kv = kv[:, :, :max_seq_len]  # [B, 2, max_seq, Hkv, D]
-    key_pos = torch.arange(max_seq_len, device=kv.device)  # [max_seq]
-    key_valid = key_pos[None, :] < meta.seq_lens[:, None]  # [B, max_seq]
-    kv = kv.masked_fill(~key_valid[:, None, :, None, None], 0.0)
+    cached = meta._ctx_index
+    if cached is not None:
+        return cached
+    device = meta.block_tables.device
+    pos = torch.arange(meta.max_seq_len, device=device)  # [max_seq]
+    key_valid = pos[None, :] < meta.seq_lens[:, None]  # [B, max_seq]
+    pos = torch.where(key_valid, pos[None, :], 0)  # [B, max_seq]
+    blocks = meta.block_tables.long().gather(1, pos // block_size)  # [B, max_seq]
+    meta._ctx_index = (blocks, pos % block_size, key_valid)
+    return meta._ctx_index
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K, V of every request's whole context, padded to max_seq_len, and the key-validity mask.
+
+    One gather per layer: kv_cache[blocks, :, offsets] -> [B, max_seq, 2, Hkv, D].
+    """
+    blocks, offsets, key_valid = _context_index(meta, kv_cache.shape[2])
+    kv = kv_cache[blocks, :, offsets]  # [B, max_seq, 2, Hkv, D]
     # SDPA layout: [B, Hkv, max_seq, D]
-    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2), key_valid
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), key_valid
 
 
 def paged_attention(
@@ -192,7 +210,7 @@ def paged_attention(
     write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     batch = meta.batch_size
     group = num_heads // num_kv_heads
-    key, value, key_valid = _gather_context(kv_cache, meta, meta.max_seq_len)
+    key, value, key_valid = _gather_context(kv_cache, meta)
 
     if meta.max_query_len == 1:
         # Pure decode: one query per request, so the `group` query heads that share a KV head can
