@@ -87,6 +87,7 @@ class EngineLoop:
         kv_transfer_params: dict[str, Any] | None = None,
         output_token_ids: list[int] | None = None,
         priority: int = 0,
+        prompt_embeds: Any | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Admit a request and yield its deltas; closing the generator aborts the request."""
         q: asyncio.Queue[GenerationDelta] = asyncio.Queue()
@@ -100,6 +101,7 @@ class EngineLoop:
                     priority=priority,
                     kv_transfer_params=kv_transfer_params,
                     output_token_ids=output_token_ids,
+                    prompt_embeds=prompt_embeds,
                 )
             )
         except BaseException:

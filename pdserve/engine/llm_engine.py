@@ -6,6 +6,7 @@ Synchronous and single-threaded; services drive it from one engine thread (see
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -114,6 +115,24 @@ class LLMEngine:
                 field="max_tokens" if len(prompt_token_ids) < self.max_model_len else "prompt",
             )
 
+    def check_prompt_embeds(self, t: Any) -> Any:
+        """A [n, hidden] finite float tensor on the host, or InvalidRequestError naming the problem."""
+        import torch
+
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != self.arch.hidden_size:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidRequestError(
+                f"prompt_embeds: must be [num_tokens, {self.arch.hidden_size}], got {shape}",
+                field="prompt_embeds",
+            )
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise InvalidRequestError(
+                f"prompt_embeds: dtype {t.dtype} is not a float type", field="prompt_embeds"
+            )
+        if t.shape[0] < 1 or not bool(torch.isfinite(t).all()):
+            raise InvalidRequestError("prompt_embeds: empty, or holds NaN/inf", field="prompt_embeds")
+        return t.detach().cpu().contiguous()
+
     def tokenize(self, prompt: str) -> list[int]:
         assert self.tokenizer is not None
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
@@ -127,8 +146,16 @@ class LLMEngine:
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
         output_token_ids: list[int] | None = None,
+        prompt_embeds: Any | None = None,
     ) -> Request:
+        """Admit a request. ``prompt_embeds`` ([n, hidden] tensor) replaces the prompt: ``prompt``
+        is then ignored and n placeholder ids stand in for it."""
         params.validate()
+        salt = b""
+        if prompt_embeds is not None:
+            prompt_embeds = self.check_prompt_embeds(prompt_embeds)
+            prompt = [0] * int(prompt_embeds.shape[0])
+            salt = hashlib.blake2b(prompt_embeds.float().numpy().tobytes(), digest_size=16).digest()
         if params.n != 1:
             raise InvalidRequestError("n: the engine takes n=1 per request; fan out above it", field="n")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -143,6 +170,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            prompt_embeds=prompt_embeds,
+            cache_salt=salt,
         )
         if output_token_ids:
             req.output_token_ids.extend(output_token_ids)

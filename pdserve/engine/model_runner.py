@@ -248,6 +248,31 @@ class ModelRunner:
         )
         return i64_d[0], i64_d[1], meta
 
+    def _prompt_embeds(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Input embeddings for a step that computes prompt positions given as embeddings.
+
+        Rows of other tokens come from the embedding table; a request's prompt rows from its
+        ``prompt_embeds`` ([num_prompt_tokens, hidden]). None when no chunk needs them.
+        """
+        if not any(
+            c.request.prompt_embeds is not None and c.start_pos < c.request.num_prompt_tokens
+            for c in sched.chunks
+        ):
+            return None
+        embed = self.model.model.embed_tokens
+        assert embed is not None, "prompt embeddings reach the first pipeline stage only"
+        out = embed(input_ids)  # [num_tokens, hidden]
+        row = 0
+        for c in sched.chunks:
+            req = c.request
+            if req.prompt_embeds is not None and c.start_pos < req.num_prompt_tokens:
+                k = min(c.num_tokens, req.num_prompt_tokens - c.start_pos)
+                out[row : row + k] = req.prompt_embeds[c.start_pos : c.start_pos + k].to(
+                    out.device, out.dtype
+                )
+            row += c.num_tokens
+        return out
+
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
@@ -273,7 +298,10 @@ class ModelRunner:
             out = graphs.run(batch)  # [num_tokens, hidden], a view of the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
-            out = self.model(input_ids, positions, self.layer_caches, meta, intermediate=intermediate)
+            embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
+            out = self.model(
+                input_ids, positions, self.layer_caches, meta, intermediate=intermediate, inputs_embeds=embeds
+            )
         if not self.model.is_last_stage:
             assert isinstance(out, IntermediateTensors)
             return RunnerOutput({}, {}, intermediate=out)

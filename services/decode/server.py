@@ -152,6 +152,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 "transfer_id": request.transfer_id,
                 "prefill_address": request.prefill_address,
             }
+        embeds = None
+        if request.HasField("prompt_embeds"):
+            try:
+                embeds = convert.tensor_from_pb(request.prompt_embeds)
+            except PdserveError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
         assert node.engine_loop is not None
         gen = node.engine_loop.generate(
             list(request.prompt_token_ids),
@@ -159,6 +165,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             request.request_id,
             kv_transfer_params=kv_params,
             output_token_ids=list(request.output_token_ids) or None,
+            prompt_embeds=embeds,
         )
         try:
             async for d in gen:

@@ -117,12 +117,22 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             "need_send": max(1, request.need_send),
             "final_at_prefill": params.max_tokens == 1,
         }
+        embeds = None
+        if request.HasField("prompt_embeds"):
+            try:
+                embeds = convert.tensor_from_pb(request.prompt_embeds)
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
         node.producer.expect(tid)
         assert node.engine_loop is not None
         first = None
         try:
             async for d in node.engine_loop.generate(
-                list(request.prompt_token_ids), first_params, tid, kv_transfer_params=kv_params
+                list(request.prompt_token_ids),
+                first_params,
+                tid,
+                kv_transfer_params=kv_params,
+                prompt_embeds=embeds,
             ):
                 first = d
         except PdserveError as e:

@@ -180,18 +180,14 @@ class PDBackend:
     # -- the lifecycle --------------------------------------------------------------------------
     async def generate(self, req: BackendRequest) -> AsyncIterator[GenerationDelta]:
         self.start()
-        if req.prompt_embeds is not None:
-            raise InvalidRequestError(
-                "prompt_embeds are accepted by the API but not yet served by the engine nodes",
-                field="prompt_embeds",
-            )
         ids = req.prompt_token_ids
         bs = self.decode[0].block_size
-        hashes = hash_prompt_blocks(ids, bs)
+        # Embeddings have no token ids to hash: no affinity, no "seen on decode" shortcut.
+        hashes = hash_prompt_blocks(ids, bs) if req.prompt_embeds is None else []
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
         d_node = self._pick(self.decode, key)
         seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
-        local = len(ids) < self.policy.local_prefill_max_tokens or (
+        local = req.num_prompt_tokens < self.policy.local_prefill_max_tokens or (
             hashes and seen >= self.policy.local_prefill_min_hit_frac * len(hashes)
         )
         if local or not self.prefill:
@@ -254,6 +250,7 @@ class PDBackend:
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=convert.sampling_to_pb(req.sampling_params),
                     need_send=1,
+                    prompt_embeds=_embeds_pb(req),
                 ),
                 timeout=self.policy.prefill_timeout_s,
                 metadata=self._md,
@@ -287,6 +284,9 @@ class PDBackend:
             remote_prefill=transfer_id is not None,
             transfer_id=transfer_id or "",
             prefill_address=p_node.address if p_node else "",
+            # Decode needs the embeddings only if it prefills (local path, or recompute after a
+            # failed pull); sent always so the recompute policy stays correct.
+            prompt_embeds=_embeds_pb(req),
         )
         d_node.in_flight += 1
         call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
@@ -351,6 +351,10 @@ class PDBackend:
         for r in await asyncio.gather(*tasks, return_exceptions=True):
             if isinstance(r, BaseException):
                 logger.warning("abort after disconnect failed: %s", r)
+
+
+def _embeds_pb(req: BackendRequest) -> pb.Tensor | None:
+    return convert.tensor_to_pb(req.prompt_embeds) if req.prompt_embeds is not None else None
 
 
 def _error_delta(req: BackendRequest, message: str) -> GenerationDelta:

@@ -48,6 +48,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
         api_key=r.api_key,
         metrics=metrics,
         vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")

@@ -192,6 +192,44 @@ def test_client_disconnect_aborts_both_legs(cluster) -> None:
     _wait_all_free(cluster)
 
 
+def test_prompt_embeds_through_both_legs(cluster, tiny_models) -> None:
+    """Embeddings of token ids give the same tokens as the ids, on the local and the P/D path."""
+    import base64
+
+    from safetensors.torch import save
+
+    from pdserve.models.loader import iter_safetensors
+
+    table = dict(iter_safetensors(tiny_models["llama"], lambda n: n == "model.embed_tokens.weight"))
+    table = table["model.embed_tokens.weight"].float()
+    c = _client(cluster)
+    for n in (6, 40):  # under / over local_prefill_max_tokens (16)
+        ids = list(range(20, 20 + n))
+        by_ids = c.completions.create(
+            model=cluster.model_name,
+            prompt=ids,
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        b64 = base64.b64encode(save({"embeds": table[ids].contiguous()})).decode()
+        r = httpx.post(
+            cluster.base_url + "/completions",
+            json={
+                "model": cluster.model_name,
+                "prompt_embeds": b64,
+                "max_tokens": 10,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == by_ids.choices[0].text
+        assert r.json()["usage"]["prompt_tokens"] == n
+    _wait_all_free(cluster)
+
+
 def test_prefill_death_falls_back_to_local_prefill(cluster, tokenizer, reference) -> None:
     """Runs last in this module: it kills the prefill node."""
     import os

@@ -96,3 +96,37 @@ def test_max_model_len_must_fit_the_cache(tiny_models) -> None:
     with pytest.raises(ConfigError) as e:
         LLM(str(tiny_models["llama"]), num_blocks_override=4, block_size=16, max_model_len=512)
     assert "max_model_len" in str(e.value) and "64 tokens" in str(e.value)
+
+
+def _run(eng, rid: str, **kw) -> list[int]:
+    eng.add_request(
+        kw.pop("prompt", None), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), rid, **kw
+    )
+    toks: list[int] = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            toks += d.token_ids
+    return toks
+
+
+def test_prompt_embeds_equal_their_token_ids(tiny_models, make_llm) -> None:
+    import torch
+
+    llm = make_llm(tiny_models["qwen3"], max_num_batched_tokens=16)  # chunked: embeds cross steps
+    eng = llm.engine
+    ids = list(range(5, 45))
+    table = eng.runner.model.model.embed_tokens.weight.detach()
+    want = _run(eng, "ids", prompt=ids)
+    got = _run(eng, "embeds", prompt_embeds=table[ids].clone())
+    assert got == want
+    # Other embeddings: different tokens, and no prefix-cache hit on the placeholders.
+    hits = eng.kv.pool.num_hit_blocks
+    other = _run(eng, "other", prompt_embeds=table[ids].clone() * 1.5)
+    assert eng.kv.pool.num_hit_blocks == hits and other != want
+    with pytest.raises(InvalidRequestError, match="prompt_embeds"):
+        eng.add_request(None, SamplingParams(), "bad", prompt_embeds=torch.zeros(3, 7))
+    with pytest.raises(InvalidRequestError, match="NaN"):
+        eng.add_request(
+            None, SamplingParams(), "nan", prompt_embeds=torch.full((2, table.shape[1]), float("nan"))
+        )
+    assert not eng.has_unfinished()
