@@ -134,6 +134,7 @@ def example_request(cluster: ClusterConfig) -> str:
     from openai import OpenAI
 
     client = OpenAI(base_url=cluster.router_url + "/v1", api_key=cluster.router.api_key or "none")
+    assert cluster.model is not None
     model = cluster.served_name(cluster.model)
     resp = client.chat.completions.create(
         model=model,
@@ -170,6 +171,7 @@ def up(
         children.append(start_child(cfg_path, "router", None, run_dir))
         wait_ready(cluster, children)
         url = cluster.router_url
+        assert cluster.model is not None
         name = cluster.served_name(cluster.model)
         print(f"\npdserve is up: router {url}/v1  (model '{name}', logs in {run_dir}/)\n")
         print("try:")

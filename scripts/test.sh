@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 .venv/bin/ruff check pdserve services tests bench
 .venv/bin/ruff format --check pdserve services tests bench
+.venv/bin/mypy pdserve services
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -88,7 +88,7 @@ class EngineLoop:
         output_token_ids: list[int] | None = None,
         priority: int = 0,
         prompt_embeds: Any | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """Admit a request and yield its deltas; closing the generator aborts the request."""
         q: asyncio.Queue[GenerationDelta] = asyncio.Queue()
         self._streams[request_id] = q

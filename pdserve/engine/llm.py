@@ -59,7 +59,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Validate everything before admitting anything: a bad request allocates nothing.
-        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[arg-type]
         for ids, sp in zip(ids_list, params, strict=True):
             sp.validate()
             self.engine.validate_prompt(ids, sp)

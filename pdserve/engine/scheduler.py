@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.config.engine import SchedulerConfig
+from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import KVLoadSpec, ScheduledChunk, SchedulerOutput
@@ -174,7 +175,8 @@ class Scheduler:
                     KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, dict(params))
                 )
                 continue
-            hit_blocks, num_hit = ([], 0)
+            hit_blocks: list[KVCacheBlock] = []
+            num_hit = 0
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit

@@ -8,7 +8,7 @@ several backend requests and merges their deltas.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,7 +36,7 @@ class BackendRequest:
 
 
 class GenerateBackend(Protocol):
-    def generate(self, req: BackendRequest) -> AsyncIterator[GenerationDelta]:
+    def generate(self, req: BackendRequest) -> AsyncGenerator[GenerationDelta, None]:
         """Yield deltas for ``req`` until one has ``finish_reason`` set, then stop.
 
         The caller owns the iterator: cancelling the task that consumes it, or ``aclose()`` on

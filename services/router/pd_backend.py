@@ -17,7 +17,7 @@ import hashlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -162,8 +162,8 @@ class PDBackend:
 
     # -- choosing nodes ---------------------------------------------------------------------------
     def _pick(
-        self, nodes: list[NodeHandle], key: bytes | None, exclude: set[str] = frozenset()
-    ) -> NodeHandle:  # type: ignore[assignment]
+        self, nodes: list[NodeHandle], key: bytes | None, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> NodeHandle:
         live = [n for n in nodes if n.healthy and n.name not in exclude] or [
             n for n in nodes if n.name not in exclude
         ]
@@ -178,7 +178,7 @@ class PDBackend:
         return min(live, key=lambda n: n.load)
 
     # -- the lifecycle --------------------------------------------------------------------------
-    async def generate(self, req: BackendRequest) -> AsyncIterator[GenerationDelta]:
+    async def generate(self, req: BackendRequest) -> AsyncGenerator[GenerationDelta, None]:
         self.start()
         ids = req.prompt_token_ids
         bs = self.decode[0].block_size
@@ -274,7 +274,7 @@ class PDBackend:
         transfer_id: str | None,
         p_node: NodeHandle | None,
         first_tokens: list[int],
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         stub = pb_grpc.DecodeServiceStub(d_node.channel)
         msg = pb.DecodeRequest(
             request_id=req.request_id,

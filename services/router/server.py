@@ -20,6 +20,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
     from pdserve.models.loader import load_tokenizer
 
     model = cluster.model
+    assert model is not None, "the cluster config names no model"
     arch = ModelArchConfig.from_model_dir(model)
     max_len = min(
         [n.max_model_len or arch.max_position_embeddings for n in cluster.decode_nodes]

@@ -81,7 +81,8 @@ def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: i
     """The max_tokens a sequence runs with; raises OpenAI's context_length_exceeded when it can't fit."""
     room = ctx.max_model_len - num_prompt_tokens
     if room < 1 or (requested is not None and requested > room):
-        asked = f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in the completion)"
+        completion = requested if requested is not None else 1
+        asked = f"{num_prompt_tokens + completion} tokens ({num_prompt_tokens} in the prompt, {completion} in the completion)"
         raise PromptTooLongError(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
             + (asked if requested is not None else f"{num_prompt_tokens} tokens in the prompt")
