@@ -416,6 +416,12 @@ _BAD_EMBEDS = {
             "max_tokens",
             "context_length_exceeded",
         ),
+        (  # a prompt that fills the context, max_tokens unset (chat's default path)
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]},
+            "max_tokens",
+            "context_length_exceeded",
+        ),
         ("/v1/completions", _cmpl(n=0), "n", None),
         ("/v1/completions", _cmpl(logprobs=21), "logprobs", None),
         ("/v1/completions", _cmpl(echo=True), "echo", "unsupported"),
