@@ -209,44 +209,89 @@ def paged_attention(
 
     write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     batch = meta.batch_size
-    group = num_heads // num_kv_heads
     key, value, key_valid = _gather_context(kv_cache, meta)
 
     if meta.max_query_len == 1:
-        # Pure decode: one query per request, so the `group` query heads that share a KV head can
-        # stand in as SDPA's query axis; no padding and no causal mask beyond the key validity.
         assert num_tokens == batch
-        q_grouped = q.view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-        out = F.scaled_dot_product_attention(
-            q_grouped, key, value, attn_mask=key_valid[:, None, None, :], scale=scale
-        )  # [B, Hkv, G, D]
-        return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+        return _decode_attention(q, key, value, key_valid, num_kv_heads, scale)
 
-    # Mixed batch: scatter queries into [B, max_q, H, D]
-    #   token t of the step  ->  (batch_idx[t], pos_idx[t])
-    max_q = meta.max_query_len
+    # Mixed batch. Decode rows (one query) take the grouped path; only the prefill rows are
+    # padded to the longest query, so a prefill chunk beside many decodes costs what it costs.
+    qlens = meta.query_lens_cpu
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    dec = [i for i, n in enumerate(qlens) if n == 1]
+    pre = [i for i, n in enumerate(qlens) if n != 1]
     device = q.device
-    starts = meta.query_start_loc.long()  # [B + 1]
-    query_lens = starts[1:] - starts[:-1]  # [B]
-    batch_idx = torch.repeat_interleave(
-        torch.arange(batch, device=device), query_lens, output_size=num_tokens
-    )  # [num_tokens]
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    if dec:
+        rows = torch.tensor(dec, device=device)
+        tok = torch.tensor([starts[i] for i in dec], device=device)
+        out[tok] = _decode_attention(q[tok], key[rows], value[rows], key_valid[rows], num_kv_heads, scale)
+    rows = torch.tensor(pre, device=device)
+    tok = torch.tensor([t for i in pre for t in range(starts[i], starts[i + 1])], device=device)
+    out[tok] = _padded_attention(
+        q[tok], key[rows], value[rows], [qlens[i] for i in pre], [meta.seq_lens_cpu[i] for i in pre], scale
+    )
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_valid: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per request: the ``group`` query heads that share a KV head stand in as SDPA's
+    query axis; no padding and no causal mask beyond key validity.
+
+    q: [B, H, D]; key, value: [B, Hkv, max_seq, D]; key_valid: [B, max_seq] -> [B, H, D].
+    """
+    batch, num_heads, head_dim = q.shape
+    q_grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(
+        q_grouped, key, value, attn_mask=key_valid[:, None, None, :], scale=scale
+    )
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)  # [B, H, D]
+
+
+def _padded_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of several requests' query runs, padded to the longest.
+
+    q: [sum(query_lens), H, D] request after request; key, value: [B, Hkv, max_seq, D].
+    Query i of request r sits at absolute position seq_len_r - q_len_r + i.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    batch, num_kv_heads, max_seq, _ = key.shape
+    device = q.device
+    max_q = max(query_lens)
+    qlens_t = torch.tensor(query_lens, device=device)
+    starts = torch.cumsum(qlens_t, 0) - qlens_t  # [B]
+    #   token t  ->  (batch_idx[t], pos_idx[t]) in the padded [B, max_q] grid
+    batch_idx = torch.repeat_interleave(torch.arange(batch, device=device), qlens_t, output_size=num_tokens)
     pos_idx = torch.arange(num_tokens, device=device) - starts[batch_idx]  # [num_tokens]
     q_padded = q.new_zeros(batch, max_q, num_heads, head_dim)
     q_padded[batch_idx, pos_idx] = q
-
-    # Query i of request r is at absolute position seq_len_r - q_len_r + i (padded rows continue
-    # past seq_len_r; they see >= 1 key, so never produce NaN, and are dropped below).
-    q_abs = (meta.seq_lens.long() - query_lens)[:, None] + torch.arange(max_q, device=device)  # [B, max_q]
-    key_pos = torch.arange(meta.max_seq_len, device=device)
-    mask = key_pos[None, None, :] <= q_abs[:, :, None]  # [B, max_q, max_seq]
+    # Padded query rows continue past seq_len_r; they see >= 1 key, so never give NaN, and are dropped.
+    q_abs = (torch.tensor(seq_lens, device=device) - qlens_t)[:, None] + torch.arange(max_q, device=device)
+    mask = torch.arange(max_seq, device=device)[None, None, :] <= q_abs[:, :, None]  # [B, max_q, max_seq]
     out = F.scaled_dot_product_attention(
         q_padded.transpose(1, 2),  # [B, H, max_q, D]
         key,
         value,
         attn_mask=mask[:, None],
         scale=scale,
-        enable_gqa=group > 1,
+        enable_gqa=num_heads != num_kv_heads,
     )  # [B, H, max_q, D]
     return out.transpose(1, 2)[batch_idx, pos_idx].to(q.dtype)  # [num_tokens, H, D]
 
