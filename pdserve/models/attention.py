@@ -67,7 +67,7 @@ class AttentionMetadata:
     static_bounds: bool = False
     # Torch path: the context gather index, built by the first layer of a step, reused by the rest.
     # Whoever refills a metadata's tensors in place (static CUDA-graph buffers) calls refilled().
-    _ctx_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _ctx_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -147,38 +147,43 @@ def write_kv_cache(
     kv_cache[:, 1][block_ids, offsets] = v
 
 
-def _context_index(
-    meta: AttentionMetadata, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each request's context lives in the cache, computed once per step for all layers.
+def _context_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks holding each request's context, and which of their slots are keys; computed
+    once per step for all layers.
 
-    Returns (block ids, offsets, key_valid), each [B, max_seq]. Positions past a request's
-    seq_len point at its own position 0, which is always written, so gathered padding is finite
-    (never uninitialised memory) and the mask alone excludes it.
+    Returns (block ids [B * nb], key_valid [B, nb * block_size]) with nb = ceil(max_seq_len /
+    block_size). Slots past a request's seq_len (its last block's tail, padding blocks of the
+    block table) are gathered but masked out.
     """
     cached = meta._ctx_index
     if cached is not None:
         return cached
-    device = meta.block_tables.device
-    pos = torch.arange(meta.max_seq_len, device=device)  # [max_seq]
-    key_valid = pos[None, :] < meta.seq_lens[:, None]  # [B, max_seq]
-    pos = torch.where(key_valid, pos[None, :], 0)  # [B, max_seq]
-    blocks = meta.block_tables.long().gather(1, pos // block_size)  # [B, max_seq]
-    meta._ctx_index = (blocks, pos % block_size, key_valid)
+    nb = -(-meta.max_seq_len // block_size)
+    assert meta.block_tables.shape[1] >= nb, "block_tables too narrow for max_seq_len"
+    blocks = meta.block_tables[:, :nb].reshape(-1).long()  # [B * nb]
+    pos = torch.arange(nb * block_size, device=blocks.device)  # [nb * block_size]
+    key_valid = pos[None, :] < meta.seq_lens[:, None]  # [B, nb * block_size]
+    meta._ctx_index = (blocks, key_valid)
     return meta._ctx_index
 
 
 def _gather_context(
     kv_cache: torch.Tensor, meta: AttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K, V of every request's whole context, padded to max_seq_len, and the key-validity mask.
+    """K, V of every request's whole context in SDPA layout [B, Hkv, nb * block_size, D], and
+    the key-validity mask [B, nb * block_size].
 
-    One gather per layer: kv_cache[blocks, :, offsets] -> [B, max_seq, 2, Hkv, D].
+    Whole blocks are gathered with one index_select (row copies, about twice as fast on CPU as
+    gathering single positions), then K and V are split out of each block.
     """
-    blocks, offsets, key_valid = _context_index(meta, kv_cache.shape[2])
-    kv = kv_cache[blocks, :, offsets]  # [B, max_seq, 2, Hkv, D]
-    # SDPA layout: [B, Hkv, max_seq, D]
-    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), key_valid
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    blocks, key_valid = _context_index(meta, block_size)
+    batch = key_valid.shape[0]
+    g = kv_cache.index_select(0, blocks).view(batch, -1, 2, block_size, num_kv_heads, head_dim)
+    seq = g.shape[1] * block_size
+    key = g[:, :, 0].reshape(batch, seq, num_kv_heads, head_dim)  # [B, S, Hkv, D]
+    value = g[:, :, 1].reshape(batch, seq, num_kv_heads, head_dim)
+    return key.transpose(1, 2), value.transpose(1, 2), key_valid
 
 
 def paged_attention(

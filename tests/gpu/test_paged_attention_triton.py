@@ -42,7 +42,8 @@ def _case(
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    cache = torch.full((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), float("nan"))
+    # Never-written slots hold huge finite garbage (stale KV); the mask must keep it out.
+    cache = torch.full((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), 3e4)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(max(1, -(-s // block_size)))] for s in seq_lens]
     layer = cache[:, 1]
