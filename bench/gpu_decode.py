@@ -12,8 +12,8 @@ Measured, per batch size:
   pdserve      decode tok/s = tokens of pure-decode steps / wall time of those steps (the first
                step prefills every prompt and is excluded), for: CUDA graphs (the default), eager
                (enforce_eager), the torch paths (kernels backend "torch", eager; batch 64 only),
-               and "graphs+fusions": graphs with llama.py's rotary and SiLU*up replaced by the
-               fused Triton kernels below (a proposed change, not in the tree: patched here only).
+               and "graphs-unfused": graphs with llama.py's rotary and SiLU*up run through their
+               torch twins (the path before the fused Triton kernels; patched here only).
                For graphs, one forward's replay is timed alone (GPU time, back to back) and so is
                the host time of launching it.
   transformers generate() in bf16 with sdpa, dynamic and static cache; decode tok/s =
@@ -55,7 +55,7 @@ MODEL_SHAPE = dict(
 )
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
-MODES = ("graphs", "eager", "torch-attn", "graphs+fusions")
+MODES = ("graphs", "eager", "torch-attn", "graphs-unfused")
 MODE_BATCHES = {"torch-attn": [64]}  # the torch path is ~40x slower: one batch size shows it
 
 
@@ -95,78 +95,23 @@ def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     return torch.randint(0, MODEL_SHAPE["vocab_size"], (batch, prompt_len), generator=gen).tolist()
 
 
-# ----------------------------------------------------------------------------- proposed fusions
+# ----------------------------------------------------------------------------- unfused comparison
 
 
-def _fusion_kernels() -> tuple[Any, Any]:
-    """Fused rotary (q or k, one launch instead of ~7) and SiLU(gate)*up (one instead of two)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, sx_tok, sx_head, sc_tok,
-                    H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, H_PAD)[:, None]
-        d = tl.arange(0, HALF_PAD)[None, :]
-        m = (h < H) & (d < HALF)
-        x = x_ptr + t * sx_tok + h * sx_head + d
-        x1 = tl.load(x, mask=m).to(tl.float32)
-        x2 = tl.load(x + HALF, mask=m).to(tl.float32)
-        c = cos_ptr + t * sc_tok + d
-        s = sin_ptr + t * sc_tok + d
-        dm = d < HALF
-        c1, s1 = tl.load(c, mask=dm), tl.load(s, mask=dm)
-        c2, s2 = tl.load(c + HALF, mask=dm), tl.load(s + HALF, mask=dm)
-        o = out_ptr + t * (H * 2 * HALF) + h * (2 * HALF) + d
-        tl.store(o, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=m)
-        tl.store(o + HALF, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def silu_mul_kernel(gu_ptr, out_ptr, s_gu, inter, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = cols < inter
-        g = tl.load(gu_ptr + row * s_gu + cols, mask=m).to(tl.float32)
-        u = tl.load(gu_ptr + row * s_gu + inter + cols, mask=m).to(tl.float32)
-        tl.store(out_ptr + row * inter + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
-
-    def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n, heads, dim = x.shape
-        assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
-        out = torch.empty((n, heads, dim), dtype=x.dtype, device=x.device)
-        if n:
-            rope_kernel[(n,)](
-                x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0),
-                H=heads, H_PAD=triton.next_power_of_2(heads), HALF=dim // 2,
-                HALF_PAD=triton.next_power_of_2(dim // 2), num_warps=1,
-            )  # fmt: skip
-        return out
-
-    def mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)  # [n, 2I]
-        inter = self.intermediate_size
-        out = torch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
-        if gu.shape[0]:
-            silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, 1024))](gu, out, gu.stride(0), inter, BLOCK=1024)
-        return self.down_proj(out)
-
-    return apply_rotary, mlp_forward
-
-
-class _Fusions:
-    """Patch llama.py's apply_rotary and LlamaMLP.forward for one block (bench only)."""
+class _Unfused:
+    """Run llama.py's rotary and SiLU*up through their torch twins (the code path before the
+    fused kernels: ~7 small kernels per rotary call, 2 for SiLU*up) for one block; bench only."""
 
     def __enter__(self) -> None:
         from pdserve.models import llama
 
-        self._saved = (llama.apply_rotary, llama.LlamaMLP.forward)
-        llama.apply_rotary, llama.LlamaMLP.forward = _fusion_kernels()  # type: ignore[method-assign]
+        self._saved = (llama.apply_rotary, llama.silu_and_mul)
+        llama.apply_rotary, llama.silu_and_mul = kernels.apply_rotary_torch, kernels.silu_and_mul_torch
 
     def __exit__(self, *exc: object) -> None:
         from pdserve.models import llama
 
-        llama.apply_rotary, llama.LlamaMLP.forward = self._saved  # type: ignore[method-assign]
+        llama.apply_rotary, llama.silu_and_mul = self._saved
 
 
 # ----------------------------------------------------------------------------- pdserve
@@ -247,12 +192,12 @@ def run_pdserve(
     model_dir: Path, mode: str, batches: list[int], prompt_len: int, new_tokens: int
 ) -> list[dict]:
     backend = "torch" if mode == "torch-attn" else "auto"
-    fusions = _Fusions() if mode == "graphs+fusions" else None
+    unfused = _Unfused() if mode == "graphs-unfused" else None
     results = []
     engine = None
     with kernels.use_backend(backend):
-        if fusions:
-            fusions.__enter__()
+        if unfused:
+            unfused.__enter__()
         try:
             t0 = time.perf_counter()
             engine = _engine(model_dir, mode, max(batches), prompt_len)
@@ -291,8 +236,8 @@ def run_pdserve(
             for r in results:
                 r["weight_bytes"] = weights
         finally:
-            if fusions:
-                fusions.__exit__()
+            if unfused:
+                unfused.__exit__()
             del engine
             gc.collect()
             torch.cuda.empty_cache()
@@ -438,6 +383,37 @@ def run_attention(batches: list[int], ctx: int, copy_gbps: float) -> list[dict]:
     return results
 
 
+def run_fused_kernels(batches: list[int]) -> list[dict]:
+    """One layer's rotary (q and k) and SiLU*up at decode batch sizes: fused Triton kernel vs the
+    torch twin, GPU time in a CUDA graph of 16 calls (as in the decode step)."""
+    rows = [_fused_kernels_at(b) for b in batches]
+    for r in rows:
+        log(
+            f"fused kernels batch {r['batch']}: rotary {r['rotary_triton_us']:.1f} us "
+            f"(twin {r['rotary_torch_us']:.1f}), silu_and_mul {r['silu_and_mul_triton_us']:.1f} us "
+            f"(twin {r['silu_and_mul_torch_us']:.1f})"
+        )
+    return rows
+
+
+def _fused_kernels_at(b: int) -> dict:
+    heads, kv_heads, dim = MODEL_SHAPE["num_heads"], MODEL_SHAPE["num_kv_heads"], MODEL_SHAPE["head_dim"]
+    inter, layers = MODEL_SHAPE["intermediate_size"], MODEL_SHAPE["num_layers"]
+    cache = kernels.rotary_cos_sin_cache(torch.rand(dim // 2, device="cuda"), MAX_MODEL_LEN)
+    qkv = torch.randn((b, (heads + 2 * kv_heads) * dim), dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, : heads * dim].view(b, heads, dim)  # views of the fused output, as in the model
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(b, kv_heads, dim)
+    pos = torch.randint(0, MAX_MODEL_LEN, (b,), device="cuda")
+    gate_up = torch.randn((b, 2 * inter), dtype=torch.bfloat16, device="cuda")
+    return {
+        "batch": b,
+        "rotary_triton_us": graph_us(lambda i=0: kernels.apply_rotary(q, k, pos, cache), layers),
+        "rotary_torch_us": graph_us(lambda i=0: kernels.apply_rotary_torch(q, k, pos, cache), layers),
+        "silu_and_mul_triton_us": graph_us(lambda i=0: kernels.silu_and_mul(gate_up), layers),
+        "silu_and_mul_torch_us": graph_us(lambda i=0: kernels.silu_and_mul_torch(gate_up), layers),
+    }
+
+
 def logits_check(model_dir: Path, prompt_len: int) -> dict:
     """The benchmark model's logits at every prompt position (prefill, then 16 decode steps):
     pdserve bf16 and transformers bf16 against transformers fp32 (the tests' check, full size)."""
@@ -527,6 +503,13 @@ def print_tables(report: dict) -> None:
             f"{'decode + KV write':<20} {a['batch']:>5} {a['ctx']:>5} {a['torch_eager_us']:>14.1f} "
             f"{a['triton_eager_us']:>15.1f} {a['triton_graph_us']:>15.1f} {a['triton_of_copy']:>7.2f}"
         )
+    print()
+    hdr = f"{'per layer, in a graph':<22} {'batch':>5} {'triton us':>9} {'torch twin us':>13}"
+    print(hdr)
+    print("-" * len(hdr))
+    for f in report.get("fused_kernels", []):
+        for name in ("rotary", "silu_and_mul"):
+            print(f"{name:<22} {f['batch']:>5} {f[name + '_triton_us']:>9.1f} {f[name + '_torch_us']:>13.1f}")
     for line in report["checks"]:
         print(line)
 
@@ -724,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         "pdserve": [],
         "transformers": [],
         "attention": [],
+        "fused_kernels": [],
         "checks": [],
     }
 
@@ -736,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model ready in {args.model_dir} ({report['model_build_s']:.0f} s)")
     ctx_mean = args.prompt_len + args.new_tokens // 2
     report["attention"] = run_attention(args.batches, ctx_mean, report["copy_gbps"])
+    report["fused_kernels"] = run_fused_kernels(args.batches)
     save()
     for mode in args.modes:
         try:
@@ -769,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     # Cross-checks of greedy tokens (bf16: informative; the tests assert on tiny models).
     by = {(r["mode"], r["batch"]): r["tokens"] for r in report["pdserve"]}
     for b in args.batches:
-        for other in ("eager", "graphs+fusions"):
+        for other in ("eager", "graphs-unfused"):
             if ("graphs", b) in by and (other, b) in by:
                 same = sum(x == y for x, y in zip(by[("graphs", b)], by[(other, b)], strict=True))
                 report["checks"].append(f"batch {b}: graphs vs {other}: {same}/{b} sequences token-identical")

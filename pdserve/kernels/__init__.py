@@ -1,30 +1,46 @@
-"""Normalisation kernels: Triton on GPUs, pure-torch twins on CPU (and as test references).
+"""Kernels: Triton on GPUs, pure-torch twins on CPU (and as test references).
 
-Call sites use only the dispatching functions below; which implementation runs is decided by
-one capability predicate (``triton_can_run``); ``set_backend``/``use_backend`` force a side.
+Call sites use only the dispatching functions below (``rms_norm``, ``fused_add_rms_norm``,
+``gated_rms_norm``, ``apply_rotary``, ``silu_and_mul``); which implementation runs is decided by
+each family's one capability predicate (``triton_can_run``, ``rotary_can_run``,
+``silu_and_mul_can_run``); ``set_backend``/``use_backend`` force a side for all of them.
 """
 
 from __future__ import annotations
 
+from pdserve.kernels.activation import (
+    silu_and_mul,
+    silu_and_mul_can_run,
+    silu_and_mul_torch,
+    silu_and_mul_unsupported_reason,
+)
+from pdserve.kernels.backend import Backend, get_backend, set_backend, use_backend
 from pdserve.kernels.rmsnorm import (
     MAX_HIDDEN,
-    Backend,
     fused_add_rms_norm,
     fused_add_rms_norm_torch,
     gated_rms_norm,
     gated_rms_norm_torch,
-    get_backend,
     rms_norm,
     rms_norm_torch,
-    set_backend,
     triton_can_run,
     triton_unsupported_reason,
-    use_backend,
+)
+from pdserve.kernels.rotary import (
+    MAX_ROTARY_HEAD_DIM,
+    apply_rotary,
+    apply_rotary_torch,
+    rotary_can_run,
+    rotary_cos_sin_cache,
+    rotary_unsupported_reason,
 )
 
 __all__ = [
     "MAX_HIDDEN",
+    "MAX_ROTARY_HEAD_DIM",
     "Backend",
+    "apply_rotary",
+    "apply_rotary_torch",
     "fused_add_rms_norm",
     "fused_add_rms_norm_torch",
     "gated_rms_norm",
@@ -32,7 +48,14 @@ __all__ = [
     "get_backend",
     "rms_norm",
     "rms_norm_torch",
+    "rotary_can_run",
+    "rotary_cos_sin_cache",
+    "rotary_unsupported_reason",
     "set_backend",
+    "silu_and_mul",
+    "silu_and_mul_can_run",
+    "silu_and_mul_torch",
+    "silu_and_mul_unsupported_reason",
     "triton_can_run",
     "triton_unsupported_reason",
     "use_backend",

@@ -2,14 +2,8 @@
 
 Call sites (models) use only ``rms_norm``, ``fused_add_rms_norm`` and ``gated_rms_norm``. Each
 asks ``triton_unsupported_reason`` (the predicate behind ``triton_can_run``) whether the Triton
-kernel can compute the case:
-
-    backend   tensor on    -> runs
-    -------   ---------    ----------------------------------------------------------------
-    auto      CPU / other  torch twin (no triton import, one predicate check of overhead)
-    auto      CUDA         Triton kernel; an unsupported case raises UnsupportedError
-    triton    any          Triton kernel (CPU needs TRITON_INTERPRET=1); else UnsupportedError
-    torch     any          torch twin
+kernel can compute the case; the backend setting (``pdserve.kernels.backend``: auto, torch,
+triton) decides whether it is asked at all.
 
 The twins compute in fp32 and return the input dtype; they are the CPU path and the test
 reference. ``triton_rmsnorm`` (which imports triton) is loaded only when a Triton path is taken,
@@ -18,53 +12,25 @@ so the CPU engine never pays triton's import and tests can set TRITON_INTERPRET=
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import ModuleType
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.errors import ConfigError, UnsupportedError
+from pdserve.errors import UnsupportedError
+from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_triton
 
-Backend = Literal["auto", "torch", "triton"]
 Activation = Literal["silu", "sigmoid"]
 
 # One program normalises one row held in a single block of next_power_of_2(hidden) lanes; past
 # 16384 the row no longer fits in registers (and no supported model is that wide).
 MAX_HIDDEN = 16384
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_backend: Backend = "auto"
 _triton_impl: ModuleType | None = None
 
 
-# ----------------------------------------------------------------------------- backend choice
-
-
-def get_backend() -> Backend:
-    return _backend
-
-
-def set_backend(backend: Backend) -> Backend:
-    """Set the process-wide kernel backend; returns the previous one (tests, benchmarks)."""
-    global _backend
-    if backend not in get_args(Backend):
-        raise ConfigError(f"kernel backend {backend!r} is not one of {get_args(Backend)}")
-    previous, _backend = _backend, backend
-    return previous
-
-
-@contextmanager
-def use_backend(backend: Backend) -> Iterator[None]:
-    """Run a block with ``backend`` forced, restoring the previous setting afterwards."""
-    previous = set_backend(backend)
-    try:
-        yield
-    finally:
-        set_backend(previous)
+# ----------------------------------------------------------------------------- capability
 
 
 def triton_unsupported_reason(x: torch.Tensor, hidden: int, *operands: torch.Tensor) -> str | None:
@@ -73,13 +39,12 @@ def triton_unsupported_reason(x: torch.Tensor, hidden: int, *operands: torch.Ten
     ``x`` is the activation, ``operands`` the other tensors of the call (weight, gate, residual),
     which must share its device and be fp16/bf16/fp32 too.
     """
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"tensor on {x.device} needs CUDA, or TRITON_INTERPRET=1 set before importing triton"
+    reason = device_unsupported_reason(x, *operands)
+    if reason is not None:
+        return reason
     for t in (x, *operands):
         if t.dtype not in TRITON_DTYPES:
             return f"dtype {t.dtype} is not one of fp16/bf16/fp32"
-        if t.device != x.device:
-            return f"operands on {t.device} and {x.device}; they must share one device"
     if not 0 < hidden <= MAX_HIDDEN:
         return f"hidden size {hidden} is outside 1..{MAX_HIDDEN} (one row per block)"
     return None
@@ -92,7 +57,7 @@ def triton_can_run(x: torch.Tensor, hidden: int, *operands: torch.Tensor) -> boo
 
 def _use_triton(x: torch.Tensor, *operands: torch.Tensor) -> bool:
     """Pick Triton or the twin for one call; raise if Triton is required but cannot run."""
-    if _backend == "torch" or (_backend == "auto" and x.device.type != "cuda"):
+    if not wants_triton(x):
         return False  # the CPU hot path: two compares, no triton import
     reason = triton_unsupported_reason(x, x.shape[-1], *operands)
     if reason is not None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import ConfigError
-from pdserve.kernels import fused_add_rms_norm, rms_norm
+from pdserve.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
 from pdserve.models.attention import AttentionMetadata, paged_attention
 from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
 
@@ -47,30 +46,27 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate_half), cos/sin computed per step from positions in fp32."""
+    """Neox-style RoPE (rotate_half): a cos/sin cache of every position, built once per device.
 
-    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+    The cache ([max_positions, head_dim] fp32, see ``pdserve.kernels.rotary``) is made on the
+    first forward on a device, i.e. in the engine's warm-up before any CUDA graph capture.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
+        self.max_positions = max_positions
         # A plain attribute, not a buffer: the model may be built on the meta device and
         # materialised with to_empty(), which would leave a buffer uninitialised.
-        self._inv_freq: torch.Tensor | None = None
+        self._cache: torch.Tensor | None = None
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = self.rope.inv_freq(self.head_dim).to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [n, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-        return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [n, heads, D]; cos, sin: [n, D] fp32 -> x rotated (rotate_half convention), in x.dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """[max_positions, head_dim] fp32 on ``device``: cos | sin of position * inv_freq."""
+        if self._cache is None or self._cache.device != device:
+            inv_freq = self.rope.inv_freq(self.head_dim).to(device)  # [D/2] fp32
+            self._cache = rotary_cos_sin_cache(inv_freq, self.max_positions)
+        return self._cache
 
 
 class LlamaMLP(nn.Module):
@@ -81,8 +77,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [n, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [n, 2I] -> [n, I] -> [n, hidden]
 
 
 class LlamaAttention(nn.Module):
@@ -111,7 +106,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [n, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,  # [n]
+        cos_sin_cache: torch.Tensor,  # [max_positions, D] fp32
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -120,10 +116,8 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)  # [n, H, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
-        q, k = self.qk_norm(q, k)
-        cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = self.qk_norm(q, k)  # before RoPE (Qwen3)
+        q, k = apply_rotary(q, k, positions, cos_sin_cache)  # new contiguous tensors
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -142,7 +136,8 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,  # [n, hidden]
         residual: torch.Tensor | None,  # [n, hidden]; None before the first layer
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,  # [n]
+        cos_sin_cache: torch.Tensor,  # [max_positions, D] fp32
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -167,7 +162,7 @@ class LlamaModel(nn.Module):
         # Keyed by the global index so parameter names match the checkpoint's.
         self.layers = nn.ModuleDict({str(i): layer_cls(cfg, i) for i in range(layer_start, layer_end)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if layer_end == cfg.num_hidden_layers else None
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -220,9 +215,9 @@ class LlamaForCausalLM(nn.Module):
             assert intermediate is not None, "a later pipeline stage needs the previous stage's tensors"
             hidden, residual = intermediate.hidden_states, intermediate.residual
 
-        cos_sin = self.model.rotary_emb.cos_sin(positions)  # shared by all layers
+        cos_sin_cache = self.model.rotary_emb.cos_sin_cache(positions.device)  # shared by all layers
         for layer, kv_cache in zip(self.model.layers.values(), kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache, meta)
         assert residual is not None
 
         if not self.is_last_stage:

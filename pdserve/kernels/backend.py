@@ -1,0 +1,68 @@
+"""The process-wide kernel backend setting shared by every kernel family in ``pdserve.kernels``.
+
+    backend   tensor on    -> runs
+    -------   ---------    ----------------------------------------------------------------
+    auto      CPU / other  torch twin (no triton import, one compare of overhead)
+    auto      CUDA         Triton kernel; an unsupported case raises UnsupportedError
+    triton    any          Triton kernel (CPU needs TRITON_INTERPRET=1); else UnsupportedError
+    torch     any          torch twin
+
+Each family (rmsnorm, rotary, activation) has its own capability predicate; this module holds
+only the setting, the device half of those predicates and the decision that combines them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal, get_args
+
+import torch
+
+from pdserve.errors import ConfigError
+
+Backend = Literal["auto", "torch", "triton"]
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_backend: Backend = "auto"
+
+
+def get_backend() -> Backend:
+    return _backend
+
+
+def set_backend(backend: Backend) -> Backend:
+    """Set the process-wide kernel backend; returns the previous one (tests, benchmarks)."""
+    global _backend
+    if backend not in get_args(Backend):
+        raise ConfigError(f"kernel backend {backend!r} is not one of {get_args(Backend)}")
+    previous, _backend = _backend, backend
+    return previous
+
+
+@contextmanager
+def use_backend(backend: Backend) -> Iterator[None]:
+    """Run a block with ``backend`` forced, restoring the previous setting afterwards."""
+    previous = set_backend(backend)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def device_unsupported_reason(x: torch.Tensor, *operands: torch.Tensor) -> str | None:
+    """Why no Triton kernel can run on these tensors' device, or None: CUDA (or the interpreter),
+    one device for all."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"tensor on {x.device} needs CUDA, or TRITON_INTERPRET=1 set before importing triton"
+    for t in operands:
+        if t.device != x.device:
+            return f"operands on {t.device} and {x.device}; they must share one device"
+    return None
+
+
+def wants_triton(x: torch.Tensor) -> bool:
+    """Whether this call should take a Triton kernel (the caller then checks its predicate and
+    raises if it cannot run). The CPU hot path costs two compares and no triton import."""
+    return not (_backend == "torch" or (_backend == "auto" and x.device.type != "cuda"))
