@@ -50,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run as a script from a checkout (`python bench/engine_cpu.py`) without installing the package.
 sys.path.insert(0, str(ROOT))
 
+from bench._common import loadavg, log, pct  # noqa: E402
+
 DEFAULT_VENV = ROOT / ".bench-venvs" / "vllm"
 DEFAULT_MODEL_DIR = ROOT / ".models" / "bench-engine-cpu-llama"
 DEFAULT_OUT = ROOT / "bench" / "results" / "engine_cpu.json"
@@ -70,23 +72,6 @@ MODEL = dict(
     dtype="float32",
 )
 NUM_SPECIAL_TOKENS = 3  # make_model's <|endoftext|>, <|im_start|>, <|im_end|> are ids 0..2
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # -- vLLM venv ---------------------------------------------------------------------------------

@@ -44,22 +44,15 @@ def free_port() -> int:
 
 
 def wait_health(addr: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from pdserve.rpc.health import is_serving
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while not is_serving(addr):
         if proc.poll() is not None:
             raise RuntimeError(f"node exited with {proc.returncode}")
-        with grpc.insecure_channel(addr) as ch:
-            try:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(addr)
         time.sleep(0.5)
-    raise TimeoutError(addr)
 
 
 def metric(port: int, name: str) -> float:

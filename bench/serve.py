@@ -60,6 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run as a script from a checkout (`python bench/serve.py`) without installing the package.
 sys.path.insert(0, str(ROOT))
 
+from bench._common import loadavg, log, pct  # noqa: E402
+
 DEFAULT_VENV = ROOT / ".bench-venvs" / "guidellm"
 DEFAULT_MODEL_DIR = ROOT / ".models" / "tiny-llama"  # what `pdserve up` uses
 DEFAULT_OUT = ROOT / "bench" / "results" / "serve.json"
@@ -67,23 +69,6 @@ DEFAULT_BASE_PORT = 23500
 # < 32 tokens (the router's local_prefill_max_tokens): prefilled on the decode node.
 LATENCY_PROMPT = "Hello from the router benchmark."
 GUIDELLM_TIMEOUT_S = 480.0
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # -- guidellm venv -----------------------------------------------------------------------------

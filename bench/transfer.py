@@ -138,30 +138,6 @@ def ensure_service_model(model_dir: Path) -> Path:
     return model_dir
 
 
-def wait_nodes(cluster, children, timeout_s: float = 180.0) -> None:
-    """Every node's gRPC health says SERVING (as tests/e2e/cluster.py::_wait_nodes); fail fast."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    pending = {n.grpc_address for n in cluster.nodes}
-    while pending:
-        for c in children:
-            if c.proc.poll() is not None:
-                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text(errors='replace')[-2000:]}")
-        for addr in list(pending):
-            with grpc.insecure_channel(addr) as ch:
-                try:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        pending.discard(addr)
-                except grpc.RpcError:
-                    pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nodes not ready after {timeout_s:.0f}s: {pending}")
-        time.sleep(0.3)
-
-
 def scrape_transfer(metrics_address: str) -> dict[str, float]:
     """The node's ``pdserve:kv_transfer_*_total`` counters from its Prometheus endpoint."""
     import httpx
@@ -302,7 +278,7 @@ def summarize_services(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any
 
 def run_services(args, run_dir: Path) -> dict[str, Any]:
     from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
-    from pdserve.launcher import pick_base_port, start_child, stop_children
+    from pdserve.launcher import pick_base_port, start_child, stop_children, wait_ready
 
     model_dir = ensure_service_model(Path(args.service_model_dir)).resolve()
     print(
@@ -323,7 +299,7 @@ def run_services(args, run_dir: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         for n in cluster.nodes:
             children.append(start_child(cfg, n.role, n.name, run_dir))
-        wait_nodes(cluster, children)
+        wait_ready(cluster, children, timeout_s=180.0, router=False)
         print(f"services: nodes up in {time.monotonic() - t0:.1f}s (logs: {run_dir})", flush=True)
         raw = asyncio.run(
             drive_services(cluster, args.prompt_tokens, args.service_reps, args.service_warmup, seed=1)

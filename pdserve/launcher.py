@@ -75,11 +75,17 @@ def tail(path: Path, n: int = 30) -> str:
     return ""
 
 
-def wait_ready(cluster: ClusterConfig, children: list[Child], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Wait for every node's gRPC health and the router's /health; fail fast if a child dies."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def wait_ready(
+    cluster: ClusterConfig,
+    children: list[Child],
+    timeout_s: float = STARTUP_TIMEOUT_S,
+    *,
+    router: bool = True,
+) -> None:
+    """Wait for every node's gRPC health and (``router``) the router's /ready; fail fast if a child dies."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from pdserve.rpc.health import is_serving
 
     pending = {n.name: n.grpc_address for n in cluster.nodes}
     router_url = f"http://{cluster.router.host}:{cluster.router.port}/ready"
@@ -88,7 +94,7 @@ def wait_ready(cluster: ClusterConfig, children: list[Child], timeout_s: float =
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True
     ) as bar:
         task = bar.add_task("loading models and starting nodes", total=None)
-        router_up = False
+        router_up = not router
         while pending or not router_up:
             for c in children:
                 if c.proc.poll() is not None:
@@ -96,13 +102,8 @@ def wait_ready(cluster: ClusterConfig, children: list[Child], timeout_s: float =
                         f"{c.name} exited with code {c.proc.returncode}; its log:\n{tail(c.log_path)}"
                     )
             for name, addr in list(pending.items()):
-                with grpc.insecure_channel(addr) as ch:
-                    try:
-                        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                        if r.status == health_pb2.HealthCheckResponse.SERVING:
-                            del pending[name]
-                    except grpc.RpcError:
-                        pass
+                if is_serving(addr):
+                    del pending[name]
             if not router_up:
                 with contextlib.suppress(httpx.HTTPError):
                     router_up = httpx.get(router_url, timeout=1.0).status_code == 200

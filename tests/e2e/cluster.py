@@ -72,37 +72,10 @@ def running_cluster(
         children.append(start_child(cfg, "router", None, run_dir))
     rc = RunningCluster(cluster, children, run_dir)
     try:
-        if router:
-            wait_ready(cluster, children, timeout_s=180)
-        else:
-            _wait_nodes(cluster, children)
+        wait_ready(cluster, children, timeout_s=180, router=router)
         yield rc
     except BaseException:
         print(rc.logs())
         raise
     finally:
         stop_children(children)
-
-
-def _wait_nodes(cluster: ClusterConfig, children: list[Child]) -> None:
-    import time
-
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + 180
-    pending = {n.grpc_address for n in cluster.nodes}
-    while pending:
-        for c in children:
-            if c.proc.poll() is not None:
-                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
-        for addr in list(pending):
-            with grpc.insecure_channel(addr) as ch:
-                try:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        pending.discard(addr)
-                except grpc.RpcError:
-                    pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nodes not ready: {pending}")
-        time.sleep(0.3)
