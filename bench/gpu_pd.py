@@ -30,7 +30,7 @@ from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from services.launch import run_node
 from services.node import NodeOptions
 role, port, mport, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_model_len=4096,
+cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_model_len=4096, enforce_eager=True,
                    cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
                    scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096))
 run_node(NodeOptions(name=role + "-0", role=role, engine=cfg, grpc_port=port, metrics_port=mport))
@@ -100,12 +100,12 @@ def main() -> None:
         make_tiny_model(
             "llama",
             model,
-            hidden_size=1024,
-            num_layers=8,
-            num_heads=16,
-            num_kv_heads=8,
+            hidden_size=512,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
             head_dim=64,
-            intermediate_size=2816,
+            intermediate_size=1408,
             vocab_size=4096,
             max_position_embeddings=4096,
             dtype="bfloat16",
@@ -135,6 +135,7 @@ def main() -> None:
         pd_s = time.perf_counter() - t0
         llm = LLM(
             str(model),
+            enforce_eager=True,
             device="cuda",
             dtype="bfloat16",
             max_model_len=4096,
