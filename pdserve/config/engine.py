@@ -57,8 +57,13 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline_rank must be in [0, {self.pipeline_parallel_size}), got {self.pipeline_rank}"
             )
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported yet (see issue: multi-GPU run)")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ConfigError(
+                "tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet; "
+                "use one of them"
+            )
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
-from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -17,8 +19,11 @@ Prompt = str | list[int]
 class LLM:
     """Runs a whole batch to completion in this process.
 
-    Keyword arguments are EngineConfig fields, or CacheConfig / SchedulerConfig fields
-    (e.g. ``block_size=16``, ``max_num_batched_tokens=256``).
+    Keyword arguments are EngineConfig fields, or CacheConfig / SchedulerConfig / ParallelConfig
+    fields (e.g. ``block_size=16``, ``max_num_batched_tokens=256``, ``tensor_parallel_size=2``).
+    With tensor parallelism, worker processes run until ``close()`` (or the end of a ``with``
+    block, or interpreter exit). They are started with ``spawn``, so a script that builds a TP
+    engine at import time needs the usual ``if __name__ == "__main__":`` guard.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -26,11 +31,32 @@ class LLM:
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
         cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
+        par_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+        par_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in par_fields}
         self.config = EngineConfig(
-            model=str(model), cache=CacheConfig(**cache_kw), scheduler=SchedulerConfig(**sched_kw), **kwargs
+            model=str(model),
+            cache=CacheConfig(**cache_kw),
+            scheduler=SchedulerConfig(**sched_kw),
+            parallel=ParallelConfig(**par_kw),
+            **kwargs,
         )
         self.engine = LLMEngine(self.config)
         self._counter = 0
+        if self.config.parallel.tensor_parallel_size > 1:
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the engine's TP worker processes, if any (idempotent)."""
+        self.engine.close()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -2,6 +2,9 @@
 
 Synchronous and single-threaded; services drive it from one engine thread (see
 ``pdserve.engine.engine_loop``).
+
+With ``tensor_parallel_size`` N > 1 this engine is TP rank 0 and starts N-1 worker ranks that
+replay its state-changing calls (``pdserve.distributed.tp_worker``); ``close()`` stops them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config.engine import EngineConfig
+from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.model_runner import ModelRunner
@@ -23,7 +27,9 @@ from pdserve.engine.request import FINISH_REASON, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
-from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError, UnsupportedError
+from pdserve.models.config import ModelArchConfig
+from pdserve.models.llama import check_tp_divisible
 from pdserve.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,8 +58,37 @@ class LLMEngine:
         *,
         load_tokenizer_: bool = True,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None = None,
+        tp_rank: int = 0,
     ) -> None:
+        """``tp_rank`` > 0 only in a TP worker process (its group is already joined)."""
         self.config = config
+        self._tp_group: TPWorkerGroup | None = None
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:
+            if on_hold_for_transfer is not None:
+                raise UnsupportedError(
+                    "tensor_parallel_size > 1 with KV transfer (disaggregated serving) is not "
+                    "supported yet; use tensor_parallel_size=1 on prefill/decode nodes"
+                )
+            import torch
+
+            torch.manual_seed(config.seed)  # unseeded sampling draws the same on every rank
+        if tp > 1 and tp_rank == 0:
+            # Checked before any process starts, so a bad size fails fast with the fix.
+            check_tp_divisible(ModelArchConfig.from_model_dir(config.model), tp)
+            self._tp_group = TPWorkerGroup(config, load_tokenizer_)
+        try:
+            self._init_engine(config, load_tokenizer_, on_hold_for_transfer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_engine(
+        self,
+        config: EngineConfig,
+        load_tokenizer_: bool,
+        on_hold_for_transfer: Callable[[Request, list[int]], bool] | None,
+    ) -> None:
         self.runner = ModelRunner(config)
         arch = self.runner.arch
         self.arch = arch
@@ -95,6 +130,17 @@ class LLMEngine:
             self.cache_sizes.num_tokens,
             self.max_model_len,
         )
+
+    def close(self) -> None:
+        """Stop the TP worker ranks, if any (idempotent); a TP 1 engine holds nothing to close."""
+        if self._tp_group is not None:
+            self._tp_group.close()
+            self._tp_group = None
+
+    def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Replay a state-changing call on the TP worker ranks (no-op at TP 1 and on workers)."""
+        if self._tp_group is not None:
+            self._tp_group.call(method, *args, **kwargs)
 
     # -- admission -----------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -187,9 +233,22 @@ class LLMEngine:
             assert self.detok is not None
             self.detok.append(detok, list(output_token_ids))
         self.scheduler.add_request(req)
+        # Forwarded once admitted here (a rejected request never reaches the workers), with the
+        # resolved ids so workers neither tokenize nor draw a request id.
+        self._forward(
+            "add_request",
+            ids,
+            params,
+            rid,
+            priority=priority,
+            kv_transfer_params=kv_transfer_params,
+            output_token_ids=output_token_ids,
+            prompt_embeds=prompt_embeds,
+        )
         return req
 
     def abort(self, request_ids: list[str]) -> list[GenerationDelta]:
+        self._forward("abort", request_ids)
         out = []
         for r in self.scheduler.abort_requests(request_ids):
             self.num_aborted_total += 1
@@ -204,6 +263,7 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[GenerationDelta]:
+        self._forward("step")
         sched = self.scheduler.schedule()
         self.last_step_empty = sched.is_empty and not sched.kv_loads
         return self.execute_scheduled(sched)
@@ -217,6 +277,7 @@ class LLMEngine:
         self, request_id: str, ok: bool, policy: str, error: str = ""
     ) -> list[GenerationDelta]:
         """A remote KV pull ended (decode side). ``policy`` is kv_load_failure_policy: fail | recompute."""
+        self._forward("finish_kv_load", request_id, ok, policy, error)
         req = self.scheduler.finish_kv_load(request_id, ok, recompute_on_failure=policy == "recompute")
         if req is None or not req.is_finished or request_id not in self._tracked:
             return []
@@ -227,6 +288,10 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> list[GenerationDelta]:
         """Tier-three handling of an engine fault: every request ends with an error, blocks freed."""
+        try:
+            self._forward("fail_all", message)
+        except TPWorkerError as e:  # the fault may be a lost worker; this rank still cleans up
+            logger.error("fail_all not replayed on TP workers: %s", e)
         ids = list(self.scheduler.requests)
         out = []
         for r in self.scheduler.abort_requests(ids):
@@ -296,6 +361,7 @@ class LLMEngine:
 
     def wait_idle_frees(self, timeout_s: float = 0.0) -> None:
         """Process deferred frees (the sync engine's fence is always current)."""
+        self._forward("wait_idle_frees", timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             self.kv.process_deferred_frees()

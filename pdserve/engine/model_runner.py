@@ -2,9 +2,12 @@
 
 The only engine module that makes tensors. Owns the KV cache tensor of its stage:
 
-    kv_cache: [num_blocks, num_local_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_blocks, num_local_layers, 2, block_size, num_kv_heads / tp, head_dim]
 
 and exposes each local layer's slice of it as a registrable memory region for KV transfer.
+
+With tensor parallelism every TP rank runs one runner on its share of the heads (see
+``pdserve.models.llama``); all ranks agree on the number of KV blocks (the smallest budget).
 
 On CUDA, pure-decode steps replay captured CUDA graphs (``pdserve.engine.cuda_graphs``, off with
 ``enforce_eager``); other steps run eagerly. The attention path (torch or Triton) is chosen once
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config.engine import CacheSizes, EngineConfig
+from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampler import Sampler, SamplerInput
@@ -36,11 +40,21 @@ CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
 def resolve_device(device: str) -> torch.device:
+    """The device of this process; TP rank r on CUDA takes GPU r (``cuda:N``: GPU N + r)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if dev.type == "cuda" and tp_size() > 1:
+        index = (dev.index or 0) + tp_rank()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"TP rank {tp_rank()} needs GPU {index} but {torch.cuda.device_count()} are visible; "
+                "lower tensor_parallel_size or expose more GPUs"
+            )
+        dev = torch.device("cuda", index)
+        torch.cuda.set_device(dev)
     return dev
 
 
@@ -118,8 +132,9 @@ class ModelRunner:
         self.layer_caches: list[torch.Tensor] = []
         a = self.arch
         self.max_model_len = config.max_model_len or a.max_position_embeddings  # as LLMEngine
+        self.num_kv_heads = a.num_key_value_heads // tp_size()  # this TP rank's share
         self.attn_backend = select_attention_backend(
-            self.device, self.dtype, a.num_attention_heads, a.num_key_value_heads, a.head_dim
+            self.device, self.dtype, a.num_attention_heads // tp_size(), self.num_kv_heads, a.head_dim
         )
         self.cuda_graphs: CudaGraphRunner | None = None  # set by init_kv_cache on CUDA
 
@@ -135,7 +150,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_local_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return self.num_local_layers * 2 * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_cache_sizes(self) -> CacheSizes:
         cc = self.config.cache
@@ -150,6 +165,8 @@ class ModelRunner:
             num_blocks = int(free * cc.gpu_memory_utilization) // per_block
         else:
             num_blocks = CPU_DEFAULT_KV_BYTES // per_block
+        # Every TP rank must schedule the same blocks: free memory may differ between GPUs.
+        num_blocks = min_over_ranks(num_blocks, self.device)
         if num_blocks < 1:
             raise ConfigError(
                 f"the KV cache budget holds no block ({per_block} bytes each); raise kv_cache_memory_bytes"
@@ -159,7 +176,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
         self.kv_cache = torch.zeros(
-            (num_blocks, self.num_local_layers, 2, self.block_size, a.num_key_value_heads, a.head_dim),
+            (num_blocks, self.num_local_layers, 2, self.block_size, self.num_kv_heads, a.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
@@ -190,6 +207,8 @@ class ModelRunner:
             return f"attention backend {self.attn_backend!r} writes KV with data-dependent shapes"
         if not (self.model.is_first_stage and self.model.is_last_stage):
             return "pipeline stages run eagerly"
+        if tp_size() > 1:
+            return "tensor parallel all-reduces are not captured yet (untested on GPUs)"
         return None
 
     # -- one step ----------------------------------------------------------------------------

@@ -5,15 +5,27 @@ A stage holds decoder layers [layer_start, layer_end). Parameter names follow th
 
     qkv_proj     = cat(q_proj, k_proj, v_proj)   rows: [H*D | Hkv*D | Hkv*D]
     gate_up_proj = cat(gate_proj, up_proj)       rows: [I | I]
+
+Tensor parallelism (``pdserve.distributed.parallel_state``, read once at construction): with
+TP ranks, each rank holds H/tp query heads, Hkv/tp KV heads and I/tp MLP rows (Megatron layout):
+
+    qkv_proj, gate_up_proj   column-parallel: each component's rows sliced, rank r takes share r
+    o_proj, down_proj        row-parallel: input columns sliced; partial sums all-reduced, then
+                             the (replicated) bias is added once
+    embed_tokens, lm_head,   replicated: every rank computes the full logits and samples the same
+    norms                    token, so no gather is needed (costs vocab x hidden per rank)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pdserve.errors import ConfigError
 from pdserve.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
 from pdserve.models.attention import AttentionMetadata, paged_attention
@@ -27,6 +39,33 @@ STACKED_PARAMS: dict[str, tuple[str, str]] = {
     ".gate_proj.": (".gate_up_proj.", "gate"),
     ".up_proj.": (".gate_up_proj.", "up"),
 }
+
+
+def check_tp_divisible(cfg: ModelArchConfig, tp: int) -> None:
+    """ConfigError unless ``tp`` splits the heads, KV heads and MLP rows evenly."""
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+    }
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        g = math.gcd(*sizes.values())
+        ok = [d for d in range(1, min(g, 8) + 1) if g % d == 0]
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide the model's "
+            + ", ".join(f"{k}={v}" for k, v in bad.items())
+            + f"; use a tensor_parallel_size that divides {', '.join(f'{k}={v}' for k, v in sizes.items())} "
+            f"(e.g. one of {ok})"
+        )
+
+
+def row_parallel(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear`` whose input columns are sharded over the TP ranks: sum of partials, bias once."""
+    if tp_size() == 1:
+        return linear(x)  # the TP 1 path stays bit-identical to a plain nn.Linear
+    out = all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
 
 
 class RMSNorm(nn.Module):
@@ -72,20 +111,23 @@ class RotaryEmbedding(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        check_tp_divisible(cfg, tp_size())
+        self.intermediate_size = cfg.intermediate_size // tp_size()  # this rank's share
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [n, 2I] -> [n, I] -> [n, hidden]
+        # [n, 2I/tp] -> [n, I/tp] -> [n, hidden] (all-reduced over TP ranks)
+        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        check_tp_divisible(cfg, tp_size())
+        self.num_heads = cfg.num_attention_heads // tp_size()  # this TP rank's heads
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size()
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -113,13 +155,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [n, H, D]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
-        v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
+        q = q.view(n, self.num_heads, self.head_dim)  # [n, H/tp, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
         q, k = self.qk_norm(q, k)  # before RoPE (Qwen3)
         q, k = apply_rotary(q, k, positions, cos_sin_cache)  # new contiguous tensors
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, H, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, H/tp, D]
+        return row_parallel(self.o_proj, out.reshape(n, self.q_size))  # [n, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -177,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
                 f"inside [0, {cfg.num_hidden_layers})"
             )
         self.cfg = cfg
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()  # the checkpoint slices load_weights takes
         self.layer_start = layer_start
         self.layer_end = layer_end
         self.is_first_stage = layer_start == 0
@@ -279,18 +322,29 @@ class LlamaForCausalLM(nn.Module):
                 fused_name = name.replace(piece, fused_piece)
                 offset, size = self._shard_range(shard)
                 dst = self._param(params, fused_name, name).data.narrow(0, offset, size)
+                tensor = self._tp_slice(tensor, 0)  # column-parallel: this rank's rows
                 self._check_shape(name, dst, tensor)
                 dst.copy_(tensor)
                 return fused_name, shard
         dst = self._param(params, name, name).data
+        if name.endswith((".o_proj.weight", ".down_proj.weight")):
+            tensor = self._tp_slice(tensor, 1)  # row-parallel: this rank's input columns
         self._check_shape(name, dst, tensor)
         dst.copy_(tensor)
         return name, ""
 
+    def _tp_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This TP rank's contiguous share of ``tensor`` along ``dim`` (the whole at TP 1)."""
+        if self.tp_size == 1:
+            return tensor
+        assert tensor.shape[dim] % self.tp_size == 0, (tuple(tensor.shape), dim, self.tp_size)
+        return tensor.chunk(self.tp_size, dim)[self.tp_rank]
+
     def _shard_range(self, shard: str) -> tuple[int, int]:
-        q_size = self.cfg.num_attention_heads * self.cfg.head_dim
-        kv_size = self.cfg.num_key_value_heads * self.cfg.head_dim
-        inter = self.cfg.intermediate_size
+        """(row offset, rows) of a component inside this rank's fused parameter."""
+        q_size = self.cfg.num_attention_heads * self.cfg.head_dim // self.tp_size
+        kv_size = self.cfg.num_key_value_heads * self.cfg.head_dim // self.tp_size
+        inter = self.cfg.intermediate_size // self.tp_size
         return {
             "q": (0, q_size),
             "k": (q_size, kv_size),
