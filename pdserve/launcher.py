@@ -183,7 +183,8 @@ def up(
         )
         if send_example:
             text = example_request(cluster)
-            print(f"\nexample request through router -> prefill -> decode answered: {text!r}")
+            note = " (random demo weights: gibberish is expected)" if model is None else ""
+            print(f"\nexample request through router -> prefill -> decode answered{note}: {text!r}")
         if exit_after_example:
             return 0
         print("\nCtrl-C stops everything.")
