@@ -177,6 +177,14 @@ class PDBackend:
             return live[self._rr % len(live)]
         return min(live, key=lambda n: n.load)
 
+    def prefill_locally(self, req: BackendRequest, hashes: list[bytes], d_node: NodeHandle) -> bool:
+        """Conditional disaggregation: prefill on the decode node when the prompt is short, when
+        the decode node recently saw (nearly) all of its blocks, or when there is no prefill node."""
+        if not self.prefill or req.num_prompt_tokens < self.policy.local_prefill_max_tokens:
+            return True
+        seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
+        return bool(hashes) and seen >= self.policy.local_prefill_min_hit_frac * len(hashes)
+
     # -- the lifecycle --------------------------------------------------------------------------
     async def generate(self, req: BackendRequest) -> AsyncGenerator[GenerationDelta, None]:
         self.start()
@@ -186,11 +194,7 @@ class PDBackend:
         hashes = hash_prompt_blocks(ids, bs) if req.prompt_embeds is None else []
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
         d_node = self._pick(self.decode, key)
-        seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
-        local = req.num_prompt_tokens < self.policy.local_prefill_max_tokens or (
-            hashes and seen >= self.policy.local_prefill_min_hit_frac * len(hashes)
-        )
-        if local or not self.prefill:
+        if self.prefill_locally(req, hashes, d_node):
             self.path_total.labels("local").inc()
             async for d in self._decode_leg(d_node, req, None, None, []):
                 yield d
