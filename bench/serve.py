@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run as a script from a checkout (`python bench/serve.py`) without installing the package.
 sys.path.insert(0, str(ROOT))
 
-from bench._common import loadavg, log, pct  # noqa: E402
+from bench._common import loadavg, log, pct, run_logged, scan_logs  # noqa: E402
 
 DEFAULT_VENV = ROOT / ".bench-venvs" / "guidellm"
 DEFAULT_MODEL_DIR = ROOT / ".models" / "tiny-llama"  # what `pdserve up` uses
@@ -88,26 +88,12 @@ def guidellm_version(venv: Path) -> str | None:
     return r.stdout.strip() if r.returncode == 0 and guidellm_bin(venv).exists() else None
 
 
-def _run_logged(cmd: list[str]) -> None:
-    log("$ " + " ".join(cmd))
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        # pip is chatty; keep the lines that show progress.
-        if line.startswith(("Collecting", "Installing", "Successfully", "ERROR", "Found existing")):
-            print("    " + line.rstrip(), flush=True)
-    if proc.wait() != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
-    log(f"  done in {time.monotonic() - t0:.0f} s")
-
-
 def install_guidellm(venv: Path) -> None:
     log(f"installing guidellm into {venv} (with the CPU torch wheel, ~1 min)")
     if not (venv / "bin" / "python").exists():
-        _run_logged(["python3", "-m", "venv", str(venv)])
+        run_logged(["python3", "-m", "venv", str(venv)])
     # One command: guidellm's unpinned torch dependency would otherwise pull the CUDA build.
-    _run_logged([str(venv / "bin" / "pip"), "install", "torch==2.13.0", "guidellm"])
+    run_logged([str(venv / "bin" / "pip"), "install", "torch==2.13.0", "guidellm"])
 
 
 # -- cluster -----------------------------------------------------------------------------------
@@ -399,30 +385,6 @@ def router_latency(cluster: Cluster, model_dir: Path, n: int, warmup: int) -> di
 
 
 # -- report ------------------------------------------------------------------------------------
-# Printed by every healthy start (glog / Mooncake on a host without RDMA): not problems.
-BENIGN_LOG_LINES = (
-    "InitGoogleLogging",
-    "Local segment descriptor not found",  # Mooncake, before the first register_memory
-    "No RDMA devices found",
-    "Using default malloc/free for protocol: tcp",
-)
-
-
-def scan_logs(run_dir: Path) -> dict[str, list[str]]:
-    """WARNING / ERROR / Traceback lines of the cluster's logs (problems worth reporting)."""
-    found = {}
-    for p in sorted(run_dir.glob("*.log")):
-        if p.name == "guidellm.log":
-            continue
-        lines = [
-            ln.rstrip()
-            for ln in p.read_text(errors="replace").splitlines()
-            if re.search(r"\b(WARNING|ERROR|CRITICAL|Traceback|Exception)\b|^[EW]\d{4} ", ln)
-            and not any(b in ln for b in BENIGN_LOG_LINES)
-        ]
-        if lines:
-            found[p.name] = lines[:50]
-    return found
 
 
 def print_tables(serve: dict, lat: dict | None) -> None:
@@ -573,7 +535,7 @@ def main() -> None:
     finally:
         log("stopping the cluster")
         cluster.stop()
-        result["log_problems"] = scan_logs(run_dir)
+        result["log_problems"] = scan_logs(run_dir, skip=("guidellm.log",))
         result["total_s"] = round(time.monotonic() - t_start, 1)
         result["bench_s"] = round(time.monotonic() - t_bench, 1)  # without the install
         args.out.write_text(json.dumps(result, indent=2))

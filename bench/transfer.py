@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench._common import scan_logs
 from pdserve.kvtransfer.backend import MooncakeBackend, TransferError
 from pdserve.kvtransfer.regions import (
     MAX_DESCRIPTORS_PER_BATCH,
@@ -115,13 +116,6 @@ SERVICE_MODEL = dict(
 SERVICE_DTYPE, SERVICE_DTYPE_BYTES = "float32", 4  # what device "auto" picks on CPU, made explicit
 SERVICE_MAX_TOKENS = 4
 SERVICE_BASE_PORT = 31700
-# Lines of the node logs that are expected on this host, not problems.
-BENIGN_LOG_LINES = (
-    "Local segment descriptor not found",  # Mooncake, before the first register_memory
-    "No RDMA devices found",
-    "Using default malloc/free for protocol: tcp",
-    "Logging before InitGoogleLogging() is written to STDERR",
-)
 
 
 def service_kv_bytes_per_token() -> int:
@@ -149,21 +143,6 @@ def scrape_transfer(metrics_address: str) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
-
-
-def scan_logs(run_dir: Path) -> dict[str, list[str]]:
-    """WARNING / ERROR / Traceback lines of the node logs (what is worth reporting)."""
-    found = {}
-    for p in sorted(run_dir.glob("*.log")):
-        lines = [
-            ln.rstrip()
-            for ln in p.read_text(errors="replace").splitlines()
-            if re.search(r"\b(WARNING|ERROR|CRITICAL|Traceback|Exception)\b|^[EW]\d{4} ", ln)
-            and not any(b in ln for b in BENIGN_LOG_LINES)
-        ]
-        if lines:
-            found[p.name] = lines[:50]
-    return found
 
 
 async def timed_generate(backend, request_id: str, ids: list[int]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -40,7 +40,6 @@ class NodeOptions:
     kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
     kv_load_failure_policy: str = "recompute"  # fail | recompute (reprefill is the router's)
     shared_token: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class NodeBase:

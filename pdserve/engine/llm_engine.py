@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -358,13 +357,3 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------------
     def num_used_blocks(self) -> int:
         return self.kv.pool.num_used_blocks
-
-    def wait_idle_frees(self, timeout_s: float = 0.0) -> None:
-        """Process deferred frees (the sync engine's fence is always current)."""
-        self._forward("wait_idle_frees", timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.kv.process_deferred_frees()
-            if not self.kv.num_deferred_blocks or time.monotonic() >= deadline:
-                return
-            time.sleep(0.001)

@@ -30,7 +30,7 @@ from pdserve.engine.sampler import Sampler, SamplerInput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
-from pdserve.models.config import IntermediateTensors, ModelArchConfig
+from pdserve.models.config import IntermediateTensors
 from pdserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -139,10 +139,6 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None  # set by init_kv_cache on CUDA
 
     # -- KV cache ----------------------------------------------------------------------------
-    @property
-    def arch_config(self) -> ModelArchConfig:
-        return self.arch
-
     @property
     def num_local_layers(self) -> int:
         return len(self.model.layer_names)
