@@ -9,8 +9,10 @@ unless it is already there. Prompts are random token ids; every request generate
 --new-tokens tokens (ignore_eos).
 
 Measured, per batch size:
-  pdserve      decode tok/s = tokens of pure-decode steps / wall time of those steps (the first
-               step prefills every prompt and is excluded), for: CUDA graphs (the default), eager
+  pdserve      decode tok/s = tokens of the decode phase / its wall time (from the step that
+               returned every request's first token to the last token), driven by engine.step():
+               CUDA graphs with asynchronous scheduling (the default), "graphs-sync" (the same,
+               synchronous: schedule, run, wait, process, in turn), eager
                (enforce_eager), the torch paths (kernels backend "torch", eager; batch 64 only),
                and "graphs-unfused": graphs with llama.py's rotary and SiLU*up run through their
                torch twins (the path before the fused Triton kernels; patched here only).
@@ -55,7 +57,7 @@ MODEL_SHAPE = dict(
 )
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
-MODES = ("graphs", "eager", "torch-attn", "graphs-unfused")
+MODES = ("graphs", "graphs-sync", "eager", "torch-attn", "graphs-unfused")
 MODE_BATCHES = {"torch-attn": [64]}  # the torch path is ~40x slower: one batch size shows it
 
 
@@ -124,6 +126,7 @@ def _engine(model_dir: Path, mode: str, max_batch: int, prompt_len: int) -> LLME
         device="cuda",
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=not mode.startswith("graphs"),
+        async_scheduling=mode != "graphs-sync",  # the other modes measure other things, async
         cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch * prompt_len),
     )
@@ -131,65 +134,110 @@ def _engine(model_dir: Path, mode: str, max_batch: int, prompt_len: int) -> LLME
 
 
 def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, Any]:
-    """Run to completion; time pure-decode steps (every request already has a token) by phase."""
+    """Run to completion through ``engine.step()``; time the decode phase.
+
+    The decode window opens when every request has its first token (the step that returned
+    those also launched the first decode step, whose GPU work starts only once the prefill's
+    has ended) and closes when the last token arrives; every token received inside it counts.
+    Inside the window, ``wait`` is the host time spent blocked on the device (the step's event)
+    and ``host`` the rest of the steps' wall time: under asynchronous scheduling a wait > 0
+    means the GPU, not the host, set the pace.
+    """
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
         engine.add_request(p, params, rid)
     runner = engine.runner
-    exec_s = [0.0]
-    orig_execute = runner.execute
+    wait_s = [0.0]
+    orig_launch = runner.launch
 
-    def timed_execute(*a: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
-        r = orig_execute(*a, **kw)
-        exec_s[0] += time.perf_counter() - t
-        return r
+    def timed_launch(*a: Any, **kw: Any) -> Any:
+        pending = orig_launch(*a, **kw)
+        result = pending.result
 
-    runner.execute = timed_execute  # type: ignore[method-assign]
+        def timed_result() -> Any:
+            t = time.perf_counter()
+            if pending.event is not None:
+                pending.event.synchronize()
+            wait_s[0] += time.perf_counter() - t
+            return result()
+
+        pending.result = timed_result  # type: ignore[method-assign]
+        return pending
+
+    runner.launch = timed_launch  # type: ignore[method-assign]
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     started: set[str] = set()
     step_s: list[float] = []
-    sched_s = decode_exec_s = prefill_s = 0.0
+    t_open = None
+    wait_open = 0.0
     decode_tokens = 0
+    t_prefill = time.perf_counter()
     try:
         while engine.has_unfinished():
-            decode = len(started) == len(rids)
-            exec_before = exec_s[0]
             t0 = time.perf_counter()
-            sched = engine.scheduler.schedule()
+            deltas = engine.step()
             t1 = time.perf_counter()
-            deltas = engine.execute_scheduled(sched)
-            t2 = time.perf_counter()
+            if t_open is not None:
+                step_s.append(t1 - t0)
+                decode_tokens += sum(len(d.token_ids) for d in deltas)
             for d in deltas:
                 tokens[d.request_id].extend(d.token_ids)
                 if d.token_ids:
                     started.add(d.request_id)
-            if decode:
-                step_s.append(t2 - t0)
-                sched_s += t1 - t0
-                decode_exec_s += exec_s[0] - exec_before
-                decode_tokens += sum(len(d.token_ids) for d in deltas)
-            else:
-                prefill_s += t2 - t0
+            if t_open is None and len(started) == len(rids):
+                t_open, wait_open = t1, wait_s[0]
+        t_close = time.perf_counter()
     finally:
-        runner.execute = orig_execute  # type: ignore[method-assign]
-    total = sum(step_s)
+        runner.launch = orig_launch  # type: ignore[method-assign]
+    assert t_open is not None
+    total = t_close - t_open
+    steps = max(1, len(step_s))
+    wait = wait_s[0] - wait_open
     return {
+        "async_scheduling": engine.async_scheduling,
         "decode_steps": len(step_s),
         "decode_tokens": decode_tokens,
         "decode_tok_s": decode_tokens / total if total else 0.0,
-        "step_ms_mean": 1e3 * total / max(1, len(step_s)),
+        "step_ms_mean": 1e3 * total / steps,
         "step_ms_median": 1e3 * statistics.median(step_s) if step_s else 0.0,
-        "schedule_ms_mean": 1e3 * sched_s / max(1, len(step_s)),
-        "runner_ms_mean": 1e3 * decode_exec_s / max(1, len(step_s)),
-        "prefill_s": prefill_s,
+        "wait_ms_mean": 1e3 * wait / steps,
+        "host_ms_mean": 1e3 * (total - wait) / steps,
+        "prefill_s": t_open - t_prefill,
         "tokens": [tokens[r] for r in rids],
     }
 
 
+def _profile_replay(graphs: Any, bs: int, replays: int = 5) -> list[dict]:
+    """GPU time per replay of each kernel of the captured decode step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(bs)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total / replays
+        if us > 0:
+            rows.append({"kernel": ev.key[:90], "us_per_step": us, "calls_per_step": ev.count / replays})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    log(f"replay kernels, batch {bs} (us per step, calls per step):")
+    for r in rows[:14]:
+        log(f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
+    log(
+        f"  total {sum(r['us_per_step'] for r in rows):.1f} us in {sum(r['calls_per_step'] for r in rows):.0f} kernels"
+    )
+    return rows[:40]
+
+
 def run_pdserve(
-    model_dir: Path, mode: str, batches: list[int], prompt_len: int, new_tokens: int
+    model_dir: Path,
+    mode: str,
+    batches: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    profile_replays: bool = False,
 ) -> list[dict]:
     backend = "torch" if mode == "torch-attn" else "auto"
     unfused = _Unfused() if mode == "graphs-unfused" else None
@@ -219,8 +267,11 @@ def run_pdserve(
                         launch_s.append(time.perf_counter() - t)
                     torch.cuda.synchronize()
                     r["launch_ms"] = 1e3 * statistics.median(launch_s)
+                    if profile_replays and mode == "graphs":
+                        r["replay_kernels"] = _profile_replay(graphs, bs)
                 log(
-                    f"pdserve {mode} batch {b}: {r['decode_tok_s']:,.0f} tok/s, step {r['step_ms_mean']:.3f} ms"
+                    f"pdserve {mode} batch {b}: {r['decode_tok_s']:,.0f} tok/s, step {r['step_ms_mean']:.3f} ms "
+                    f"(host {r['host_ms_mean']:.3f}, wait {r['wait_ms_mean']:.3f})"
                     + (
                         f", replay {r['replay_ms']:.3f} ms, launch {r['launch_ms']:.3f} ms"
                         if "replay_ms" in r
@@ -247,7 +298,9 @@ def run_pdserve(
 # ----------------------------------------------------------------------------- transformers
 
 
-def run_transformers(model_dir: Path, batches: list[int], prompt_len: int, new_tokens: int) -> list[dict]:
+def run_transformers(
+    model_dir: Path, batches: list[int], prompt_len: int, new_tokens: int, caches: list[str]
+) -> list[dict]:
     """generate() with a per-step clock (a stopping criterion that never stops): decode tok/s =
     batch * (steps - 1) / (last step - first step), so the prefill is excluded. Each config is
     warmed with the same shapes first (the static cache compiles its decode step)."""
@@ -268,7 +321,7 @@ def run_transformers(model_dir: Path, batches: list[int], prompt_len: int, new_t
     results = []
     for b in batches:
         ids = torch.tensor(make_prompts(b, prompt_len, seed=b), device="cuda")
-        for cache in ("dynamic", "static"):
+        for cache in caches:
             extra = {"cache_implementation": "static"} if cache == "static" else {}
             clock = StepClock()
 
@@ -471,8 +524,8 @@ def print_tables(report: dict) -> None:
             if h["cache"] == "dynamic":
                 hf_dyn[h["batch"]] = h["decode_tok_s"]
     header = (
-        f"{'engine':<22} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'replay ms':>9} {'launch ms':>9} "
-        f"{'roof tok/s':>10} {'of roof':>7} {'vs HF dyn':>9} {'vs HF best':>10}"
+        f"{'engine':<22} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'host ms':>8} {'wait ms':>8} "
+        f"{'replay ms':>9} {'roof tok/s':>10} {'of roof':>7} {'vs HF dyn':>9} {'vs HF best':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -483,7 +536,7 @@ def print_tables(report: dict) -> None:
     for r in report["pdserve"]:
         print(
             f"{'pdserve ' + r['mode']:<22} {r['batch']:>5} {r['decode_tok_s']:>9,.0f} {r['step_ms_mean']:>8.3f} "
-            f"{r.get('replay_ms', float('nan')):>9.3f} {r.get('launch_ms', float('nan')):>9.3f} "
+            f"{r['host_ms_mean']:>8.3f} {r['wait_ms_mean']:>8.3f} {r.get('replay_ms', float('nan')):>9.3f} "
             f"{r['roofline_tok_s']:>10,.0f} {r['decode_tok_s'] / r['roofline_tok_s']:>7.2f} "
             f"{ratio(r['decode_tok_s'], hf_dyn.get(r['batch']), 9)} "
             f"{ratio(r['decode_tok_s'], hf_best.get(r['batch']), 10)}"
@@ -619,7 +672,8 @@ def profile_engine(model_dir: Path, out: Path, mode: str, batches: list[int], pr
     with kernels.use_backend("torch" if mode == "torch-attn" else "auto"):
         engine = _engine(model_dir, mode, max(batches), prompt_len)
         runner = engine.runner
-        runner._prepare = labelled("runner._prepare", runner._prepare)  # type: ignore[method-assign]
+        runner.launch = labelled("runner.launch", runner.launch)  # type: ignore[method-assign]
+        engine.scheduler.schedule = labelled("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
         runner.model.compute_logits = labelled("compute_logits", runner.model.compute_logits)  # type: ignore[method-assign]
         runner.sampler = labelled("sampler", runner.sampler)  # type: ignore[assignment]
         if runner.cuda_graphs is not None:
@@ -635,9 +689,7 @@ def profile_engine(model_dir: Path, out: Path, mode: str, batches: list[int], pr
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     with record_function("step"):
-                        with record_function("schedule"):
-                            sched = engine.scheduler.schedule()
-                        engine.execute_scheduled(sched)
+                        engine.step()
             prof.export_chrome_trace(str(out / f"trace_{mode}_b{b}.json"))
             print(f"--- {mode} batch {b}: top CPU (self) ---")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
@@ -681,6 +733,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--profile-replays", action="store_true", help="list each kernel's GPU time in a graph replay"
+    )
+    parser.add_argument(
+        "--skip-micro", action="store_true", help="skip the per-layer attention / fused-kernel timings"
+    )
+    parser.add_argument(
+        "--hf-caches",
+        nargs="+",
+        choices=("dynamic", "static"),
+        default=["dynamic", "static"],
+        help="transformers KV caches to time (static compiles its decode step: ~30 s per batch size)",
+    )
     parser.add_argument("--diagnose", action="store_true", help="profiler traces + attention sweep instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -719,15 +784,18 @@ def main(argv: list[str] | None = None) -> int:
     report["model_build_s"] = build_model(args.model_dir)
     log(f"model ready in {args.model_dir} ({report['model_build_s']:.0f} s)")
     ctx_mean = args.prompt_len + args.new_tokens // 2
-    report["attention"] = run_attention(args.batches, ctx_mean, report["copy_gbps"])
-    report["fused_kernels"] = run_fused_kernels(args.batches)
+    if not args.skip_micro:
+        report["attention"] = run_attention(args.batches, ctx_mean, report["copy_gbps"])
+        report["fused_kernels"] = run_fused_kernels(args.batches)
     save()
     for mode in args.modes:
         try:
             batches = [b for b in args.batches if b in MODE_BATCHES.get(mode, args.batches)] or args.batches[
                 -1:
             ]
-            rows = run_pdserve(args.model_dir, mode, batches, args.prompt_len, args.new_tokens)
+            rows = run_pdserve(
+                args.model_dir, mode, batches, args.prompt_len, args.new_tokens, args.profile_replays
+            )
         except Exception as e:  # keep the other modes' numbers
             log(f"pdserve {mode} failed: {type(e).__name__}: {e}")
             report["checks"].append(f"pdserve {mode} FAILED: {type(e).__name__}: {e}")
@@ -749,12 +817,12 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if not args.skip_transformers:
         report["transformers"] = run_transformers(
-            args.model_dir, args.batches, args.prompt_len, args.new_tokens
+            args.model_dir, args.batches, args.prompt_len, args.new_tokens, args.hf_caches
         )
     # Cross-checks of greedy tokens (bf16: informative; the tests assert on tiny models).
     by = {(r["mode"], r["batch"]): r["tokens"] for r in report["pdserve"]}
     for b in args.batches:
-        for other in ("eager", "graphs-unfused"):
+        for other in ("graphs-sync", "eager", "graphs-unfused"):
             if ("graphs", b) in by and (other, b) in by:
                 same = sum(x == y for x, y in zip(by[("graphs", b)], by[(other, b)], strict=True))
                 report["checks"].append(f"batch {b}: graphs vs {other}: {same}/{b} sequences token-identical")

@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python3 bench/gpu_pd.py --out DIR     (needs CUDA and mooncake-transfer-engine-cuda13)
 
-Starts a prefill and a decode node (``services.launch.run_node``) on the same GPU, runs 16
-requests of mixed lengths through the router's P/D backend, checks greedy tokens equal the
-colocated engine on the same GPU, that nothing stays held, and reports the KV write bandwidth
-against a plain device-to-device copy of the same size measured in the same run.
+Starts a prefill and a decode node (``services.launch.run_node``, CUDA graphs and asynchronous
+scheduling as by default) on the same GPU, runs 16 requests of mixed lengths through the
+router's P/D backend, checks greedy tokens equal the colocated engine on the same GPU (fp32 by
+default), that nothing stays held, and reports the KV write bandwidth against a plain
+device-to-device copy of the same size measured in the same run.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import sys
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from services.launch import run_node
 from services.node import NodeOptions
-role, port, mport, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_model_len=4096, enforce_eager=True,
+role, port, mport, model, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+cfg = EngineConfig(model=model, device="cuda", dtype=dtype, max_model_len=4096,
                    cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
                    scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096))
 run_node(NodeOptions(name=role + "-0", role=role, engine=cfg, grpc_port=port, metrics_port=mport))
@@ -85,6 +86,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--model-dir", default="/tmp/pdserve-gpu-pd-model")
+    # fp32 by default: greedy parity with the colocated engine must not hinge on bf16 rounding,
+    # which differs with the batch a request runs in (P/D and colocated batch differently).
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     import torch
 
@@ -114,7 +118,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs = {
         r: subprocess.Popen(
-            [sys.executable, "-c", NODE, r, str(g), str(m), str(model)],
+            [sys.executable, "-c", NODE, r, str(g), str(m), str(model), args.dtype],
             env=env,
             stdout=open(Path(args.out) / f"gpu_pd_{r}.log", "w"),
             stderr=subprocess.STDOUT,
@@ -135,9 +139,8 @@ def main() -> None:
         pd_s = time.perf_counter() - t0
         llm = LLM(
             str(model),
-            enforce_eager=True,
             device="cuda",
-            dtype="bfloat16",
+            dtype=args.dtype,
             max_model_len=4096,
             kv_cache_memory_bytes=2 << 30,
             max_num_batched_tokens=4096,

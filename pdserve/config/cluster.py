@@ -98,6 +98,8 @@ class NodeConfig(_Frozen):
     kv_load_failure_policy: Literal["fail", "recompute", "reprefill"] = "recompute"  # decode side
     kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer
     max_model_len: int | None = Field(default=None, ge=1)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
 

@@ -77,6 +77,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
+    # Schedule step N+1 while step N runs on the device (its tokens fed on the device); the
+    # host's scheduling, input building and output processing then hide behind the GPU. None:
+    # on for CUDA with tensor_parallel_size 1 and a whole model, off elsewhere (on the CPU the
+    # forward itself blocks the host, so there is nothing to hide).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -103,6 +103,8 @@ class ResolvedNode:
             device=n.device,
             max_model_len=n.max_model_len,
             seed=seed,
+            enforce_eager=n.enforce_eager,
+            async_scheduling=n.async_scheduling,
             cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=n.max_num_seqs, max_num_batched_tokens=n.max_num_batched_tokens

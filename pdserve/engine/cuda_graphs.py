@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.host_batch import apply_feed, staged
 from pdserve.models.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import HostBatch
+    from pdserve.engine.host_batch import HostBatch
     from pdserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -177,21 +178,26 @@ class CudaGraphRunner:
             and batch.width <= self.max_blocks_per_seq
         )
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Forward one decode batch through the graph of its padded size -> [num_seqs, hidden]."""
+    def run(self, batch: HostBatch, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward one decode batch through the graph of its padded size -> [num_seqs, hidden].
+
+        Rows listed in ``batch.feed_dst`` take their input token from ``prev_sampled`` (the
+        previous step's samples, on the device). The copies into the static buffers are queued
+        on the stream, so they wait for a replay still reading them.
+        """
         assert self.can_run(batch), (batch.num_tokens, batch.num_seqs, batch.width)
         n = batch.num_seqs
         bs = self.padded_size(n)
         pad = bs - n
         zeros = array("q", bytes(8 * pad))
-        host_i64 = torch.frombuffer(
-            batch.token_ids + zeros + batch.positions + zeros + batch.slots + array("q", [-1] * pad),
-            dtype=torch.int64,
-        ).view(3, bs)  # rows: ids, positions, slots; padding: token 0, position 0, slot -1
-        host_lens = torch.frombuffer(array("i", batch.seq_lens + [0] * pad), dtype=torch.int32)  # [bs]
-        self.ids_pos_slots[:, :bs].copy_(host_i64, non_blocking=True)
-        self.seq_lens[:bs].copy_(host_lens, non_blocking=True)
-        self.block_tables[:n, : batch.width].copy_(batch.block_table, non_blocking=True)
+        # rows: ids, positions, slots; padding: token 0, position 0, slot -1
+        i64 = batch.token_ids + zeros + batch.positions + zeros + batch.slots + array("q", [-1] * pad)
+        self.ids_pos_slots[:, :bs].copy_(staged(i64, torch.int64, self.device).view(3, bs), non_blocking=True)
+        lens = array("i", batch.seq_lens) + array("i", bytes(4 * pad))  # [bs]
+        self.seq_lens[:bs].copy_(staged(lens, torch.int32, self.device), non_blocking=True)
+        table = staged(batch.block_table_flat, torch.int32, self.device).view(n, batch.width)
+        self.block_tables[:n, : batch.width].copy_(table, non_blocking=True)
+        apply_feed(self.ids_pos_slots[0], batch, prev_sampled)
         self._metas[bs].refilled()
         self.num_runs += 1
         if bs not in self._graphs:

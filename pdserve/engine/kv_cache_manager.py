@@ -135,15 +135,26 @@ class KVCacheManager:
         st.blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
-    def cache_computed_blocks(self, req: Request) -> None:
-        """Register the request's blocks that became full and computed (after a step ran)."""
+    def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks ``allocate_slots(req, num_new_tokens)`` would take from the pool (no prefix hit)."""
+        st = self._reqs.get(req.request_id)
+        have = len(st.blocks) if st else 0
+        return max(0, self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - have)
+
+    def cache_computed_blocks(self, req: Request, num_computed_tokens: int | None = None) -> None:
+        """Register the request's blocks that became full and computed (after a step ran).
+
+        ``num_computed_tokens``: positions whose KV is written (default: the request's counter,
+        which may run ahead of the GPU under asynchronous scheduling).
+        """
         if not self.enable_prefix_caching:
             return
         st = self._reqs.get(req.request_id)
         if st is None:
             return
         self._update_hashes(req)
-        n_full = min(req.num_computed_tokens // self.block_size, len(st.blocks), len(req.block_hashes))
+        done = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        n_full = min(done // self.block_size, len(st.blocks), len(req.block_hashes))
         for i in range(st.num_hashed_blocks, n_full):
             self.pool.cache_block(st.blocks[i], req.block_hashes[i])
         st.num_hashed_blocks = max(st.num_hashed_blocks, n_full)

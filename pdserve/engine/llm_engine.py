@@ -1,7 +1,19 @@
 """The engine: admit requests, and step() = schedule -> run the model -> post-process.
 
-Synchronous and single-threaded; services drive it from one engine thread (see
-``pdserve.engine.engine_loop``).
+Single-threaded; services drive it from one engine thread (see ``pdserve.engine.engine_loop``).
+
+With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA) a step
+launches its device work and then post-processes the *previous* step, whose samples are ready
+by then, so the host's work hides behind the GPU's:
+
+    host   | sched N+1 | launch N+1 | wait N, process N | sched N+2 | launch N+2 | wait N+1 ...
+    GPU    |  ... step N ............|.. step N+1 ...............................| step N+2
+
+``step()`` therefore returns the deltas of the step before the one it launched. When the next
+step cannot be scheduled ahead (``Scheduler.can_schedule_ahead``: penalties, min_tokens, memory
+short enough that a preemption may be needed), the in-flight step is completed first, which is
+the synchronous order. A request that stops (eos, stop string) is found one step late; the
+row computed for it meanwhile is dropped.
 
 With ``tensor_parallel_size`` N > 1 this engine is TP rank 0 and starts N-1 worker ranks that
 replay its state-changing calls (``pdserve.distributed.tp_worker``); ``close()`` stops them.
@@ -20,7 +32,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, PendingStep
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.request import FINISH_REASON, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -118,17 +130,32 @@ class LLMEngine:
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._kv_loads: list[KVLoadSpec] = []
+        self.async_scheduling = self._resolve_async(config)
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not processed
         self.num_aborted_total = 0
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d",
+            "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d, async scheduling %s",
             config.model,
             self.runner.device,
             self.runner.dtype,
             self.cache_sizes.num_blocks,
             self.cache_sizes.num_tokens,
             self.max_model_len,
+            "on" if self.async_scheduling else "off",
         )
+
+    def _resolve_async(self, config: EngineConfig) -> bool:
+        whole_model = self.runner.model.is_first_stage and self.runner.model.is_last_stage
+        tp = config.parallel.tensor_parallel_size
+        if config.async_scheduling is None:
+            return self.runner.device.type == "cuda" and tp == 1 and whole_model
+        if config.async_scheduling and (tp > 1 or not whole_model):
+            raise UnsupportedError(
+                "async_scheduling=True needs tensor_parallel_size=1 and a whole model (one pipeline "
+                "stage); leave it unset (auto) or set it to False"
+            )
+        return config.async_scheduling
 
     def close(self) -> None:
         """Stop the TP worker ranks, if any (idempotent); a TP 1 engine holds nothing to close."""
@@ -255,17 +282,23 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     def has_runnable(self) -> bool:
-        return self.scheduler.has_runnable()
+        """A step would make progress: work to schedule, or a launched step to process."""
+        return self._inflight is not None or self.scheduler.has_runnable()
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[GenerationDelta]:
+        """Schedule and launch one step; returns the deltas of the step that completed (this one
+        when synchronous, the previous one under asynchronous scheduling)."""
         self._forward("step")
+        deltas: list[GenerationDelta] = []
+        if self._inflight is not None and not self.scheduler.can_schedule_ahead():
+            deltas = self._complete_inflight()
         sched = self.scheduler.schedule()
-        self.last_step_empty = sched.is_empty and not sched.kv_loads
-        return self.execute_scheduled(sched)
+        self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
+        return deltas + self.execute_scheduled(sched)
 
     def take_kv_loads(self) -> list[KVLoadSpec]:
         """Remote KV pulls the last steps asked for (decode side); the connector starts them."""
@@ -291,6 +324,14 @@ class LLMEngine:
             self._forward("fail_all", message)
         except TPWorkerError as e:  # the fault may be a lost worker; this rank still cleans up
             logger.error("fail_all not replayed on TP workers: %s", e)
+        if self._inflight is not None:
+            sched, pending = self._inflight
+            self._inflight = None
+            try:  # let its device work end before its blocks are reused
+                pending.result()
+            except Exception as e:  # the fault may be this very step; this rank still cleans up
+                logger.error("in-flight step %d did not complete: %s", sched.step_seq, e)
+            self.fence.advance(sched.step_seq)
         ids = list(self.scheduler.requests)
         out = []
         for r in self.scheduler.abort_requests(ids):
@@ -300,13 +341,30 @@ class LLMEngine:
         return out
 
     def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
+        """Launch ``sched``; returns the deltas of whichever step completed meanwhile."""
         self._kv_loads.extend(sched.kv_loads)
         if sched.is_empty:
-            self.runner.execute(sched)  # lets the runner drop finished requests' state
+            deltas = self._complete_inflight()  # nothing to overlap it with
+            self.runner.drop_finished(sched.finished_req_ids)
             self.fence.advance(sched.step_seq)
+            return deltas
+        pending = self.runner.launch(sched)
+        if not self.async_scheduling:
+            return self._complete(sched, pending)
+        prev, self._inflight = self._inflight, (sched, pending)
+        return self._complete(*prev) if prev is not None else []
+
+    def _complete_inflight(self) -> list[GenerationDelta]:
+        if self._inflight is None:
             return []
-        out = self.runner.execute(sched)
+        prev, self._inflight = self._inflight, None
+        return self._complete(*prev)
+
+    def _complete(self, sched: SchedulerOutput, pending: PendingStep) -> list[GenerationDelta]:
+        """Wait for a launched step, then advance the fence and process its samples."""
+        out = pending.result()
         self.fence.advance(sched.step_seq)
+        self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
         touched = self.scheduler.update_from_output(sched, out.sampled)
         return self._process(touched, out.logprobs)
 

@@ -25,8 +25,9 @@ import torch
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
+from pdserve.engine.host_batch import HostBatch, apply_feed, build_host_batch, to_device
 from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampler import Sampler, SamplerInput
+from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
@@ -64,58 +65,35 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _extend_slots(slots: array, block_ids: list[int], start: int, end: int, block_size: int) -> None:
-    """Append the KV slots of positions [start, end): one range per block touched, not per token."""
-    pos = start
-    while pos < end:
-        b = pos // block_size
-        stop = min(end, (b + 1) * block_size)
-        base = block_ids[b] * block_size - b * block_size  # slot = block_ids[b] * bs + (pos - b * bs)
-        slots.extend(range(base + pos, base + stop))
-        pos = stop
-
-
-@dataclass
-class HostBatch:
-    """One step's inputs on the host, request after request (see pdserve.models.attention).
-
-    Built in ``array`` buffers (C ints): a 64-request decode step costs tens of microseconds,
-    where nested lists through ``torch.tensor`` cost hundreds.
-    """
-
-    token_ids: array  # 'q' [num_tokens]
-    positions: array  # 'q' [num_tokens]
-    slots: array  # 'q' [num_tokens] block_id * block_size + offset
-    query_lens: list[int]  # [num_seqs]
-    seq_lens: list[int]  # [num_seqs] context length after this step
-    block_table_flat: array  # 'i' [num_seqs * width], each row padded with block 0
-    width: int  # blocks per block-table row: the step's longest block list
-    sample_idx: list[int]  # token rows whose hidden state is sampled
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every request computes exactly one token (the CUDA-graph case)."""
-        return len(self.token_ids) == len(self.seq_lens)
-
-    @property
-    def block_table(self) -> torch.Tensor:
-        """[num_seqs, width] int32, sharing the host buffer."""
-        return torch.frombuffer(self.block_table_flat, dtype=torch.int32).view(self.num_seqs, self.width)
-
-
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> sampled token (chunks with sample=True)
     logprobs: dict[str, TokenLogprob]  # for requests that asked for logprobs
     intermediate: IntermediateTensors | None = None  # non-last pipeline stages
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its device work is queued, its samples are being copied to the host.
+
+    ``result()`` waits for exactly that work (an event recorded after the copies), not for any
+    step launched later, and reads the samples. Call it once.
+    """
+
+    req_ids: list[str]  # request id of each sampled row
+    samples: SampledTensors | None  # host copies (pinned on CUDA), valid once the event passed
+    event: torch.cuda.Event | None  # None on CPU: the work is already done
+    intermediate: IntermediateTensors | None = None
+
+    def result(self) -> RunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        if self.samples is None:
+            return RunnerOutput({}, {}, intermediate=self.intermediate)
+        out = self.samples.output()
+        sampled = dict(zip(self.req_ids, out.token_ids, strict=True))
+        logprobs = {rid: lp for rid, lp in zip(self.req_ids, out.logprobs, strict=True) if lp is not None}
+        return RunnerOutput(sampled, logprobs)
 
 
 class ModelRunner:
@@ -137,6 +115,10 @@ class ModelRunner:
             self.device, self.dtype, a.num_attention_heads // tp_size(), self.num_kv_heads, a.head_dim
         )
         self.cuda_graphs: CudaGraphRunner | None = None  # set by init_kv_cache on CUDA
+        # The last launched step's sampled tokens (device) and each request's row in them: the
+        # next step feeds them to rows whose input token is still in flight.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -208,35 +190,6 @@ class ModelRunner:
         return None
 
     # -- one step ----------------------------------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput) -> HostBatch:
-        """The step's inputs on the host (the only per-token Python work of a step)."""
-        bs = self.block_size
-        token_ids, positions, slots = array("q"), array("q"), array("q")
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        width = max(len(c.block_ids) for c in sched.chunks)
-        table = array("i")
-        zeros = [0] * width
-        for c in sched.chunks:
-            start, n, blocks = c.start_pos, c.num_tokens, c.block_ids
-            if n == 1:  # decode: no slices, no ranges
-                token_ids.append(c.request.token_id_at(start))
-                positions.append(start)
-                b = start // bs
-                slots.append(blocks[b] * bs + start - b * bs)
-            else:
-                token_ids.extend(c.request.token_ids_slice(start, start + n))
-                positions.extend(range(start, start + n))
-                _extend_slots(slots, blocks, start, start + n, bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if c.sample:
-                sample_idx.append(len(token_ids) - 1)
-            table.extend(blocks)
-            table.extend(zeros[: width - len(blocks)])
-        return HostBatch(token_ids, positions, slots, query_lens, seq_lens, table, width, sample_idx)
-
     def _to_device(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Eager inputs: two host-to-device copies (int64 per token, int32 per request)."""
         n, b = batch.num_tokens, batch.num_seqs
@@ -244,10 +197,9 @@ class ModelRunner:
         qsl = array("i", [0])
         for q in batch.query_lens:
             qsl.append(qsl[-1] + q)
-        i64 = torch.frombuffer(batch.token_ids + batch.positions + batch.slots, dtype=torch.int64)
-        i32 = torch.frombuffer(array("i", batch.seq_lens) + qsl + batch.block_table_flat, dtype=torch.int32)
-        i64_d = i64.to(dev, non_blocking=True).view(3, n)  # rows: input ids, positions, slots
-        i32_d = i32.to(dev, non_blocking=True)  # [b seq_lens | b + 1 query_start_loc | b * width table]
+        i64_d = to_device(batch.token_ids + batch.positions + batch.slots, torch.int64, dev).view(3, n)
+        # [b seq_lens | b + 1 query_start_loc | b * width table]
+        i32_d = to_device(array("i", batch.seq_lens) + qsl + batch.block_table_flat, torch.int32, dev)
         meta = AttentionMetadata(
             num_tokens=n,
             slot_mapping=i64_d[2],
@@ -298,36 +250,48 @@ class ModelRunner:
             self._generators[req_id] = g
         return g
 
-    @torch.inference_mode()
+    def drop_finished(self, request_ids: list[str]) -> None:
+        """Forget per-request state (seeded generators) of finished requests."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
     def execute(
         self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None
     ) -> RunnerOutput:
-        for rid in sched.finished_req_ids:
-            self._generators.pop(rid, None)
+        """Run one step and wait for its samples (``launch(...).result()``)."""
+        return self.launch(sched, intermediate).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> PendingStep:
+        """Queue one step's device work and the copy of its samples to the host; returns at once
+        on CUDA (nothing here waits for the device, so the host can prepare the next step)."""
+        self.drop_finished(sched.finished_req_ids)
         if sched.is_empty:
-            return RunnerOutput({}, {})
-        batch = self._prepare(sched)
+            return PendingStep([], None, None)
+        batch = build_host_batch(sched, self.block_size, self._prev_rows)
         graphs = self.cuda_graphs
         out: torch.Tensor | IntermediateTensors
         if graphs is not None and intermediate is None and graphs.can_run(batch):
-            out = graphs.run(batch)  # [num_tokens, hidden], a view of the graph's output buffer
+            out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
+            apply_feed(input_ids, batch, self._prev_sampled)
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
             out = self.model(
                 input_ids, positions, self.layer_caches, meta, intermediate=intermediate, inputs_embeds=embeds
             )
         if not self.model.is_last_stage:
             assert isinstance(out, IntermediateTensors)
-            return RunnerOutput({}, {}, intermediate=out)
+            return PendingStep([], None, None, intermediate=out)
         assert isinstance(out, torch.Tensor)
         sample_idx = batch.sample_idx
         if not sample_idx:
-            return RunnerOutput({}, {})
+            self._prev_sampled, self._prev_rows = None, {}
+            return PendingStep([], None, None)
         if len(sample_idx) == batch.num_tokens:  # every token samples (decode): no gather
             hidden = out
         else:
-            hidden = out[torch.tensor(sample_idx, device=self.device)]
+            hidden = out[to_device(array("q", sample_idx), torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         sampling_chunks = [c for c in sched.chunks if c.sample]
         inputs = [
@@ -340,11 +304,13 @@ class ModelRunner:
             )
             for c in sampling_chunks
         ]
-        res = self.sampler(logits, inputs)
-        sampled = {c.request.request_id: t for c, t in zip(sampling_chunks, res.token_ids, strict=True)}
-        logprobs = {
-            c.request.request_id: lp
-            for c, lp in zip(sampling_chunks, res.logprobs, strict=True)
-            if lp is not None
-        }
-        return RunnerOutput(sampled, logprobs)
+        samples = self.sampler.sample(logits, inputs)
+        req_ids = [c.request.request_id for c in sampling_chunks]
+        # The next step may feed these tokens to its rows before the host has read them.
+        self._prev_sampled, self._prev_rows = samples.token_ids, {rid: i for i, rid in enumerate(req_ids)}
+        if self.device.type != "cuda":
+            return PendingStep(req_ids, samples, None)
+        host = samples.copy_to_host(pin=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(req_ids, host, event)

@@ -60,7 +60,12 @@ class Request:
     cache_salt: bytes = b""
 
     output_token_ids: list[int] = field(default_factory=list)
+    # Counts positions scheduled so far: computed, or being computed by a step in flight (the
+    # scheduler advances it when it schedules a chunk, so it can schedule ahead of the GPU).
     num_computed_tokens: int = 0
+    # Tokens sampled by a step still in flight (asynchronous scheduling): their values are on
+    # the device only, so the next step feeds them from there. 0 or 1.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_external_computed_tokens: int = 0  # prompt tokens whose KV came from a remote node
     num_preemptions: int = 0
@@ -81,6 +86,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.host_batch import list_to_device
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -50,25 +51,85 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+@dataclass
+class SampledTensors:
+    """A step's samples still on the device (or in pinned host copies of them): nothing here has
+    synchronised with the GPU. ``output()`` reads them into Python lists."""
+
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprob_rows: list[int]  # rows that asked for logprobs
+    num_top: list[int]  # per logprob row: how many alternatives it asked for
+    chosen_logprobs: torch.Tensor | None = None  # [len(logprob_rows)] float32
+    top_logprobs: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)] float32, best first
+    top_token_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)] int64
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for t in (self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_token_ids)
+            if t is not None
+        ]
+
+    def copy_to_host(self, pin: bool) -> SampledTensors:
+        """The same samples in fresh host tensors, copied without blocking the host when ``pin``
+        (pinned memory): read them only after the stream's work up to here has finished."""
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            h.copy_(t, non_blocking=pin)
+            return h
+
+        token_ids = host(self.token_ids)
+        assert token_ids is not None
+        return SampledTensors(
+            token_ids,
+            self.logprob_rows,
+            self.num_top,
+            host(self.chosen_logprobs),
+            host(self.top_logprobs),
+            host(self.top_token_ids),
+        )
+
+    def output(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            assert self.chosen_logprobs is not None
+            chosen = self.chosen_logprobs.tolist()
+            top_lp: list[list[float]] = [[] for _ in self.logprob_rows]
+            top_ids: list[list[int]] = [[] for _ in self.logprob_rows]
+            if self.top_logprobs is not None and self.top_token_ids is not None:
+                top_lp, top_ids = self.top_logprobs.tolist(), self.top_token_ids.tolist()
+            for j, row in enumerate(self.logprob_rows):
+                n = self.num_top[j]
+                logprobs[row] = TokenLogprob(
+                    token_id=token_ids[row],
+                    logprob=chosen[j],
+                    top=tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)),
+                )
+        return SamplerOutput(token_ids, logprobs)
 
 
 class Sampler:
     """Stateless; one per model runner. Does not modify ``logits``; advances seeded generators."""
 
     def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> SamplerOutput:
+        return self.sample(logits, inputs).output()
+
+    def sample(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> SampledTensors:
+        """The step's tokens (and logprobs) as device tensors. Greedy rows without penalties or
+        min_tokens queue device work only; the other paths may copy small index tensors."""
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (tuple(logits.shape), len(inputs))
         assert logits.dtype == torch.float32, logits.dtype
-        num_rows = len(inputs)
-        penalised = [i for i, x in enumerate(inputs) if _has_penalty(x.params)]
+        penalised = [i for i, x in enumerate(inputs) if x.params.has_penalties]
         min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
 
         if not (penalised or min_tokens or sampled or with_logprobs):
-            # The common case: one kernel, one device-to-host copy.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+            return SampledTensors(logits.argmax(dim=-1), [], [])  # the common case: one kernel
 
         if penalised or min_tokens:
             logits = logits.clone()
@@ -79,32 +140,31 @@ class Sampler:
 
         token_ids = logits.argmax(dim=-1)  # [num_rows]; greedy rows keep theirs
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
+            idx = list_to_device(sampled, torch.long, logits.device)
             # Advanced indexing copies, so _sample may work in place.
             token_ids[idx] = _sample(logits[idx], [inputs[i] for i in sampled])
 
-        logprobs: list[TokenLogprob | None] = [None] * num_rows
+        out = SampledTensors(token_ids, [], [])
         if with_logprobs:
-            for i, lp in zip(with_logprobs, _logprobs(logits, token_ids, inputs, with_logprobs), strict=True):
-                logprobs[i] = lp
-        return SamplerOutput(token_ids.tolist(), logprobs)
+            _logprobs(logits, token_ids, inputs, with_logprobs, out)
+        return out
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return list_to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
 
 
 def _apply_penalties(logits: torch.Tensor, inputs: list[SamplerInput], rows: list[int]) -> None:
     """Repetition, presence and frequency penalties on ``logits[rows]``, in place."""
     num_rows, vocab_size = len(rows), logits.shape[1]
     device = logits.device
-    idx = torch.tensor(rows, device=device)
+    idx = list_to_device(rows, torch.long, device)
     x = logits[idx]  # [P, V]
-    pen = torch.tensor(
+    pen = list_to_device(
         [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in (i.params for i in inputs)],
-        dtype=torch.float32,
-        device=device,
+        torch.float32,
+        device,
     )  # [P, 3]
     # Column V collects the padding and is dropped.
     out_ids = _pad([i.output_token_ids for i in inputs], vocab_size, device)  # [P, max_out]
@@ -138,7 +198,7 @@ def _mask_stop_tokens(logits: torch.Tensor, inputs: list[SamplerInput], rows: li
                 c.append(t)
     if r:
         device = logits.device
-        logits[torch.tensor(r, device=device), torch.tensor(c, device=device)] = float("-inf")
+        logits[list_to_device(r, torch.long, device), list_to_device(c, torch.long, device)] = float("-inf")
 
 
 def _sample(x: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
@@ -146,13 +206,13 @@ def _sample(x: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
     num_rows, vocab_size = x.shape
     device = x.device
     params = [i.params for i in inputs]
-    f = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32, device=device)
+    f = list_to_device([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32, device)
     temperature, top_p, min_p = f[:, 0:1], f[:, 1:2], f[:, 2:3]  # each [S, 1]
     x.div_(temperature)
 
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-        top_k = torch.tensor(ks, device=device)[:, None]  # [S, 1]
+        top_k = list_to_device(ks, torch.long, device)[:, None]  # [S, 1]
         _apply_top_k_top_p(x, top_k, top_p, max(ks))
     if any(p.min_p > 0.0 for p in params):
         probs = x.softmax(dim=-1)  # [S, V]
@@ -195,20 +255,18 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, inputs: Sequence[SamplerInput], rows: list[int]
-) -> list[TokenLogprob]:
-    idx = torch.tensor(rows, device=logits.device)
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    inputs: Sequence[SamplerInput],
+    rows: list[int],
+    out: SampledTensors,
+) -> None:
+    """Fill ``out``'s logprob tensors for ``rows`` (device tensors; nothing is read back here)."""
+    idx = list_to_device(rows, torch.long, logits.device)
     lp = logits[idx].log_softmax(dim=-1)  # [L, V], float32
-    chosen_ids = token_ids[idx]  # [L]
-    chosen = lp.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
-    nums = [inputs[i].params.logprobs or 0 for i in rows]
-    num_top = min(max(nums), lp.shape[1])
-    top_lp: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
+    out.logprob_rows = list(rows)
+    out.chosen_logprobs = lp.gather(1, token_ids[idx][:, None]).squeeze(1)  # [L]
+    out.num_top = [inputs[i].params.logprobs or 0 for i in rows]
+    num_top = min(max(out.num_top), lp.shape[1])
     if num_top > 0:
-        values, indices = lp.topk(num_top, dim=-1)  # [L, num_top], sorted best first
-        top_lp, top_ids = values.tolist(), indices.tolist()
-    return [
-        TokenLogprob(token_id=t, logprob=c, top=tuple(zip(ids[:n], vals[:n], strict=True)))
-        for t, c, n, ids, vals in zip(chosen_ids.tolist(), chosen, nums, top_ids, top_lp, strict=True)
-    ]
+        out.top_logprobs, out.top_token_ids = lp.topk(num_top, dim=-1)  # [L, num_top], best first

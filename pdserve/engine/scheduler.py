@@ -8,6 +8,21 @@ request cannot get a block, the lowest-ranked running request is preempted (its 
 its counter reset to 0) — unless its blocks cannot be freed *now* (an in-flight step or
 transfer may still write them): then scheduling stops for this step before touching any
 state (DESIGN §4: zero progress, zero side effects).
+
+``schedule()`` advances each scheduled request's ``num_computed_tokens`` at once, and counts
+a token it will sample as a placeholder, so the next step can be scheduled while this one
+still runs on the GPU (asynchronous scheduling, ``LLMEngine``):
+
+    step N   scheduled, launched            request r: num_computed = p, placeholders = 1
+    step N+1 scheduled before N's tokens     r's chunk: position p, input token = N's sample,
+             are known on the host           fed on the device (the runner)
+    N's output processed                     r: token appended, placeholders = 0; a stop found
+                                             now wastes r's row in N+1 (its token is dropped)
+
+A request whose in-flight token is its last by length (max_tokens, max_model_len) is not
+scheduled ahead. ``can_schedule_ahead()`` says when looking ahead is safe: no request with a
+token in flight needs its token history for sampling (penalties, min_tokens), and the free
+blocks cover every running request's next chunk, so no preemption can be needed.
 """
 
 from __future__ import annotations
@@ -99,7 +114,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_placeholders and self._finishes_by_length(req):
+                i += 1  # its token in flight is its last: nothing to compute ahead
+                continue
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -133,6 +151,14 @@ class Scheduler:
 
         out.chunks = list(scheduled.values())
         out.total_num_scheduled_tokens = sum(c.num_tokens for c in out.chunks)
+        # Only now, for the chunks that stay scheduled (a victim preempted above changed nothing
+        # here): the counters run ahead of the GPU, and the fence learns who writes which blocks.
+        for c in out.chunks:
+            req = c.request
+            req.num_computed_tokens = c.start_pos + c.num_tokens
+            if c.sample:
+                req.num_output_placeholders += 1
+            self.kv.mark_written(req.request_id, out.step_seq)
         return out
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
@@ -142,13 +168,41 @@ class Scheduler:
             start_pos=start,
             num_tokens=num_new,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=start + num_new == req.num_tokens,
+            sample=start + num_new == req.num_tokens_with_placeholders,
         )
+
+    def _finishes_by_length(self, req: Request) -> bool:
+        """Whether the tokens sampled so far (in flight included) already end the request."""
+        max_tokens = req.sampling_params.max_tokens
+        num_out = req.num_output_tokens + req.num_output_placeholders
+        return (max_tokens is not None and num_out >= max_tokens) or (
+            req.num_tokens_with_placeholders >= self.max_model_len
+        )
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled while the last one's tokens are still in flight.
+
+        No: a request with a token in flight samples from its token history (penalties, or
+        min_tokens not yet reached: the host's history lacks the in-flight token), or the free
+        blocks might not cover every running request's next chunk (a preemption would have to
+        wait for the in-flight step). The engine then completes the in-flight step first.
+        """
+        need = 0
+        for req in self.running:
+            sp = req.sampling_params
+            if req.num_output_placeholders and (sp.has_penalties or req.num_output_tokens < sp.min_tokens):
+                return False
+            gap = req.num_tokens_with_placeholders - req.num_computed_tokens
+            if gap > 0:
+                need += self.kv.num_new_blocks(req, gap)
+        return need <= self.kv.pool.num_free_blocks
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
         scheduled.pop(victim.request_id, None)
         self.running.remove(victim)
         self.kv.free(victim.request_id)
+        # can_free_now() passed, so no step in flight computes for the victim.
+        assert victim.num_output_placeholders == 0, victim.request_id
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -197,15 +251,20 @@ class Scheduler:
 
     # -- after the step --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters, append sampled tokens, finish what is done. Returns touched requests."""
+        """Step ``out`` ran: append its sampled tokens, cache its full blocks, finish what is done.
+
+        A request that finished or was aborted since ``out`` was scheduled is skipped: its token
+        (a row computed ahead, asynchronous scheduling) is dropped. Returns touched requests.
+        """
         touched: list[Request] = []
         for chunk in out.chunks:
             req = chunk.request
-            if req.status != RequestStatus.RUNNING:  # aborted meanwhile
+            if chunk.sample:
+                req.num_output_placeholders -= 1
+                assert req.num_output_placeholders >= 0, req.request_id
+            if req.status != RequestStatus.RUNNING:  # finished or aborted meanwhile
                 continue
-            req.num_computed_tokens = chunk.start_pos + chunk.num_tokens
-            self.kv.mark_written(req.request_id, out.step_seq)
-            self.kv.cache_computed_blocks(req)
+            self.kv.cache_computed_blocks(req, chunk.start_pos + chunk.num_tokens)
             if not chunk.sample:
                 continue
             token = sampled[req.request_id]

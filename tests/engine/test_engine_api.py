@@ -109,10 +109,12 @@ def _run(eng, rid: str, **kw) -> list[int]:
     return toks
 
 
-def test_prompt_embeds_equal_their_token_ids(tiny_models, make_llm) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_embeds_equal_their_token_ids(async_scheduling, tiny_models, make_llm) -> None:
     import torch
 
-    llm = make_llm(tiny_models["qwen3"], max_num_batched_tokens=16)  # chunked: embeds cross steps
+    # chunked (embeds cross steps)
+    llm = make_llm(tiny_models["qwen3"], max_num_batched_tokens=16, async_scheduling=async_scheduling)
     eng = llm.engine
     ids = list(range(5, 45))
     table = eng.runner.model.model.embed_tokens.weight.detach()

@@ -70,11 +70,14 @@ def _prompts(vocab: int, shared_prefix: int = 0, seed: int = 0) -> list[list[int
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_transformers_chunked_and_prefix(arch: str, tiny_models, make_llm, capsys) -> None:
+def test_greedy_matches_transformers_chunked_and_prefix(
+    arch: str, async_scheduling: bool, tiny_models, make_llm, capsys
+) -> None:
     model_dir = tiny_models[arch]
     # A token budget below the longest prompt forces chunked prefill beside decodes.
-    llm = make_llm(model_dir, max_num_batched_tokens=96, block_size=16)
+    llm = make_llm(model_dir, max_num_batched_tokens=96, block_size=16, async_scheduling=async_scheduling)
     vocab = llm.engine.arch.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     total_ties = 0
@@ -88,17 +91,24 @@ def test_greedy_matches_transformers_chunked_and_prefix(arch: str, tiny_models, 
             assert llm.engine.kv.pool.num_hit_blocks > hits_before, "shared prefixes gave no prefix-cache hit"
             assert sum(o.num_cached_tokens for o in outs) > 0
     with capsys.disabled():
-        print(f"\n[{arch}] near-tie stops: {total_ties}")
+        print(f"\n[{arch}, {'async' if async_scheduling else 'sync'}] near-tie stops: {total_ties}")
     assert total_ties <= 2, f"{total_ties} near-ties: the tiny model's logits are too flat to test with"
 
 
-def test_preemption_keeps_greedy_output(tiny_models, make_llm) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_keeps_greedy_output(async_scheduling: bool, tiny_models, make_llm) -> None:
     """A cache too small for every request at once forces preemption by recompute; output is unchanged."""
     model_dir = tiny_models["llama"]
     prompts = _prompts(512, seed=7)[3:7]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     roomy = make_llm(model_dir, max_num_batched_tokens=512).generate(prompts, params)
-    tight_llm = make_llm(model_dir, max_num_batched_tokens=512, num_blocks_override=16, max_model_len=256)
+    tight_llm = make_llm(
+        model_dir,
+        max_num_batched_tokens=512,
+        num_blocks_override=16,
+        max_model_len=256,
+        async_scheduling=async_scheduling,
+    )
     tight = tight_llm.generate(prompts, params)
     assert tight_llm.engine.scheduler.num_preemptions_total > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]

@@ -33,15 +33,17 @@ def test_capture_sizes() -> None:
     assert capture_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def test_padded_static_decode_equals_eager_on_cpu(tiny_models, make_llm) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_padded_static_decode_equals_eager_on_cpu(async_scheduling, tiny_models, make_llm) -> None:
     """The static-buffer path (padding rows: slot -1, seq_len 0; block tables at the max_model_len
-    bound) run eagerly on CPU gives the eager engine's tokens."""
+    bound; async: input tokens fed into the static buffer from the previous step's samples) run
+    eagerly on CPU gives the eager engine's tokens."""
     model_dir = tiny_models["llama"]
     kw = dict(
         device="cpu", dtype="float32", max_model_len=256, max_num_seqs=16, kv_cache_memory_bytes=KV_BYTES
     )
     eager = make_llm(model_dir, **kw)
-    static = make_llm(model_dir, **kw)
+    static = make_llm(model_dir, async_scheduling=async_scheduling, **kw)
     runner = static.engine.runner
     runner.cuda_graphs = CudaGraphRunner(
         runner.model,

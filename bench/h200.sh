@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Everything the GPU issue measures, in one call on the lent H200 (its time is short):
+#
+#   bash bench/h200.sh [PART ...]        PART: decode pd pytest kernels (default: decode pd pytest)
+#
+# Runs from the repository root with PYTHONPATH=. (no install). Wheels the image lacks (the
+# Mooncake CUDA wheel; grpcio / protobuf / grpcio-health-checking matching the generated stubs)
+# are taken from .whl/ when present (bench/README.md says how to fetch them). Each part has its
+# own time limit and log; a failing part does not stop the others. Logs and JSON go to $OUT
+# (the device tool's output folder), else bench/results/h200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/h200}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/pdserve-site .whl/*.whl && export PYTHONPATH=.:/tmp/pdserve-site
+fi
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+} >"$OUT/device.log" 2>&1
+cat "$OUT/device.log"
+
+part() {  # part NAME LIMIT_S CMD...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"
+  tail -n "${TAIL:-30}" "$OUT/$name.log"
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(decode pd pytest)
+for p in "${parts[@]}"; do
+  case $p in
+    decode) part gpu_decode "${DECODE_LIMIT:-290}" python3 bench/gpu_decode.py --out "$OUT" \
+      --modes graphs graphs-sync --hf-caches ${HF_CACHES:-dynamic} --skip-micro --profile-replays ;;
+    pd) part gpu_pd "${PD_LIMIT:-150}" python3 bench/gpu_pd.py --out "$OUT" ;;
+    pytest) part pytest_gpu "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short ;;
+    kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
+    *) echo "unknown part $p" >&2 ;;
+  esac
+done

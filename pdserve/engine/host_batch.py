@@ -1,0 +1,147 @@
+"""One step's inputs, built on the host, and their way to the device.
+
+Built in ``array`` buffers (C ints): a 64-request decode step costs tens of microseconds, where
+nested lists through ``torch.tensor`` cost hundreds. On CUDA every host-to-device copy goes
+through a pinned staging tensor (torch's caching host allocator keeps it alive until its copy
+ran), so the copy is queued on the stream behind the work already there; a pageable source can
+make the driver wait for that work, which would undo asynchronous scheduling.
+
+Fed tokens (asynchronous scheduling): a decode row whose input is the token the previous step
+sampled has no value on the host yet. Its id is a placeholder 0 here; ``apply_feed`` writes the
+real one from the previous step's sampled-token tensor, on the device, before the forward:
+
+    rows of this step     | r0 | r1 | r2 | r3 |      feed_dst = [0, 1, 3]
+    previous samples      | s(r1) | s(r0) | s(r3) |  feed_src = [1, 0, 2]
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.scheduler_output import SchedulerOutput
+
+
+def extend_slots(slots: array, block_ids: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the KV slots of positions [start, end): one range per block touched, not per token."""
+    pos = start
+    while pos < end:
+        b = pos // block_size
+        stop = min(end, (b + 1) * block_size)
+        base = block_ids[b] * block_size - b * block_size  # slot = block_ids[b] * bs + (pos - b * bs)
+        slots.extend(range(base + pos, base + stop))
+        pos = stop
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host, request after request (see pdserve.models.attention)."""
+
+    token_ids: array  # 'q' [num_tokens]; fed rows hold 0 until apply_feed
+    positions: array  # 'q' [num_tokens]
+    slots: array  # 'q' [num_tokens] block_id * block_size + offset
+    query_lens: list[int]  # [num_seqs]
+    seq_lens: list[int]  # [num_seqs] context length after this step
+    block_table_flat: array  # 'i' [num_seqs * width], each row padded with block 0
+    width: int  # blocks per block-table row: the step's longest block list
+    sample_idx: list[int]  # token rows whose hidden state is sampled
+    feed_dst: list[int] = field(default_factory=list)  # token rows fed from the previous samples
+    feed_src: list[int] = field(default_factory=list)  # their rows in the previous sampled tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes exactly one token (the CUDA-graph case)."""
+        return len(self.token_ids) == len(self.seq_lens)
+
+
+def build_host_batch(sched: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> HostBatch:
+    """The step's inputs (the only per-token Python work of a step).
+
+    ``prev_rows``: request id -> row in the previous step's sampled tokens, for requests whose
+    input token is still a placeholder (``Request.num_output_placeholders``).
+    """
+    bs = block_size
+    token_ids, positions, slots = array("q"), array("q"), array("q")
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    sample_idx: list[int] = []
+    feed_dst: list[int] = []
+    feed_src: list[int] = []
+    width = max(len(c.block_ids) for c in sched.chunks)
+    table = array("i")
+    zeros = [0] * width
+    for c in sched.chunks:
+        start, n, blocks, req = c.start_pos, c.num_tokens, c.block_ids, c.request
+        if n == 1:  # decode: no slices, no ranges
+            if start == req.num_tokens:  # the token at `start` is in flight: fed on the device
+                feed_dst.append(len(token_ids))
+                feed_src.append(prev_rows[req.request_id])
+                token_ids.append(0)
+            else:
+                token_ids.append(req.token_id_at(start))
+            positions.append(start)
+            b = start // bs
+            slots.append(blocks[b] * bs + start - b * bs)
+        else:
+            assert start + n <= req.num_tokens, "only a single-token chunk can start at a fed token"
+            token_ids.extend(req.token_ids_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            extend_slots(slots, blocks, start, start + n, bs)
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        if c.sample:
+            sample_idx.append(len(token_ids) - 1)
+        table.extend(blocks)
+        table.extend(zeros[: width - len(blocks)])
+    return HostBatch(
+        token_ids, positions, slots, query_lens, seq_lens, table, width, sample_idx, feed_dst, feed_src
+    )
+
+
+def staged(values: array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D host tensor ready to be copied to ``device``: pinned for CUDA (a
+    fresh copy), else sharing the array's memory."""
+    src = torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+    if device.type != "cuda":
+        return src
+    out = torch.empty(src.shape, dtype=dtype, pin_memory=True)
+    out.copy_(src)
+    return out
+
+
+def to_device(values: array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` (1-D), queued without waiting for the device."""
+    return staged(values, dtype, device).to(device, non_blocking=True)
+
+
+def list_to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor made from Python values, on ``device`` without waiting for the device
+    (``torch.tensor(data, device=cuda)`` copies from pageable memory and synchronises)."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def apply_feed(input_ids: torch.Tensor, batch: HostBatch, prev_sampled: torch.Tensor | None) -> None:
+    """Write the previous step's sampled tokens into the rows that wait for them (device work)."""
+    dst, src = batch.feed_dst, batch.feed_src
+    if not dst:
+        return
+    assert prev_sampled is not None, "fed rows but no previous step sampled"
+    k = len(dst)
+    if dst[-1] == k - 1 and src == dst:  # rows strictly increase: dst == src == 0..k-1
+        input_ids[:k].copy_(prev_sampled[:k])
+        return
+    idx = to_device(array("q", dst + src), torch.int64, input_ids.device)
+    input_ids.index_copy_(0, idx[:k], prev_sampled.index_select(0, idx[k:]))

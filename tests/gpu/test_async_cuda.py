@@ -1,0 +1,70 @@
+"""Asynchronous scheduling on CUDA: launching a step never waits for the device, and the
+overlapped engine gives the synchronous engine's outputs (eager and CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+from tests.engine.test_async_scheduling import PROMPTS, _assert_same, _mixed_params, _run_all
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+KV_BYTES = 128 << 20
+
+
+def _llm(make_llm, model_dir, **kw):
+    return make_llm(model_dir, device="cuda", max_num_batched_tokens=64, kv_cache_memory_bytes=KV_BYTES, **kw)
+
+
+def test_async_is_the_cuda_default(tiny_models, make_llm) -> None:
+    assert _llm(make_llm, tiny_models["llama"]).engine.async_scheduling
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_equals_sync_on_cuda(dtype, enforce_eager, tiny_models, make_llm) -> None:
+    model_dir = tiny_models["qwen3"]
+    kw = dict(dtype=dtype, enforce_eager=enforce_eager)
+    sync = _llm(make_llm, model_dir, async_scheduling=False, **kw)
+    greedy = sync.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    params = _mixed_params(greedy[0].token_ids[6])
+    want = _run_all(sync, PROMPTS, params)
+    asy = _llm(make_llm, model_dir, async_scheduling=True, **kw)
+    _assert_same(_run_all(asy, PROMPTS, params), want)
+    if not enforce_eager:
+        assert asy.engine.runner.cuda_graphs is not None and asy.engine.runner.cuda_graphs.num_runs > 20
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_launch_does_not_wait_for_the_device(enforce_eager, tiny_models, make_llm) -> None:
+    """With CUDA's sync debug mode set to "error", a synchronising call (``.tolist()``, a copy from
+    pageable memory, ``torch.tensor(..., device="cuda")``) inside a launch raises. Covers mixed
+    prefill + decode steps, fed tokens, greedy and sampled rows, penalties and logprobs."""
+    llm = _llm(make_llm, tiny_models["llama"], enforce_eager=enforce_eager)
+    eng = llm.engine
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=0.3, min_tokens=4),
+    ]
+    llm.generate(PROMPTS[:4], params)  # warm-up: Triton compiles, allocator pools
+    runner = eng.runner
+    launch = runner.launch
+    launches = [0]
+
+    def strict_launch(sched, *a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(sched, *a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launches[0] += 1
+
+    runner.launch = strict_launch
+    outs = llm.generate(PROMPTS[:4] + PROMPTS[2:4], params + params[:2])
+    assert launches[0] >= 12 and all(len(o.token_ids) >= 4 for o in outs)
