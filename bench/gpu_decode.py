@@ -208,6 +208,53 @@ def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int
     }
 
 
+def host_profile(engine: LLMEngine, batch: int, prompt_len: int, steps: int = 40) -> dict:
+    """cProfile of ``steps`` decode steps at ``batch`` (host Python only); prints the top entries."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    for i, p in enumerate(make_prompts(batch, prompt_len, seed=7)):
+        engine.add_request(p, params, f"prof{batch}-{i}")
+    for _ in range(8):
+        engine.step()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    ms = 1e3 * (time.perf_counter() - t0) / steps
+    while engine.has_unfinished():
+        engine.step()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+    log(f"host profile, batch {batch}, async={engine.async_scheduling}: {ms:.3f} ms/step under cProfile")
+    print(buf.getvalue(), flush=True)
+    return {"batch": batch, "ms_per_step_profiled": ms}
+
+
+def pinned_alloc_us(n: int = 2000) -> float:
+    """Host time of one small pinned allocation used as a non-blocking copy source (the per-copy
+    staging that PinnedStaging replaced), through torch's caching host allocator."""
+    dst = torch.empty(512, dtype=torch.int64, device="cuda")
+
+    def once() -> None:
+        h = torch.empty(512, dtype=torch.int64, pin_memory=True)
+        dst.copy_(h, non_blocking=True)
+
+    for _ in range(50):
+        once()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        once()
+    us = 1e6 * (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return us
+
+
 def _profile_replay(graphs: Any, bs: int, replays: int = 5) -> list[dict]:
     """GPU time per replay of each kernel of the captured decode step (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -279,6 +326,8 @@ def run_pdserve(
                     )
                 )
                 results.append(r)
+            if profile_replays and mode == "graphs":
+                host_profile(engine, max(batches), prompt_len)
             weights = sum(
                 p.numel() * p.element_size()
                 for n, p in engine.runner.model.named_parameters()
@@ -781,6 +830,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report["copy_gbps"] = copy_bandwidth_gbps()
     log(f"copy bandwidth {report['copy_gbps']:,.0f} GB/s")
+    report["pinned_alloc_us"] = pinned_alloc_us()
+    log(f"one small pinned allocation + non-blocking copy from it: {report['pinned_alloc_us']:.1f} us")
     report["model_build_s"] = build_model(args.model_dir)
     log(f"model ready in {args.model_dir} ({report['model_build_s']:.0f} s)")
     ctx_mean = args.prompt_len + args.new_tokens // 2

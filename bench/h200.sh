@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU issue measures, in one call on the lent H200 (its time is short):
 #
-#   bash bench/h200.sh [PART ...]        PART: decode pd pytest kernels (default: decode pd pytest)
+#   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest kernels
+#                                   (default: decode pd pytest)
 #
 # Runs from the repository root with PYTHONPATH=. (no install). Wheels the image lacks (the
 # Mooncake CUDA wheel; grpcio / protobuf / grpcio-health-checking matching the generated stubs)
@@ -44,6 +45,11 @@ for p in "${parts[@]}"; do
     pd) part gpu_pd "${PD_LIMIT:-150}" python3 bench/gpu_pd.py --out "$OUT" ;;
     pytest) part pytest_gpu "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short ;;
+    pytest-async) part pytest_async "${PYTEST_LIMIT:-150}" python3 -m pytest -v -p no:cacheprovider \
+      tests/gpu/test_async_cuda.py -rfE --tb=short ;;
+    pytest-rest) part pytest_rest "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short \
+      --ignore=tests/gpu/test_async_cuda.py ;;
     kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac

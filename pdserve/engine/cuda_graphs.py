@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.host_batch import apply_feed, staged
+from pdserve.engine.host_batch import PinnedStaging, apply_feed
 from pdserve.models.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -81,12 +81,15 @@ class CudaGraphRunner:
         max_model_len: int,
         block_size: int,
         attn_backend: AttentionBackend,
+        staging: PinnedStaging | None = None,
     ) -> None:
+        """``staging``: the runner's pinned buffers (a private one when None)."""
         assert layer_caches, "no KV cache layers"
         assert model.is_first_stage and model.is_last_stage, "graphs capture whole models only"
         self.model = model
         self.layer_caches = layer_caches
         self.device = layer_caches[0].device
+        self.staging = staging if staging is not None else PinnedStaging(self.device)
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch_size = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -192,12 +195,13 @@ class CudaGraphRunner:
         zeros = array("q", bytes(8 * pad))
         # rows: ids, positions, slots; padding: token 0, position 0, slot -1
         i64 = batch.token_ids + zeros + batch.positions + zeros + batch.slots + array("q", [-1] * pad)
-        self.ids_pos_slots[:, :bs].copy_(staged(i64, torch.int64, self.device).view(3, bs), non_blocking=True)
+        stage = self.staging.stage
+        self.ids_pos_slots[:, :bs].copy_(stage(i64, torch.int64).view(3, bs), non_blocking=True)
         lens = array("i", batch.seq_lens) + array("i", bytes(4 * pad))  # [bs]
-        self.seq_lens[:bs].copy_(staged(lens, torch.int32, self.device), non_blocking=True)
-        table = staged(batch.block_table_flat, torch.int32, self.device).view(n, batch.width)
+        self.seq_lens[:bs].copy_(stage(lens, torch.int32), non_blocking=True)
+        table = stage(batch.block_table_flat, torch.int32).view(n, batch.width)
         self.block_tables[:n, : batch.width].copy_(table, non_blocking=True)
-        apply_feed(self.ids_pos_slots[0], batch, prev_sampled)
+        apply_feed(self.ids_pos_slots[0], batch, prev_sampled, self.staging)
         self._metas[bs].refilled()
         self.num_runs += 1
         if bs not in self._graphs:

@@ -1,10 +1,10 @@
 """One step's inputs, built on the host, and their way to the device.
 
 Built in ``array`` buffers (C ints): a 64-request decode step costs tens of microseconds, where
-nested lists through ``torch.tensor`` cost hundreds. On CUDA every host-to-device copy goes
-through a pinned staging tensor (torch's caching host allocator keeps it alive until its copy
-ran), so the copy is queued on the stream behind the work already there; a pageable source can
-make the driver wait for that work, which would undo asynchronous scheduling.
+nested lists through ``torch.tensor`` cost hundreds. On CUDA every copy between host and device
+goes through pinned memory (``PinnedStaging``), so it is queued on the stream behind the work
+already there; a pageable source can make the driver wait for that work, which would undo
+asynchronous scheduling.
 
 Fed tokens (asynchronous scheduling): a decode row whose input is the token the previous step
 sampled has no value on the host yet. Its id is a placeholder 0 here; ``apply_feed`` writes the
@@ -108,32 +108,110 @@ def build_host_batch(sched: SchedulerOutput, block_size: int, prev_rows: dict[st
     )
 
 
-def staged(values: array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a 1-D host tensor ready to be copied to ``device``: pinned for CUDA (a
-    fresh copy), else sharing the array's memory."""
-    src = torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
-    if device.type != "cuda":
-        return src
-    out = torch.empty(src.shape, dtype=dtype, pin_memory=True)
-    out.copy_(src)
-    return out
+class PinnedStaging:
+    """Pinned host memory for the copies of a step, allocated once and reused round-robin.
+
+    Each step takes one slot (``begin_step``): its host-to-device sources are written there
+    (``stage``) and its samples copied back into it (``host_like``); ``end_step`` records an
+    event behind the step's copies. A slot is written again ``num_slots`` steps later, only
+    after its event passed, so a copy still queued never reads overwritten bytes. Whoever reads
+    a slot's samples must do so before then (``generation`` tells whether it was reused).
+    A pinned allocation per copy, the simpler way, costs tens to hundreds of microseconds of
+    host time each (docs/benchmarks.md); per step that was a fixed ~0.4 ms on the H200 machine.
+
+    On a CPU device nothing is pinned and nothing is copied: ``stage`` shares the array.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, device: torch.device, num_slots: int = 4, slot_bytes: int = 1 << 20) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._slots = [self._alloc(slot_bytes) for _ in range(num_slots)] if self.pinned else []
+        self._events: list[torch.cuda.Event | None] = [None] * num_slots
+        self._generations = [0] * num_slots
+        self._slot = 0
+        self._used = 0
+
+    @staticmethod
+    def _alloc(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    @property
+    def slot(self) -> int:
+        return self._slot
+
+    def generation(self, slot: int) -> int:
+        return self._generations[slot]
+
+    def begin_step(self) -> None:
+        if not self.pinned:
+            return
+        self._slot = (self._slot + 1) % len(self._slots)
+        ev = self._events[self._slot]
+        if ev is not None:
+            ev.synchronize()  # the copies of this slot's last step (long done in steady state)
+        self._generations[self._slot] += 1
+        self._used = 0
+
+    def end_step(self) -> torch.cuda.Event | None:
+        """Record the event behind this step's copies; returns it (None on CPU)."""
+        if not self.pinned:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[self._slot] = ev
+        return ev
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        buf = self._slots[self._slot]
+        if start + nbytes > buf.numel():
+            # Grow this slot. Earlier views of this step keep the old buffer alive; torch's
+            # host allocator frees it only after the copies that read it.
+            buf = self._slots[self._slot] = self._alloc(max(2 * buf.numel(), nbytes + self.ALIGN))
+            start = 0
+        self._used = start + nbytes
+        return buf[start : start + nbytes]
+
+    def stage(self, values: array, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` as a 1-D host tensor to copy from (pinned on CUDA)."""
+        src = torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+        if not self.pinned or not len(values):
+            return src
+        out = self._take(src.numel() * src.element_size()).view(dtype)
+        out.copy_(src)
+        return out
+
+    def stage_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor's values in this step's pinned slot (itself on CPU devices)."""
+        if not self.pinned or t.numel() == 0:
+            return t
+        out = self._take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    def host_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An uninitialised pinned host tensor shaped like device tensor ``t``, in this slot."""
+        assert self.pinned, "host_like is for device-to-host copies on CUDA"
+        if t.numel() == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        return self._take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+
+    def to_device(self, values: array, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` on the device (1-D), queued without waiting for the device."""
+        return self.stage(values, dtype).to(self.device, non_blocking=True)
+
+    def list_to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small tensor made from Python values, on the device without waiting for it
+        (``torch.tensor(data, device="cuda")`` copies from pageable memory and synchronises)."""
+        t = torch.tensor(data, dtype=dtype)
+        return self.stage_tensor(t).to(self.device, non_blocking=True)
 
 
-def to_device(values: array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device`` (1-D), queued without waiting for the device."""
-    return staged(values, dtype, device).to(device, non_blocking=True)
-
-
-def list_to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small tensor made from Python values, on ``device`` without waiting for the device
-    (``torch.tensor(data, device=cuda)`` copies from pageable memory and synchronises)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def apply_feed(input_ids: torch.Tensor, batch: HostBatch, prev_sampled: torch.Tensor | None) -> None:
+def apply_feed(
+    input_ids: torch.Tensor, batch: HostBatch, prev_sampled: torch.Tensor | None, staging: PinnedStaging
+) -> None:
     """Write the previous step's sampled tokens into the rows that wait for them (device work)."""
     dst, src = batch.feed_dst, batch.feed_src
     if not dst:
@@ -143,5 +221,5 @@ def apply_feed(input_ids: torch.Tensor, batch: HostBatch, prev_sampled: torch.Te
     if dst[-1] == k - 1 and src == dst:  # rows strictly increase: dst == src == 0..k-1
         input_ids[:k].copy_(prev_sampled[:k])
         return
-    idx = to_device(array("q", dst + src), torch.int64, input_ids.device)
+    idx = staging.to_device(array("q", dst + src), torch.int64)
     input_ids.index_copy_(0, idx[:k], prev_sampled.index_select(0, idx[k:]))

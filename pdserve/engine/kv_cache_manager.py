@@ -37,6 +37,7 @@ class StepFence:
 @dataclass
 class _ReqState:
     blocks: list[KVCacheBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # [b.block_id for b in blocks], kept in step
     num_hashed_blocks: int = 0  # blocks already registered in the prefix cache
     last_write_seq: int = 0  # last step that writes into these blocks
     inflight_writes: int = 0  # KV transfers writing into these blocks right now
@@ -62,8 +63,15 @@ class KVCacheManager:
 
     # -- queries -------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a copy)."""
         st = self._reqs.get(request_id)
-        return [b.block_id for b in st.blocks] if st else []
+        return list(st.block_ids) if st else []
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's block table itself, for this step's chunk: read it, never mutate it;
+        the next allocation for the request extends it."""
+        st = self._reqs.get(request_id)
+        return st.block_ids if st else []
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._reqs
@@ -130,16 +138,21 @@ class KVCacheManager:
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             st.blocks.extend(new_computed_blocks)
+            st.block_ids.extend(b.block_id for b in new_computed_blocks)
             st.num_hashed_blocks = len(st.blocks)
-        new_blocks = self.pool.allocate(need) if need > 0 else []
+        if need <= 0:
+            return []
+        new_blocks = self.pool.allocate(need)
         st.blocks.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+        new_ids = [b.block_id for b in new_blocks]
+        st.block_ids.extend(new_ids)
+        return new_ids
 
     def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
         """Blocks ``allocate_slots(req, num_new_tokens)`` would take from the pool (no prefix hit)."""
         st = self._reqs.get(req.request_id)
-        have = len(st.blocks) if st else 0
-        return max(0, self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - have)
+        have = len(st.block_ids) if st else 0
+        return max(0, -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - have)
 
     def cache_computed_blocks(self, req: Request, num_computed_tokens: int | None = None) -> None:
         """Register the request's blocks that became full and computed (after a step ran).

@@ -25,8 +25,9 @@ import torch
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
-from pdserve.engine.host_batch import HostBatch, apply_feed, build_host_batch, to_device
+from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError
@@ -65,6 +66,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _plain_greedy(req: Request) -> bool:
+    """The sampler would take the argmax of the raw logits (its fast path) for this request."""
+    p = req.sampling_params
+    return (
+        p.temperature == 0.0
+        and p.logprobs is None
+        and not p.has_penalties
+        and len(req.output_token_ids) >= p.min_tokens
+    )
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> sampled token (chunks with sample=True)
@@ -84,10 +96,15 @@ class PendingStep:
     samples: SampledTensors | None  # host copies (pinned on CUDA), valid once the event passed
     event: torch.cuda.Event | None  # None on CPU: the work is already done
     intermediate: IntermediateTensors | None = None
+    # (staging, slot, generation) holding ``samples``: the slot must not have been reused.
+    staging: tuple[PinnedStaging, int, int] | None = None
 
     def result(self) -> RunnerOutput:
         if self.event is not None:
             self.event.synchronize()
+        if self.staging is not None:
+            st, slot, gen = self.staging
+            assert st.generation(slot) == gen, "a step's samples were read after its staging slot was reused"
         if self.samples is None:
             return RunnerOutput({}, {}, intermediate=self.intermediate)
         out = self.samples.output()
@@ -104,7 +121,8 @@ class ModelRunner:
         self.model, self.arch = load_model(config.model, self.dtype, self.device, layer_start, layer_end)
         self.model.eval()
         self.block_size = config.cache.block_size
-        self.sampler = Sampler()
+        self.staging = PinnedStaging(self.device)  # every host <-> device copy of a step
+        self.sampler = Sampler(self.staging)
         self._generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
@@ -173,6 +191,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             attn_backend=self.attn_backend,
+            staging=self.staging,
         )
         self.cuda_graphs.capture()
 
@@ -193,13 +212,13 @@ class ModelRunner:
     def _to_device(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Eager inputs: two host-to-device copies (int64 per token, int32 per request)."""
         n, b = batch.num_tokens, batch.num_seqs
-        dev = self.device
         qsl = array("i", [0])
         for q in batch.query_lens:
             qsl.append(qsl[-1] + q)
-        i64_d = to_device(batch.token_ids + batch.positions + batch.slots, torch.int64, dev).view(3, n)
+        put = self.staging.to_device
+        i64_d = put(batch.token_ids + batch.positions + batch.slots, torch.int64).view(3, n)
         # [b seq_lens | b + 1 query_start_loc | b * width table]
-        i32_d = to_device(array("i", batch.seq_lens) + qsl + batch.block_table_flat, torch.int32, dev)
+        i32_d = put(array("i", batch.seq_lens) + qsl + batch.block_table_flat, torch.int32)
         meta = AttentionMetadata(
             num_tokens=n,
             slot_mapping=i64_d[2],
@@ -268,6 +287,7 @@ class ModelRunner:
         self.drop_finished(sched.finished_req_ids)
         if sched.is_empty:
             return PendingStep([], None, None)
+        self.staging.begin_step()
         batch = build_host_batch(sched, self.block_size, self._prev_rows)
         graphs = self.cuda_graphs
         out: torch.Tensor | IntermediateTensors
@@ -275,42 +295,47 @@ class ModelRunner:
             out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
-            apply_feed(input_ids, batch, self._prev_sampled)
+            apply_feed(input_ids, batch, self._prev_sampled, self.staging)
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
             out = self.model(
                 input_ids, positions, self.layer_caches, meta, intermediate=intermediate, inputs_embeds=embeds
             )
         if not self.model.is_last_stage:
             assert isinstance(out, IntermediateTensors)
-            return PendingStep([], None, None, intermediate=out)
+            return PendingStep([], None, self.staging.end_step(), intermediate=out)
         assert isinstance(out, torch.Tensor)
         sample_idx = batch.sample_idx
         if not sample_idx:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingStep([], None, None)
+            return PendingStep([], None, self.staging.end_step())
         if len(sample_idx) == batch.num_tokens:  # every token samples (decode): no gather
             hidden = out
         else:
-            hidden = out[to_device(array("q", sample_idx), torch.int64, self.device)]
+            hidden = out[self.staging.to_device(array("q", sample_idx), torch.int64)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
-        sampling_chunks = [c for c in sched.chunks if c.sample]
-        inputs = [
-            SamplerInput(
-                params=c.request.sampling_params,
-                prompt_token_ids=c.request.prompt_token_ids,
-                output_token_ids=c.request.output_token_ids,
-                generator=self._generator(c.request.request_id, c.request.sampling_params.seed),
-                eos_token_ids=c.request.eos_token_ids,
-            )
-            for c in sampling_chunks
-        ]
-        samples = self.sampler.sample(logits, inputs)
+        sampling_chunks = (
+            [c for c in sched.chunks if c.sample] if len(sample_idx) < batch.num_seqs else sched.chunks
+        )
+        if all(_plain_greedy(c.request) for c in sampling_chunks):
+            samples = SampledTensors(logits.argmax(dim=-1), [], [])  # what the sampler would do
+        else:
+            inputs = [
+                SamplerInput(
+                    params=c.request.sampling_params,
+                    prompt_token_ids=c.request.prompt_token_ids,
+                    output_token_ids=c.request.output_token_ids,
+                    generator=self._generator(c.request.request_id, c.request.sampling_params.seed),
+                    eos_token_ids=c.request.eos_token_ids,
+                )
+                for c in sampling_chunks
+            ]
+            samples = self.sampler.sample(logits, inputs)
         req_ids = [c.request.request_id for c in sampling_chunks]
         # The next step may feed these tokens to its rows before the host has read them.
         self._prev_sampled, self._prev_rows = samples.token_ids, {rid: i for i, rid in enumerate(req_ids)}
-        if self.device.type != "cuda":
+        if not self.staging.pinned:
             return PendingStep(req_ids, samples, None)
-        host = samples.copy_to_host(pin=True)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingStep(req_ids, host, event)
+        host = samples.copy_to_host(self.staging.host_like)
+        event = self.staging.end_step()
+        slot = self.staging.slot
+        return PendingStep(req_ids, host, event, staging=(self.staging, slot, self.staging.generation(slot)))

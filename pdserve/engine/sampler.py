@@ -20,12 +20,12 @@ depend only on its own logits and seed, never on the other rows of the batch or 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.host_batch import list_to_device
+from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -70,15 +70,15 @@ class SampledTensors:
             if t is not None
         ]
 
-    def copy_to_host(self, pin: bool) -> SampledTensors:
-        """The same samples in fresh host tensors, copied without blocking the host when ``pin``
-        (pinned memory): read them only after the stream's work up to here has finished."""
+    def copy_to_host(self, host_like: Callable[[torch.Tensor], torch.Tensor]) -> SampledTensors:
+        """The same samples copied into host tensors made by ``host_like`` (pinned: the copies
+        do not block the host; read them only once the stream's work up to here has finished)."""
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            h.copy_(t, non_blocking=pin)
+            h = host_like(t)
+            h.copy_(t, non_blocking=True)
             return h
 
         token_ids = host(self.token_ids)
@@ -112,8 +112,25 @@ class SampledTensors:
         return SamplerOutput(token_ids, logprobs)
 
 
+# Makes a small device tensor from Python values: (data, dtype) -> tensor on the logits' device.
+ToDevice = Callable[[list, torch.dtype], torch.Tensor]
+
+
 class Sampler:
-    """Stateless; one per model runner. Does not modify ``logits``; advances seeded generators."""
+    """Stateless; one per model runner. Does not modify ``logits``; advances seeded generators.
+
+    ``staging``: the runner's pinned buffers, so the small index tensors of penalties, top-k and
+    the like reach the device without a synchronising copy.
+    """
+
+    def __init__(self, staging: PinnedStaging | None = None) -> None:
+        self.staging = staging
+
+    def _to_device(self, device: torch.device) -> ToDevice:
+        staging = self.staging
+        if staging is not None and staging.device.type == device.type:
+            return staging.list_to_device
+        return lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)
 
     def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> SamplerOutput:
         return self.sample(logits, inputs).output()
@@ -130,50 +147,52 @@ class Sampler:
 
         if not (penalised or min_tokens or sampled or with_logprobs):
             return SampledTensors(logits.argmax(dim=-1), [], [])  # the common case: one kernel
+        put = self._to_device(logits.device)
 
         if penalised or min_tokens:
             logits = logits.clone()
             if penalised:
-                _apply_penalties(logits, [inputs[i] for i in penalised], penalised)
+                _apply_penalties(logits, [inputs[i] for i in penalised], penalised, put)
             if min_tokens:
-                _mask_stop_tokens(logits, [inputs[i] for i in min_tokens], min_tokens)
+                _mask_stop_tokens(logits, [inputs[i] for i in min_tokens], min_tokens, put)
 
         token_ids = logits.argmax(dim=-1)  # [num_rows]; greedy rows keep theirs
         if sampled:
-            idx = list_to_device(sampled, torch.long, logits.device)
+            idx = put(sampled, torch.long)
             # Advanced indexing copies, so _sample may work in place.
-            token_ids[idx] = _sample(logits[idx], [inputs[i] for i in sampled])
+            token_ids[idx] = _sample(logits[idx], [inputs[i] for i in sampled], put)
 
         out = SampledTensors(token_ids, [], [])
         if with_logprobs:
-            _logprobs(logits, token_ids, inputs, with_logprobs, out)
+            _logprobs(logits, token_ids, inputs, with_logprobs, out, put)
         return out
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+def _pad(rows: list[list[int]], pad: int, put: ToDevice) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return list_to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
+    return put([r + [pad] * (width - len(r)) for r in rows], torch.long)
 
 
-def _apply_penalties(logits: torch.Tensor, inputs: list[SamplerInput], rows: list[int]) -> None:
+def _apply_penalties(
+    logits: torch.Tensor, inputs: list[SamplerInput], rows: list[int], put: ToDevice
+) -> None:
     """Repetition, presence and frequency penalties on ``logits[rows]``, in place."""
     num_rows, vocab_size = len(rows), logits.shape[1]
     device = logits.device
-    idx = list_to_device(rows, torch.long, device)
+    idx = put(rows, torch.long)
     x = logits[idx]  # [P, V]
-    pen = list_to_device(
+    pen = put(
         [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in (i.params for i in inputs)],
         torch.float32,
-        device,
     )  # [P, 3]
     # Column V collects the padding and is dropped.
-    out_ids = _pad([i.output_token_ids for i in inputs], vocab_size, device)  # [P, max_out]
+    out_ids = _pad([i.output_token_ids for i in inputs], vocab_size, put)  # [P, max_out]
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
     counts = counts[:, :vocab_size]  # [P, V]
     seen_in_output = counts > 0
     if any(i.params.repetition_penalty != 1.0 for i in inputs):
-        prompt_ids = _pad([i.prompt_token_ids for i in inputs], vocab_size, device)  # [P, max_prompt]
+        prompt_ids = _pad([i.prompt_token_ids for i in inputs], vocab_size, put)  # [P, max_prompt]
         seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, prompt_ids, True)
         seen = seen[:, :vocab_size] | seen_in_output  # [P, V]
@@ -183,7 +202,9 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplerInput], rows: lis
     logits[idx] = x
 
 
-def _mask_stop_tokens(logits: torch.Tensor, inputs: list[SamplerInput], rows: list[int]) -> None:
+def _mask_stop_tokens(
+    logits: torch.Tensor, inputs: list[SamplerInput], rows: list[int], put: ToDevice
+) -> None:
     """min_tokens not reached yet: eos (unless ignore_eos) and stop_token_ids can't be drawn."""
     vocab_size = logits.shape[1]
     r: list[int] = []
@@ -197,22 +218,23 @@ def _mask_stop_tokens(logits: torch.Tensor, inputs: list[SamplerInput], rows: li
                 r.append(row)
                 c.append(t)
     if r:
-        device = logits.device
-        logits[list_to_device(r, torch.long, device), list_to_device(c, torch.long, device)] = float("-inf")
+        # index_put_ of a device tensor: assigning a Python float would copy it from the host.
+        minus_inf = torch.full((len(r),), float("-inf"), dtype=logits.dtype, device=logits.device)
+        logits.index_put_((put(r, torch.long), put(c, torch.long)), minus_inf)
 
 
-def _sample(x: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the exponential race. ``x`` [S, V] is overwritten."""
     num_rows, vocab_size = x.shape
     device = x.device
     params = [i.params for i in inputs]
-    f = list_to_device([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32, device)
+    f = put([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
     temperature, top_p, min_p = f[:, 0:1], f[:, 1:2], f[:, 2:3]  # each [S, 1]
     x.div_(temperature)
 
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-        top_k = list_to_device(ks, torch.long, device)[:, None]  # [S, 1]
+        top_k = put(ks, torch.long)[:, None]  # [S, 1]
         _apply_top_k_top_p(x, top_k, top_p, max(ks))
     if any(p.min_p > 0.0 for p in params):
         probs = x.softmax(dim=-1)  # [S, V]
@@ -260,9 +282,10 @@ def _logprobs(
     inputs: Sequence[SamplerInput],
     rows: list[int],
     out: SampledTensors,
+    put: ToDevice,
 ) -> None:
     """Fill ``out``'s logprob tensors for ``rows`` (device tensors; nothing is read back here)."""
-    idx = list_to_device(rows, torch.long, logits.device)
+    idx = put(rows, torch.long)
     lp = logits[idx].log_softmax(dim=-1)  # [L, V], float32
     out.logprob_rows = list(rows)
     out.chosen_logprobs = lp.gather(1, token_ids[idx][:, None]).squeeze(1)  # [L]

@@ -167,7 +167,7 @@ class Scheduler:
             request=req,
             start_pos=start,
             num_tokens=num_new,
-            block_ids=self.kv.block_ids(req.request_id),
+            block_ids=self.kv.block_ids_view(req.request_id),
             sample=start + num_new == req.num_tokens_with_placeholders,
         )
 
@@ -188,13 +188,16 @@ class Scheduler:
         wait for the in-flight step). The engine then completes the in-flight step first.
         """
         need = 0
+        num_new_blocks = self.kv.num_new_blocks
         for req in self.running:
-            sp = req.sampling_params
-            if req.num_output_placeholders and (sp.has_penalties or req.num_output_tokens < sp.min_tokens):
-                return False
-            gap = req.num_tokens_with_placeholders - req.num_computed_tokens
+            ph = req.num_output_placeholders
+            if ph:
+                sp = req.sampling_params
+                if sp.has_penalties or len(req.output_token_ids) < sp.min_tokens:
+                    return False
+            gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
             if gap > 0:
-                need += self.kv.num_new_blocks(req, gap)
+                need += num_new_blocks(req, gap)
         return need <= self.kv.pool.num_free_blocks
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:

@@ -12,7 +12,7 @@ from array import array
 import pytest
 import torch
 
-from pdserve.engine.host_batch import HostBatch, apply_feed
+from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.test_scheduler import make, req
@@ -170,11 +170,11 @@ def test_apply_feed_writes_fed_rows_only() -> None:
         array("q", [7, 0, 8, 0, 0]), empty, empty, [], [], array("i"), 0, [], [1, 3, 4], [2, 0, 3]
     )
     ids = torch.tensor([7, 0, 8, 0, 0])
-    apply_feed(ids, batch, prev)
+    apply_feed(ids, batch, prev, PinnedStaging(torch.device("cpu")))
     assert ids.tolist() == [7, 103, 8, 101, 104]
     batch.feed_dst, batch.feed_src = [0, 1], [0, 1]  # the in-order fast path
     ids = torch.zeros(3, dtype=torch.long)
-    apply_feed(ids, batch, prev)
+    apply_feed(ids, batch, prev, PinnedStaging(torch.device("cpu")))
     assert ids.tolist() == [101, 102, 0]
 
 

@@ -68,3 +68,22 @@ def test_launch_does_not_wait_for_the_device(enforce_eager, tiny_models, make_ll
     runner.launch = strict_launch
     outs = llm.generate(PROMPTS[:4] + PROMPTS[2:4], params + params[:2])
     assert launches[0] >= 12 and all(len(o.token_ids) >= 4 for o in outs)
+
+
+def test_pinned_staging_reuses_a_slot_only_after_its_copies_ran() -> None:
+    """The GPU sleeps while 3x more steps than there are slots stage new values: each copy must
+    still deliver its own step's values (a slot rewritten too early would deliver later ones)."""
+    from array import array
+
+    from pdserve.engine.host_batch import PinnedStaging
+
+    staging = PinnedStaging(torch.device("cuda"), num_slots=4, slot_bytes=4096)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before every copy below
+    outs = []
+    for step in range(12):
+        staging.begin_step()  # waits for slot (step - 4)'s copies: the sleep, then those copies
+        outs.append(staging.to_device(array("q", [step] * 300), torch.int64))
+        staging.end_step()
+    torch.cuda.synchronize()
+    assert [int(o.min()) == int(o.max()) == i for i, o in enumerate(outs)] == [True] * 12
