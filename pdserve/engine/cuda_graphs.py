@@ -5,7 +5,9 @@
     every request computes 1 token, n <= max size    pad n up to the next captured size, replay
     anything else (prefill, mixed, n > max size)     the eager forward (ModelRunner)
 
-Static buffers, sized for the largest captured batch and shared by every graph:
+Static buffers, sized for the largest captured batch and shared by every graph; the first three
+are views of one device byte buffer, so a step's inputs arrive with a single host-to-device copy
+(of everything up to the last table row the step's padded size reads):
 
     ids_pos_slots    [3, max_bs]                     int64   rows: input ids, positions, slots
     seq_lens         [max_bs]                        int32
@@ -96,11 +98,13 @@ class CudaGraphRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.attn_backend = attn_backend
-        max_bs, dev = self.max_batch_size, self.device
-        self.ids_pos_slots = torch.zeros((3, max_bs), dtype=torch.long, device=dev)
+        max_bs, dev, width = self.max_batch_size, self.device, self.max_blocks_per_seq
+        i64_bytes, lens_bytes = 3 * max_bs * 8, max_bs * 4
+        self._inputs = torch.zeros(i64_bytes + lens_bytes + max_bs * width * 4, dtype=torch.uint8, device=dev)
+        self.ids_pos_slots = self._inputs[:i64_bytes].view(torch.int64).view(3, max_bs)
         self.ids_pos_slots[2].fill_(-1)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.seq_lens = self._inputs[i64_bytes : i64_bytes + lens_bytes].view(torch.int32)
+        self.block_tables = self._inputs[i64_bytes + lens_bytes :].view(torch.int32).view(max_bs, width)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self._metas = {bs: self._metadata(bs) for bs in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -165,6 +169,19 @@ class CudaGraphRunner:
             (free_before - free_after) / 2**20,
         )
 
+    def _table_rows(self, batch: HostBatch) -> array:
+        """The batch's block-table rows at the static width (built so by the runner, else padded)."""
+        width = self.max_blocks_per_seq
+        if batch.width == width:
+            return batch.block_table_flat
+        out = array("i")
+        flat, w = batch.block_table_flat, batch.width
+        pad = bytes(4 * (width - w))
+        for i in range(batch.num_seqs):
+            out.extend(flat[i * w : (i + 1) * w])
+            out.frombytes(pad)
+        return out
+
     def replay(self, bs: int) -> None:
         """Launch the captured graph of batch size ``bs`` (benchmarks time this alone)."""
         self._graphs[bs].replay()
@@ -191,16 +208,22 @@ class CudaGraphRunner:
         assert self.can_run(batch), (batch.num_tokens, batch.num_seqs, batch.width)
         n = batch.num_seqs
         bs = self.padded_size(n)
-        pad = bs - n
+        pad = self.max_batch_size - n  # every row up to max_bs: the copy is one contiguous prefix
         zeros = array("q", bytes(8 * pad))
-        # rows: ids, positions, slots; padding: token 0, position 0, slot -1
-        i64 = batch.token_ids + zeros + batch.positions + zeros + batch.slots + array("q", [-1] * pad)
-        stage = self.staging.stage
-        self.ids_pos_slots[:, :bs].copy_(stage(i64, torch.int64).view(3, bs), non_blocking=True)
-        lens = array("i", batch.seq_lens) + array("i", bytes(4 * pad))  # [bs]
-        self.seq_lens[:bs].copy_(stage(lens, torch.int32), non_blocking=True)
-        table = stage(batch.block_table_flat, torch.int32).view(n, batch.width)
-        self.block_tables[:n, : batch.width].copy_(table, non_blocking=True)
+        # One copy: ids | positions | slots (padding: token 0, position 0, slot -1, each row
+        # max_bs long) | seq_lens (padding 0) | block-table rows 0..n-1 at the static width.
+        staged = self.staging.stage_arrays(
+            batch.token_ids,
+            zeros,
+            batch.positions,
+            zeros,
+            batch.slots,
+            array("q", [-1]) * pad,
+            array("i", batch.seq_lens),
+            array("i", bytes(4 * pad)),
+            self._table_rows(batch),
+        )
+        self._inputs[: staged.numel()].copy_(staged, non_blocking=True)
         apply_feed(self.ids_pos_slots[0], batch, prev_sampled, self.staging)
         self._metas[bs].refilled()
         self.num_runs += 1

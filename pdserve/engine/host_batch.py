@@ -17,6 +17,7 @@ real one from the previous step's sampled-token tensor, on the device, before th
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from pdserve.engine.scheduler_output import SchedulerOutput
 
 
-def extend_slots(slots: array, block_ids: list[int], start: int, end: int, block_size: int) -> None:
+def extend_slots(slots: array, block_ids: Sequence[int], start: int, end: int, block_size: int) -> None:
     """Append the KV slots of positions [start, end): one range per block touched, not per token."""
     pos = start
     while pos < end:
@@ -64,11 +65,15 @@ class HostBatch:
         return len(self.token_ids) == len(self.seq_lens)
 
 
-def build_host_batch(sched: SchedulerOutput, block_size: int, prev_rows: dict[str, int]) -> HostBatch:
+def build_host_batch(
+    sched: SchedulerOutput, block_size: int, prev_rows: dict[str, int], table_width: int | None = None
+) -> HostBatch:
     """The step's inputs (the only per-token Python work of a step).
 
     ``prev_rows``: request id -> row in the previous step's sampled tokens, for requests whose
-    input token is still a placeholder (``Request.num_output_placeholders``).
+    input token is still a placeholder (``Request.num_output_placeholders``). ``table_width``:
+    pad block-table rows to this many entries (the CUDA graphs' static width) instead of the
+    step's longest row.
     """
     bs = block_size
     token_ids, positions, slots = array("q"), array("q"), array("q")
@@ -77,18 +82,21 @@ def build_host_batch(sched: SchedulerOutput, block_size: int, prev_rows: dict[st
     sample_idx: list[int] = []
     feed_dst: list[int] = []
     feed_src: list[int] = []
-    width = max(len(c.block_ids) for c in sched.chunks)
+    chunks = sched.chunks
+    width = table_width if table_width is not None else max(len(c.block_ids) for c in chunks)
     table = array("i")
-    zeros = [0] * width
-    for c in sched.chunks:
+    zero_bytes = bytes(4 * width)
+    for c in chunks:
         start, n, blocks, req = c.start_pos, c.num_tokens, c.block_ids, c.request
+        prompt, output = req.prompt_token_ids, req.output_token_ids
         if n == 1:  # decode: no slices, no ranges
-            if start == req.num_tokens:  # the token at `start` is in flight: fed on the device
+            num_prompt = len(prompt)
+            if start == num_prompt + len(output):  # the token at `start` is in flight: fed on the device
                 feed_dst.append(len(token_ids))
                 feed_src.append(prev_rows[req.request_id])
                 token_ids.append(0)
             else:
-                token_ids.append(req.token_id_at(start))
+                token_ids.append(prompt[start] if start < num_prompt else output[start - num_prompt])
             positions.append(start)
             b = start // bs
             slots.append(blocks[b] * bs + start - b * bs)
@@ -102,7 +110,7 @@ def build_host_batch(sched: SchedulerOutput, block_size: int, prev_rows: dict[st
         if c.sample:
             sample_idx.append(len(token_ids) - 1)
         table.extend(blocks)
-        table.extend(zeros[: width - len(blocks)])
+        table.frombytes(zero_bytes[4 * len(blocks) :])
     return HostBatch(
         token_ids, positions, slots, query_lens, seq_lens, table, width, sample_idx, feed_dst, feed_src
     )
@@ -181,6 +189,24 @@ class PinnedStaging:
             return src
         out = self._take(src.numel() * src.element_size()).view(dtype)
         out.copy_(src)
+        return out
+
+    def stage_arrays(self, *parts: array) -> torch.Tensor:
+        """The arrays' bytes back to back, as one 1-D uint8 host tensor (pinned on CUDA), for a
+        single copy; plain memcpy, no torch call per part. Each part's length in bytes must keep
+        the next part aligned to its item size."""
+        total = sum(len(p) * p.itemsize for p in parts)
+        if not self.pinned:
+            buf = bytearray(total)
+            out = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+        else:
+            out = self._take(total)
+        view = out.numpy().data if total else memoryview(bytearray())
+        off = 0
+        for p in parts:
+            raw = memoryview(p).cast("B")
+            view[off : off + len(raw)] = raw
+            off += len(raw)
         return out
 
     def stage_tensor(self, t: torch.Tensor) -> torch.Tensor:

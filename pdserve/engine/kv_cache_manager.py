@@ -13,6 +13,7 @@ the last step that wrote it, and when no transfer into it is in flight.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,7 +38,8 @@ class StepFence:
 @dataclass
 class _ReqState:
     blocks: list[KVCacheBlock] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)  # [b.block_id for b in blocks], kept in step
+    # [b.block_id for b in blocks], kept in step: an int32 array the runner copies with memcpy
+    block_ids: array = field(default_factory=lambda: array("i"))
     num_hashed_blocks: int = 0  # blocks already registered in the prefix cache
     last_write_seq: int = 0  # last step that writes into these blocks
     inflight_writes: int = 0  # KV transfers writing into these blocks right now
@@ -67,11 +69,11 @@ class KVCacheManager:
         st = self._reqs.get(request_id)
         return list(st.block_ids) if st else []
 
-    def block_ids_view(self, request_id: str) -> list[int]:
-        """The request's block table itself, for this step's chunk: read it, never mutate it;
-        the next allocation for the request extends it."""
+    def block_ids_view(self, request_id: str) -> array:
+        """The request's block table itself ('i' array), for this step's chunk: read it, never
+        mutate it; the next allocation for the request extends it."""
         st = self._reqs.get(request_id)
-        return st.block_ids if st else []
+        return st.block_ids if st else array("i")
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._reqs
@@ -124,10 +126,12 @@ class KVCacheManager:
 
         Returns the newly allocated block ids, or None (changing nothing) if the pool is short.
         """
-        new_computed_blocks = new_computed_blocks or []
         st = self._reqs.get(req.request_id)
-        have = len(st.blocks) if st else 0
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if st is not None and not new_computed_blocks and total <= len(st.block_ids) * self.block_size:
+            return []  # the common decode step: the last block has room
+        new_computed_blocks = new_computed_blocks or []
+        have = len(st.blocks) if st else 0
         need = self.num_blocks_needed(total) - have - len(new_computed_blocks)
         # Hit blocks that are free right now also come out of the free count when touched.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

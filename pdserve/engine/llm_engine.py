@@ -370,13 +370,17 @@ class LLMEngine:
 
     def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
         deltas: list[GenerationDelta] = []
+        tracked = self._tracked
         for req in touched:
-            tr = self._tracked.get(req.request_id)
+            rid = req.request_id
+            tr = tracked.get(rid)
             if tr is None:
                 continue
-            new_ids = req.output_token_ids[tr.emitted_tokens :]
-            tr.emitted_tokens = req.num_output_tokens
-            lp = logprobs.get(req.request_id)
+            out_ids = req.output_token_ids
+            num_out = len(out_ids)
+            new_ids = out_ids[tr.emitted_tokens :]
+            tr.emitted_tokens = num_out
+            lp = logprobs.get(rid) if logprobs else None
             text = ""
             if tr.detok is not None and self.detok is not None:
                 text = self.detok.append(tr.detok, new_ids)
@@ -386,18 +390,18 @@ class LLMEngine:
                 if req.is_finished and not _continues_elsewhere(req):
                     text += self.detok.flush(tr.detok)
             delta = GenerationDelta(
-                request_id=req.request_id,
-                token_ids=new_ids,
-                text=text,
-                logprobs=[lp] if (tr.logprobs and lp is not None) else ([] if tr.logprobs else None),
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
+                rid,
+                new_ids,
+                text,
+                ([lp] if lp is not None else []) if tr.logprobs else None,
+                num_prompt_tokens=len(req.prompt_token_ids),
+                num_output_tokens=len(out_ids),  # a stop string may have ended it: count anew
                 num_cached_tokens=req.num_cached_tokens + req.num_external_computed_tokens,
             )
-            if req.is_finished:
+            if req.status.finished:
                 delta.finish_reason = FINISH_REASON[req.status]
                 delta.stop_reason = req.stop_reason
-                del self._tracked[req.request_id]
+                del tracked[rid]
             deltas.append(delta)
         return deltas
 

@@ -288,8 +288,13 @@ class ModelRunner:
         if sched.is_empty:
             return PendingStep([], None, None)
         self.staging.begin_step()
-        batch = build_host_batch(sched, self.block_size, self._prev_rows)
         graphs = self.cuda_graphs
+        decode_only = sched.total_num_scheduled_tokens == len(sched.chunks)
+        # Decode steps build their block table at the graphs' static width: copied as it is.
+        width = (
+            graphs.max_blocks_per_seq if graphs is not None and decode_only and intermediate is None else None
+        )
+        batch = build_host_batch(sched, self.block_size, self._prev_rows, width)
         out: torch.Tensor | IntermediateTensors
         if graphs is not None and intermediate is None and graphs.can_run(batch):
             out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer

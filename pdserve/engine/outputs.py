@@ -17,7 +17,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerationDelta:
     request_id: str
     token_ids: list[int]  # new tokens in this delta

@@ -114,10 +114,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_placeholders and self._finishes_by_length(req):
+            ph = req.num_output_placeholders
+            if ph and self._finishes_by_length(req):
                 i += 1  # its token in flight is its last: nothing to compute ahead
                 continue
-            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
+            num_new = gap if gap < budget else budget
             if num_new <= 0:
                 i += 1
                 continue
@@ -153,30 +155,31 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(c.num_tokens for c in out.chunks)
         # Only now, for the chunks that stay scheduled (a victim preempted above changed nothing
         # here): the counters run ahead of the GPU, and the fence learns who writes which blocks.
+        mark_written, seq = self.kv.mark_written, out.step_seq
         for c in out.chunks:
             req = c.request
             req.num_computed_tokens = c.start_pos + c.num_tokens
             if c.sample:
                 req.num_output_placeholders += 1
-            self.kv.mark_written(req.request_id, out.step_seq)
+            mark_written(req.request_id, seq)
         return out
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(
-            request=req,
-            start_pos=start,
-            num_tokens=num_new,
-            block_ids=self.kv.block_ids_view(req.request_id),
-            sample=start + num_new == req.num_tokens_with_placeholders,
+            req,
+            start,
+            num_new,
+            self.kv.block_ids_view(req.request_id),
+            start + num_new == req.num_tokens_with_placeholders,
         )
 
     def _finishes_by_length(self, req: Request) -> bool:
         """Whether the tokens sampled so far (in flight included) already end the request."""
         max_tokens = req.sampling_params.max_tokens
-        num_out = req.num_output_tokens + req.num_output_placeholders
+        num_out = len(req.output_token_ids) + req.num_output_placeholders
         return (max_tokens is not None and num_out >= max_tokens) or (
-            req.num_tokens_with_placeholders >= self.max_model_len
+            len(req.prompt_token_ids) + num_out >= self.max_model_len
         )
 
     def can_schedule_ahead(self) -> bool:
@@ -187,8 +190,9 @@ class Scheduler:
         blocks might not cover every running request's next chunk (a preemption would have to
         wait for the in-flight step). The engine then completes the in-flight step first.
         """
-        need = 0
-        num_new_blocks = self.kv.num_new_blocks
+        bound = 0  # an upper bound of the blocks needed: 1 per decode, ceil(gap / bs) + 1 else
+        bs = self.kv.block_size
+        gaps: list[tuple[Request, int]] = []
         for req in self.running:
             ph = req.num_output_placeholders
             if ph:
@@ -197,8 +201,12 @@ class Scheduler:
                     return False
             gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
             if gap > 0:
-                need += num_new_blocks(req, gap)
-        return need <= self.kv.pool.num_free_blocks
+                bound += 1 if gap == 1 else 1 + -(-gap // bs)
+                gaps.append((req, gap))
+        free = self.kv.pool.num_free_blocks
+        if bound <= free:
+            return True
+        return sum(self.kv.num_new_blocks(req, gap) for req, gap in gaps) <= free
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
         scheduled.pop(victim.request_id, None)
@@ -260,14 +268,17 @@ class Scheduler:
         (a row computed ahead, asynchronous scheduling) is dropped. Returns touched requests.
         """
         touched: list[Request] = []
+        running = RequestStatus.RUNNING
+        cache_blocks = self.kv.cache_computed_blocks if self.kv.enable_prefix_caching else None
         for chunk in out.chunks:
             req = chunk.request
             if chunk.sample:
                 req.num_output_placeholders -= 1
                 assert req.num_output_placeholders >= 0, req.request_id
-            if req.status != RequestStatus.RUNNING:  # finished or aborted meanwhile
+            if req.status != running:  # finished or aborted meanwhile
                 continue
-            self.kv.cache_computed_blocks(req, chunk.start_pos + chunk.num_tokens)
+            if cache_blocks is not None:
+                cache_blocks(req, chunk.start_pos + chunk.num_tokens)
             if not chunk.sample:
                 continue
             token = sampled[req.request_id]
@@ -280,15 +291,16 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_out = len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if len(req.prompt_token_ids) + num_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

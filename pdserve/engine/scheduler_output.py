@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request  # read-only for the runner: token ids, sampling params, seed
     start_pos: int  # first position computed this step (= num_computed_tokens when scheduled)
     num_tokens: int  # tokens computed this step: positions [start_pos, start_pos + num_tokens)
-    block_ids: list[int]  # the request's whole block table after this step's allocation
+    # The request's whole block table after this step's allocation ('i' array or list; read-only:
+    # it is the KV cache manager's own, valid while the step is built)
+    block_ids: Sequence[int]
     sample: bool  # the chunk reaches the last known token: sample the next one
 
 

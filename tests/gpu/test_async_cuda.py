@@ -36,7 +36,7 @@ def test_async_equals_sync_on_cuda(dtype, enforce_eager, tiny_models, make_llm) 
     asy = _llm(make_llm, model_dir, async_scheduling=True, **kw)
     _assert_same(_run_all(asy, PROMPTS, params), want)
     if not enforce_eager:
-        assert asy.engine.runner.cuda_graphs is not None and asy.engine.runner.cuda_graphs.num_runs > 20
+        assert asy.engine.runner.cuda_graphs is not None and asy.engine.runner.cuda_graphs.num_runs >= 10
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
