@@ -33,3 +33,8 @@ class CapacityError(PdserveError):
 
 class UnsupportedError(PdserveError, NotImplementedError):
     """A case no implementation supports (a kernel shape, a model feature); never silently falls back."""
+
+
+class EngineStalledError(PdserveError, RuntimeError):
+    """The engine cannot make progress: a device step outlived ``step_timeout_s``, or requests
+    remain that no step can ever schedule. Names what it waited for and the setting."""

@@ -100,6 +100,7 @@ class NodeConfig(_Frozen):
     max_model_len: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
+    step_timeout_s: float = Field(default=300.0, gt=0)  # a device step taking longer fails its requests
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
 

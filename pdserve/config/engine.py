@@ -82,10 +82,15 @@ class EngineConfig:
     # on for CUDA with tensor_parallel_size 1 and a whole model, off elsewhere (on the CPU the
     # forward itself blocks the host, so there is nothing to hide).
     async_scheduling: bool | None = None
+    # Longest a step's device work may take before the engine gives up on it (a hung kernel or
+    # device then fails the requests with an error instead of blocking the node forever).
+    step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.step_timeout_s <= 0:
+            raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -105,6 +105,7 @@ class ResolvedNode:
             seed=seed,
             enforce_eager=n.enforce_eager,
             async_scheduling=n.async_scheduling,
+            step_timeout_s=n.step_timeout_s,
             cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=n.max_num_seqs, max_num_batched_tokens=n.max_num_batched_tokens

@@ -16,6 +16,7 @@ real one from the previous step's sampled-token tensor, on the device, before th
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.errors import EngineStalledError
 
 
 def extend_slots(slots: array, block_ids: Sequence[int], start: int, end: int, block_size: int) -> None:
@@ -116,6 +118,24 @@ def build_host_batch(
     )
 
 
+def wait_event(event: torch.cuda.Event, timeout_s: float, what: str) -> None:
+    """Block until ``event`` passed, at most ``timeout_s``; EngineStalledError after that.
+
+    Polls (the other threads of the process keep the interpreter meanwhile) rather than
+    ``event.synchronize()``, which could block forever behind a hung kernel.
+    """
+    if event.query():
+        return
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise EngineStalledError(
+                f"{what} did not complete within step_timeout_s={timeout_s:g} s: the device is hung "
+                "or the step is far larger than expected (raise EngineConfig.step_timeout_s)"
+            )
+        time.sleep(0)
+
+
 class PinnedStaging:
     """Pinned host memory for the copies of a step, allocated once and reused round-robin.
 
@@ -132,8 +152,15 @@ class PinnedStaging:
 
     ALIGN = 64
 
-    def __init__(self, device: torch.device, num_slots: int = 4, slot_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_slots: int = 4,
+        slot_bytes: int = 1 << 20,
+        timeout_s: float = 300.0,
+    ) -> None:
         self.device = device
+        self.timeout_s = timeout_s
         self.pinned = device.type == "cuda"
         self._slots = [self._alloc(slot_bytes) for _ in range(num_slots)] if self.pinned else []
         self._events: list[torch.cuda.Event | None] = [None] * num_slots
@@ -157,8 +184,8 @@ class PinnedStaging:
             return
         self._slot = (self._slot + 1) % len(self._slots)
         ev = self._events[self._slot]
-        if ev is not None:
-            ev.synchronize()  # the copies of this slot's last step (long done in steady state)
+        if ev is not None:  # the copies of this slot's last step (long done in steady state)
+            wait_event(ev, self.timeout_s, f"the step that last used staging slot {self._slot}")
         self._generations[self._slot] += 1
         self._used = 0
 

@@ -12,6 +12,7 @@ from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, Sch
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import EngineStalledError
 
 Prompt = str | list[int]
 
@@ -58,6 +59,16 @@ class LLM:
     ) -> None:
         self.close()
 
+    def _stall_message(self) -> str:
+        eng = self.engine
+        stuck = list(eng.scheduler.requests.values())[:4]
+        about = ", ".join(f"{r.request_id} ({r.status.name}, {r.num_tokens} tokens)" for r in stuck)
+        return (
+            f"no step can schedule the remaining {eng.scheduler.num_unfinished} request(s) ({about}); "
+            f"the KV cache holds {eng.cache_sizes.num_tokens} tokens, "
+            f"{eng.kv.pool.num_free_blocks} of {eng.cache_sizes.num_blocks} blocks free"
+        )
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -102,8 +113,15 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(order), desc="generate")
+        idle_steps = 0
         while self.engine.has_unfinished():
-            for d in self.engine.step():
+            deltas = self.engine.step()
+            # Offline nothing else can free memory: a few empty steps in a row (the first ones
+            # may still release deferred blocks) mean no step will ever schedule these requests.
+            idle_steps = idle_steps + 1 if self.engine.last_step_empty and not deltas else 0
+            if idle_steps >= 3:
+                raise EngineStalledError(self._stall_message())
+            for d in deltas:
                 r = results[d.request_id]
                 r.token_ids.extend(d.token_ids)
                 r.text += d.text

@@ -25,7 +25,7 @@ import torch
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
-from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch
+from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput
@@ -99,9 +99,11 @@ class PendingStep:
     # (staging, slot, generation) holding ``samples``: the slot must not have been reused.
     staging: tuple[PinnedStaging, int, int] | None = None
 
+    timeout_s: float = 300.0  # EngineConfig.step_timeout_s
+
     def result(self) -> RunnerOutput:
         if self.event is not None:
-            self.event.synchronize()
+            wait_event(self.event, self.timeout_s, "a launched step")
         if self.staging is not None:
             st, slot, gen = self.staging
             assert st.generation(slot) == gen, "a step's samples were read after its staging slot was reused"
@@ -121,7 +123,8 @@ class ModelRunner:
         self.model, self.arch = load_model(config.model, self.dtype, self.device, layer_start, layer_end)
         self.model.eval()
         self.block_size = config.cache.block_size
-        self.staging = PinnedStaging(self.device)  # every host <-> device copy of a step
+        # every host <-> device copy of a step
+        self.staging = PinnedStaging(self.device, timeout_s=config.step_timeout_s)
         self.sampler = Sampler(self.staging)
         self._generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
@@ -307,12 +310,14 @@ class ModelRunner:
             )
         if not self.model.is_last_stage:
             assert isinstance(out, IntermediateTensors)
-            return PendingStep([], None, self.staging.end_step(), intermediate=out)
+            return PendingStep(
+                [], None, self.staging.end_step(), intermediate=out, timeout_s=self.config.step_timeout_s
+            )
         assert isinstance(out, torch.Tensor)
         sample_idx = batch.sample_idx
         if not sample_idx:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingStep([], None, self.staging.end_step())
+            return PendingStep([], None, self.staging.end_step(), timeout_s=self.config.step_timeout_s)
         if len(sample_idx) == batch.num_tokens:  # every token samples (decode): no gather
             hidden = out
         else:
@@ -343,4 +348,10 @@ class ModelRunner:
         host = samples.copy_to_host(self.staging.host_like)
         event = self.staging.end_step()
         slot = self.staging.slot
-        return PendingStep(req_ids, host, event, staging=(self.staging, slot, self.staging.generation(slot)))
+        return PendingStep(
+            req_ids,
+            host,
+            event,
+            staging=(self.staging, slot, self.staging.generation(slot)),
+            timeout_s=self.config.step_timeout_s,
+        )

@@ -215,3 +215,42 @@ def test_can_schedule_ahead_refuses_history_and_short_memory() -> None:
     s.add_request(tight)
     s.schedule()
     assert s.kv.pool.num_free_blocks == 0 and not s.can_schedule_ahead()
+
+
+def test_wait_event_gives_up_after_the_step_timeout() -> None:
+    from pdserve.engine.host_batch import wait_event
+    from pdserve.errors import EngineStalledError
+
+    class NeverDone:  # stands in for a CUDA event behind a hung kernel
+        def query(self) -> bool:
+            return False
+
+    class DoneLater:
+        def __init__(self) -> None:
+            self.polls = 0
+
+        def query(self) -> bool:
+            self.polls += 1
+            return self.polls > 3
+
+    with pytest.raises(EngineStalledError, match=r"step_timeout_s=0\.05"):
+        wait_event(NeverDone(), 0.05, "a launched step")  # type: ignore[arg-type]
+    later = DoneLater()
+    wait_event(later, 5.0, "a launched step")  # type: ignore[arg-type]
+    assert later.polls == 4
+
+
+def test_generate_raises_instead_of_spinning_when_nothing_can_run(tiny_models, make_llm) -> None:
+    """If no step can ever schedule the remaining requests, generate() says so (a stuck fence
+    here blocks the preemption that would make room)."""
+    from pdserve.errors import EngineStalledError
+
+    llm = make_llm(
+        tiny_models["llama"], num_blocks_override=12, max_model_len=128, max_num_batched_tokens=512
+    )
+    eng = llm.engine
+    eng.kv.can_free_now = lambda request_id: False  # every victim looks still written
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with pytest.raises(EngineStalledError, match="no step can schedule"):
+        llm.generate([list(range(1, 60)), list(range(100, 160))], params)
+    eng.abort(list(eng.scheduler.requests))

@@ -87,3 +87,17 @@ def test_pinned_staging_reuses_a_slot_only_after_its_copies_ran() -> None:
         staging.end_step()
     torch.cuda.synchronize()
     assert [int(o.min()) == int(o.max()) == i for i, o in enumerate(outs)] == [True] * 12
+
+
+def test_a_hung_step_fails_after_step_timeout() -> None:
+    """A step whose device work outlives step_timeout_s raises instead of blocking forever."""
+    from pdserve.engine.model_runner import PendingStep
+    from pdserve.errors import EngineStalledError
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: a "hung" kernel for this test
+    ev = torch.cuda.Event()
+    ev.record()
+    with pytest.raises(EngineStalledError, match="step_timeout_s"):
+        PendingStep([], None, ev, timeout_s=0.05).result()
+    torch.cuda.synchronize()
