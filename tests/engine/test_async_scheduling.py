@@ -2,7 +2,8 @@
 
 On the CPU the forward blocks the host, so nothing overlaps here; these tests check the logic
 that makes the overlap safe on CUDA (fed tokens, placeholders, late stops, deferred frees) by
-comparing against the synchronous engine on the same requests.
+comparing against the synchronous engine on the same requests. They pin device="cpu" (on a GPU
+machine the CUDA versions are in tests/gpu/test_async_cuda.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.test_scheduler import make, req
 
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 9, 40, 77, 5, 130)]
+
+
+CPU = {"device": "cpu"}
 
 
 def _run_all(llm, prompts, params):
@@ -56,13 +60,13 @@ def test_async_equals_sync_on_mixed_requests(arch, tiny_models, make_llm) -> Non
     """Stops found late, penalties and min_tokens (which force synchronous steps), seeded
     sampling and logprobs: every output identical to the synchronous engine's."""
     model_dir = tiny_models[arch]
-    sync = make_llm(model_dir, max_num_batched_tokens=64, async_scheduling=False)
+    sync = make_llm(model_dir, max_num_batched_tokens=64, async_scheduling=False, **CPU)
     greedy = sync.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     stop_token = greedy[0].token_ids[6]  # request 1 stops on it mid-run, beside running requests
     params = _mixed_params(stop_token)
     want = _run_all(sync, PROMPTS, params)
     assert want[1][2] == "stop" and len(want[1][0]) <= 7
-    asy = make_llm(model_dir, max_num_batched_tokens=64, async_scheduling=True)
+    asy = make_llm(model_dir, max_num_batched_tokens=64, async_scheduling=True, **CPU)
     assert asy.engine.async_scheduling
     events = _record_order(asy)
     got = _run_all(asy, PROMPTS, params)
@@ -100,7 +104,7 @@ def _record_order(llm):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_next_step_launches_before_previous_result_is_read(async_scheduling, tiny_models, make_llm) -> None:
-    llm = make_llm(tiny_models["llama"], async_scheduling=async_scheduling)
+    llm = make_llm(tiny_models["llama"], async_scheduling=async_scheduling, **CPU)
     events = _record_order(llm)
     llm.generate([PROMPTS[2]] * 2, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     launches = [s for e, s in events if e == "launch"]
@@ -110,13 +114,12 @@ def test_next_step_launches_before_previous_result_is_read(async_scheduling, tin
         assert read_before_next_launch is not async_scheduling, (seq, events)
 
 
-def test_rows_computed_ahead_are_only_the_late_stops(tiny_models, make_llm) -> None:
-    """Requests that end by length are never scheduled past their end; a stop token costs at most
-    one extra row (computed while the stop was still in flight), and its token is dropped."""
-    model_dir = tiny_models["llama"]
+def rows_computed(make_llm, model_dir, **kw) -> dict[bool, tuple[int, list[list[int]]]]:
+    """Tokens scheduled by the sync and the async engine for one long request beside one that
+    stops on a token (mode -> (scheduled tokens, outputs))."""
     scheduled = {}
     for mode in (False, True):
-        llm = make_llm(model_dir, async_scheduling=mode)
+        llm = make_llm(model_dir, async_scheduling=mode, **kw)
         sched = llm.engine.scheduler
         orig = sched.schedule
         total = [0]
@@ -137,12 +140,20 @@ def test_rows_computed_ahead_are_only_the_late_stops(tiny_models, make_llm) -> N
         outs = llm.generate([PROMPTS[3], PROMPTS[1]], params)
         assert outs[1].finish_reason == "stop" and outs[1].token_ids[-1] == stop
         scheduled[mode] = (total[0], [o.token_ids for o in outs])
+        sched.schedule = orig  # no cycle through the wrapper: the engine is freed with the test
+    return scheduled
+
+
+def test_rows_computed_ahead_are_only_the_late_stops(tiny_models, make_llm) -> None:
+    """Requests that end by length are never scheduled past their end; a stop token costs at most
+    one extra row (computed while the stop was still in flight), and its token is dropped."""
+    scheduled = rows_computed(make_llm, tiny_models["llama"], **CPU)
     assert scheduled[True][1] == scheduled[False][1]
     assert scheduled[True][0] - scheduled[False][0] in (0, 1)
 
 
 def test_abort_while_a_step_is_in_flight_frees_everything(tiny_models, make_llm) -> None:
-    llm = make_llm(tiny_models["qwen3"], async_scheduling=True)
+    llm = make_llm(tiny_models["qwen3"], async_scheduling=True, **CPU)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i, p in enumerate(PROMPTS[:4]):
@@ -246,7 +257,7 @@ def test_generate_raises_instead_of_spinning_when_nothing_can_run(tiny_models, m
     from pdserve.errors import EngineStalledError
 
     llm = make_llm(
-        tiny_models["llama"], num_blocks_override=12, max_model_len=128, max_num_batched_tokens=512
+        tiny_models["llama"], num_blocks_override=12, max_model_len=128, max_num_batched_tokens=512, **CPU
     )
     eng = llm.engine
     eng.kv.can_free_now = lambda request_id: False  # every victim looks still written
