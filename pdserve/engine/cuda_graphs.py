@@ -169,19 +169,6 @@ class CudaGraphRunner:
             (free_before - free_after) / 2**20,
         )
 
-    def _table_rows(self, batch: HostBatch) -> array:
-        """The batch's block-table rows at the static width (built so by the runner, else padded)."""
-        width = self.max_blocks_per_seq
-        if batch.width == width:
-            return batch.block_table_flat
-        out = array("i")
-        flat, w = batch.block_table_flat, batch.width
-        pad = bytes(4 * (width - w))
-        for i in range(batch.num_seqs):
-            out.extend(flat[i * w : (i + 1) * w])
-            out.frombytes(pad)
-        return out
-
     def replay(self, bs: int) -> None:
         """Launch the captured graph of batch size ``bs`` (benchmarks time this alone)."""
         self._graphs[bs].replay()
@@ -195,7 +182,7 @@ class CudaGraphRunner:
         return (
             batch.is_decode
             and batch.num_seqs <= self.max_batch_size
-            and batch.width <= self.max_blocks_per_seq
+            and batch.width == self.max_blocks_per_seq  # built at the static width (the runner)
         )
 
     def run(self, batch: HostBatch, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,7 +208,7 @@ class CudaGraphRunner:
             array("q", [-1]) * pad,
             array("i", batch.seq_lens),
             array("i", bytes(4 * pad)),
-            self._table_rows(batch),
+            batch.block_table_flat,
         )
         self._inputs[: staged.numel()].copy_(staged, non_blocking=True)
         apply_feed(self.ids_pos_slots[0], batch, prev_sampled, self.staging)

@@ -211,12 +211,9 @@ class PinnedStaging:
 
     def stage(self, values: array, dtype: torch.dtype) -> torch.Tensor:
         """``values`` as a 1-D host tensor to copy from (pinned on CUDA)."""
-        src = torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
         if not self.pinned or not len(values):
-            return src
-        out = self._take(src.numel() * src.element_size()).view(dtype)
-        out.copy_(src)
-        return out
+            return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+        return self.stage_arrays(values).view(dtype)
 
     def stage_arrays(self, *parts: array) -> torch.Tensor:
         """The arrays' bytes back to back, as one 1-D uint8 host tensor (pinned on CUDA), for a

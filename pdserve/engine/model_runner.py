@@ -27,8 +27,7 @@ from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
 from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput
+from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
@@ -64,17 +63,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
-
-
-def _plain_greedy(req: Request) -> bool:
-    """The sampler would take the argmax of the raw logits (its fast path) for this request."""
-    p = req.sampling_params
-    return (
-        p.temperature == 0.0
-        and p.logprobs is None
-        and not p.has_penalties
-        and len(req.output_token_ids) >= p.min_tokens
-    )
 
 
 @dataclass
@@ -326,8 +314,9 @@ class ModelRunner:
         sampling_chunks = (
             [c for c in sched.chunks if c.sample] if len(sample_idx) < batch.num_seqs else sched.chunks
         )
-        if all(_plain_greedy(c.request) for c in sampling_chunks):
-            samples = SampledTensors(logits.argmax(dim=-1), [], [])  # what the sampler would do
+        reqs = [c.request for c in sampling_chunks]
+        if all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs):
+            samples = SampledTensors(logits.argmax(dim=-1), [], [])  # no SamplerInput rows to build
         else:
             inputs = [
                 SamplerInput(

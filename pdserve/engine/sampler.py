@@ -112,6 +112,17 @@ class SampledTensors:
         return SamplerOutput(token_ids, logprobs)
 
 
+def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's token is the plain argmax of its logits (the sampler's fast path): greedy,
+    no penalties, no logprobs, min_tokens reached."""
+    return (
+        params.temperature == 0.0
+        and params.logprobs is None
+        and not params.has_penalties
+        and num_output_tokens >= params.min_tokens
+    )
+
+
 # Makes a small device tensor from Python values: (data, dtype) -> tensor on the logits' device.
 ToDevice = Callable[[list, torch.dtype], torch.Tensor]
 
@@ -140,13 +151,13 @@ class Sampler:
         min_tokens queue device work only; the other paths may copy small index tensors."""
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (tuple(logits.shape), len(inputs))
         assert logits.dtype == torch.float32, logits.dtype
+        if all(argmax_only(x.params, len(x.output_token_ids)) for x in inputs):
+            return SampledTensors(logits.argmax(dim=-1), [], [])  # the common case: one kernel
         penalised = [i for i, x in enumerate(inputs) if x.params.has_penalties]
         min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
 
-        if not (penalised or min_tokens or sampled or with_logprobs):
-            return SampledTensors(logits.argmax(dim=-1), [], [])  # the common case: one kernel
         put = self._to_device(logits.device)
 
         if penalised or min_tokens:
