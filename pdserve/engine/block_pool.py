@@ -61,9 +61,14 @@ class BlockPool:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # Every block with ref_cnt == 0, least recently freed first (evicted first).
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Blocks come into being on first use: a tiny model on a large GPU has millions of blocks,
+        # and building them all up front took seconds and GBs of host memory per engine.
+        # Never-used blocks are the ids [_fresh, num_blocks); they are handed out first, in id
+        # order, before any freed one (as if they stood at the head of the free queue).
+        self.blocks: dict[int, KVCacheBlock] = {}
+        self._fresh = 0
+        # Every used-before block with ref_cnt == 0, least recently freed first (evicted first).
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, KVCacheBlock] = {}
         # Counters for metrics: prefix-cache lookups in blocks.
         self.num_queried_blocks = 0
@@ -73,11 +78,11 @@ class BlockPool:
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._fresh - len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -117,9 +122,15 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Pop ``n`` free blocks (evicting cached ones LRU-first). Caller checked ``num_free_blocks``."""
-        assert n <= len(self._free), f"allocate({n}) with {len(self._free)} free"
+        assert n <= self.num_free_blocks, f"allocate({n}) with {self.num_free_blocks} free"
         out: list[KVCacheBlock] = []
-        for _ in range(n):
+        fresh = min(n, self.num_blocks - self._fresh)
+        for block_id in range(self._fresh, self._fresh + fresh):
+            blk = KVCacheBlock(block_id, ref_cnt=1)
+            self.blocks[block_id] = blk
+            out.append(blk)
+        self._fresh += fresh
+        for _ in range(n - fresh):
             block_id, _ = self._free.popitem(last=False)
             blk = self.blocks[block_id]
             if blk.block_hash is not None:
@@ -156,7 +167,7 @@ class BlockPool:
         """Forget every cached hash; only when no block is in use."""
         if self.num_used_blocks:
             return False
-        for blk in self.blocks:
+        for blk in self.blocks.values():
             blk.block_hash = None
         self._cached.clear()
         return True

@@ -36,6 +36,22 @@ def test_alloc_free_refcount_and_lru_eviction_order() -> None:
         pool.free([blocks[2], blocks[2], blocks[2]])
 
 
+def test_blocks_come_into_being_on_first_use() -> None:
+    """A pool of millions of blocks costs nothing up front (a tiny model on a big GPU has that
+    many); never-used blocks are handed out first, in id order, then freed ones LRU-first."""
+    pool = BlockPool(50_000_000)
+    assert pool.num_free_blocks == 50_000_000 and pool.num_used_blocks == 0 and len(pool.blocks) == 0
+    a = pool.allocate(3)
+    pool.free(a[:1])  # block 0 is free again, behind every never-used block
+    b = pool.allocate(2)
+    assert [x.block_id for x in a + b] == [0, 1, 2, 3, 4]
+    assert pool.num_used_blocks == 4 and pool.num_free_blocks == 50_000_000 - 4
+    small = BlockPool(3)
+    first = small.allocate(3)
+    small.free(reversed(first))
+    assert [x.block_id for x in small.allocate(3)] == [2, 1, 0] and small.num_free_blocks == 0
+
+
 def test_prefix_hit_revives_free_cached_block_and_counts() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     r1 = _req("a", list(range(10)))
