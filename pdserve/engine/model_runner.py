@@ -310,14 +310,16 @@ class ModelRunner:
             hidden = out
         else:
             hidden = out[self.staging.to_device(array("q", sample_idx), torch.int64)]
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         sampling_chunks = (
             [c for c in sched.chunks if c.sample] if len(sample_idx) < batch.num_seqs else sched.chunks
         )
         reqs = [c.request for c in sampling_chunks]
         if all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs):
+            # bf16 -> fp32 is exact: the argmax (first maximum on ties) is the same without the cast
+            logits = self.model.compute_logits(hidden, upcast=False)
             samples = SampledTensors(logits.argmax(dim=-1), [], [])  # no SamplerInput rows to build
         else:
+            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
             inputs = [
                 SamplerInput(
                     params=c.request.sampling_params,

@@ -28,10 +28,11 @@ _TILE = 4096
 @triton.jit
 def _rotate_heads(
     x_ptr,
-    out_ptr,
+    out_ptr,  # the token's output row: head h at out_ptr + h * out_head_stride
     tok,
     x_tok_stride,
     x_head_stride,
+    out_head_stride,
     cos,  # [1, HALF_PAD] fp32
     sin,
     d,  # [1, HALF_PAD] lane index within a half
@@ -46,7 +47,7 @@ def _rotate_heads(
         src = x_ptr + tok * x_tok_stride + h * x_head_stride + d
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        dst = out_ptr + tok * (NUM_HEADS * 2 * HALF) + h * (2 * HALF) + d
+        dst = out_ptr + h * out_head_stride + d
         tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -78,21 +79,70 @@ def _rotary_kernel(
     row = cache_ptr + pos * cache_stride + d
     cos = tl.load(row, mask=d_mask, other=0.0)
     sin = tl.load(row + HALF, mask=d_mask, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr, tok, q_tok_stride, q_head_stride, cos, sin, d, d_mask,
-                  NUM_Q_HEADS, HALF, BLOCK_HQ)  # fmt: skip
-    _rotate_heads(k_ptr, k_out_ptr, tok, k_tok_stride, k_head_stride, cos, sin, d, d_mask,
-                  NUM_KV_HEADS, HALF, BLOCK_HK)  # fmt: skip
+    _rotate_heads(q_ptr, q_out_ptr + tok * (NUM_Q_HEADS * 2 * HALF), tok, q_tok_stride, q_head_stride,
+                  2 * HALF, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_HQ)  # fmt: skip
+    _rotate_heads(k_ptr, k_out_ptr + tok * (NUM_KV_HEADS * 2 * HALF), tok, k_tok_stride, k_head_stride,
+                  2 * HALF, cos, sin, d, d_mask, NUM_KV_HEADS, HALF, BLOCK_HK)  # fmt: skip
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cache_ptr,
+    q_out_ptr,
+    kv_ptr,
+    slot_ptr,
+    q_tok_stride,
+    q_head_stride,
+    k_tok_stride,
+    k_head_stride,
+    v_tok_stride,
+    v_head_stride,
+    cache_stride,
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_pos,
+    stride_kv_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
+    d_mask = d < HALF
+    row = cache_ptr + pos * cache_stride + d
+    cos = tl.load(row, mask=d_mask, other=0.0)
+    sin = tl.load(row + HALF, mask=d_mask, other=0.0)
+    _rotate_heads(q_ptr, q_out_ptr + tok * (NUM_Q_HEADS * 2 * HALF), tok, q_tok_stride, q_head_stride,
+                  2 * HALF, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_HQ)  # fmt: skip
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:  # slot < 0: padding row of a captured batch, nothing to store
+        dst = kv_ptr + (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_pos
+        _rotate_heads(k_ptr, dst, tok, k_tok_stride, k_head_stride, stride_kv_head, cos, sin, d, d_mask,
+                      NUM_KV_HEADS, HALF, BLOCK_HK)  # fmt: skip
+        for h0 in range(0, NUM_KV_HEADS, BLOCK_HK):  # v: copied as it is, half by half
+            h = h0 + tl.arange(0, BLOCK_HK)[:, None]
+            mask = (h < NUM_KV_HEADS) & d_mask
+            src = v_ptr + tok * v_tok_stride + h * v_head_stride + d
+            v_dst = dst + stride_kv_kv + h * stride_kv_head + d
+            tl.store(v_dst, tl.load(src, mask=mask).to(kv_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + HALF, tl.load(src + HALF, mask=mask).to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_heads(num_heads: int, half_pad: int) -> int:
     return max(1, min(triton.next_power_of_2(num_heads), _TILE // half_pad))
 
 
-def rotary_fwd(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [n, H, D], k: [n, Hkv, D] (unit last stride); positions [n]; cache [P, D] fp32."""
-    n, num_q_heads, dim = q.shape
+def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    n, _, dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1, f"head_dim must be unit-stride: {q.stride()} {k.stride()}"
     assert k.shape == (n, num_kv_heads, dim), f"k {tuple(k.shape)} vs q {tuple(q.shape)}"
@@ -103,19 +153,69 @@ def rotary_fwd(
     assert cos_sin_cache.shape[1] == dim and cos_sin_cache.stride(1) == 1, f"cache {cos_sin_cache.shape}"
     assert cos_sin_cache.dtype == torch.float32, f"cache dtype {cos_sin_cache.dtype}"
     assert q.device == k.device == positions.device == cos_sin_cache.device
-    q_out = torch.empty((n, num_q_heads, dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((n, num_kv_heads, dim), dtype=k.dtype, device=k.device)
-    if n == 0:
-        return q_out, k_out
+
+
+def _launch_shape(num_q_heads: int, num_kv_heads: int, dim: int) -> dict[str, int]:
     half = dim // 2
     half_pad = triton.next_power_of_2(half)
     block_hq = _block_heads(num_q_heads, half_pad)
     lanes = block_hq * half_pad
     num_warps = 1 if lanes <= 256 else 2 if lanes <= 1024 else 4 if lanes <= 2048 else 8
-    _rotary_kernel[(n,)](
-        q, k, positions, cos_sin_cache, q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+    return dict(
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_PAD=half_pad,
         BLOCK_HQ=block_hq, BLOCK_HK=_block_heads(num_kv_heads, half_pad), num_warps=num_warps,
     )  # fmt: skip
+
+
+def rotary_fwd(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [n, H, D], k: [n, Hkv, D] (unit last stride); positions [n]; cache [P, D] fp32."""
+    _check(q, k, positions, cos_sin_cache)
+    n, num_q_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty((n, num_q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((n, num_kv_heads, dim), dtype=k.dtype, device=k.device)
+    if n == 0:
+        return q_out, k_out
+    _rotary_kernel[(n,)](
+        q, k, positions, cos_sin_cache, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        **_launch_shape(num_q_heads, num_kv_heads, dim),
+    )  # fmt: skip
     return q_out, k_out
+
+
+def rotary_store_kv_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotated q ([n, H, D], fresh); rotated k and v stored at ``slot_mapping`` in ``kv_cache`` (one
+    layer's view [num_blocks, 2, block_size, Hkv, D], head_dim unit-stride; mutated in place)."""
+    _check(q, k, positions, cos_sin_cache)
+    n, num_q_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert v.shape == k.shape and v.stride(2) == 1, f"v {tuple(v.shape)} strides {v.stride()}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, f"kv_cache shape {tuple(kv_cache.shape)}"
+    assert kv_cache.shape[3:] == (num_kv_heads, dim) and kv_cache.stride(4) == 1, (
+        f"kv_cache shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+    )
+    assert kv_cache.dtype == k.dtype == v.dtype, f"kv_cache {kv_cache.dtype} vs k {k.dtype} v {v.dtype}"
+    assert slot_mapping.shape == (n,) and slot_mapping.dtype == torch.int64, f"slots {slot_mapping.shape}"
+    assert kv_cache.device == q.device == slot_mapping.device == v.device
+    q_out = torch.empty((n, num_q_heads, dim), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return q_out
+    _rotary_store_kv_kernel[(n,)](
+        q, k, v, positions, cos_sin_cache, q_out, kv_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        BLOCK_SIZE=kv_cache.shape[2], **_launch_shape(num_q_heads, num_kv_heads, dim),
+    )  # fmt: skip
+    return q_out

@@ -186,6 +186,37 @@ def _gather_context(
     return key.transpose(1, 2), value.transpose(1, 2), key_valid
 
 
+def rotary_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Rotate q and k by position, store the new tokens' rotated K and V in the cache; return q.
+
+    ``kernels.apply_rotary`` followed by ``write_kv_cache``. On the Triton path this is one launch
+    (``triton_rotary.rotary_store_kv_fwd``): the KV store rides along with the rotation.
+    q: [n, H, D], k, v: [n, Hkv, D] (views of the fused qkv output are fine); kv_cache: one
+    layer's view. Returns the rotated q, [n, H, D] contiguous.
+    """
+    if meta.backend == "triton" and kernels.rotary_can_run(q, k, positions, cos_sin_cache):
+        from pdserve.kernels import triton_rotary
+
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return triton_rotary.rotary_store_kv_fwd(
+            q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping
+        )
+    q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
+    if meta.backend == "triton":
+        _triton().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    else:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -201,18 +232,31 @@ def paged_attention(
     Query i of request r sits at absolute position ``seq_len_r - q_len_r + i`` and sees keys at
     positions <= its own. Returns [num_tokens, num_heads, head_dim] in q.dtype.
     """
+    num_tokens, _, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}"
+    assert kv_cache.dtype == k.dtype, f"kv_cache {kv_cache.dtype} vs k {k.dtype}"
     if meta.backend == "triton":
-        return _paged_attention_triton(q, k, v, kv_cache, meta, scale)
+        _triton().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    else:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    return attend_cached(q, kv_cache, meta, scale)
+
+
+def attend_cached(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each request's query tokens over its paged context, this step's K/V
+    already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``."""
+    if meta.backend == "triton":
+        return _attend_triton(q, kv_cache, meta, scale)
     assert meta.backend == "torch", f"attention backend {meta.backend!r}"
     num_tokens, num_heads, head_dim = q.shape
     _, two, _, num_kv_heads, cache_head_dim = kv_cache.shape
     assert two == 2 and cache_head_dim == head_dim, f"kv_cache shape {tuple(kv_cache.shape)}"
-    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads over {num_kv_heads} kv heads"
     assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
-    assert kv_cache.dtype == k.dtype, f"kv_cache {kv_cache.dtype} vs k {k.dtype}"
 
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     batch = meta.batch_size
     key, value, key_valid = _gather_context(kv_cache, meta)
 
@@ -301,25 +345,18 @@ def _padded_attention(
     return out.transpose(1, 2)[batch_idx, pos_idx].to(q.dtype)  # [num_tokens, H, D]
 
 
-def _paged_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
+def _attend_triton(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """The Triton path: one KV-write launch, one attention launch (plus a merge when split).
+    """The Triton path: one attention launch (plus a merge when split).
 
     Reads only device tensors and launch-shape values (num_tokens, batch size, max_query_len as
     decode-or-not), so it is safe inside a CUDA graph whose metadata holds static bounds.
     """
-    num_tokens, _, head_dim = q.shape
+    num_tokens = q.shape[0]
     num_kv_heads = kv_cache.shape[3]
     assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
-    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}"
     impl = _triton()
-    impl.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     batch = meta.batch_size
     splits = 1
     if meta.max_query_len == 1:  # tile shape only; the kernel is the same for every query length

@@ -27,8 +27,8 @@ from torch import nn
 
 from pdserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pdserve.errors import ConfigError
-from pdserve.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
-from pdserve.models.attention import AttentionMetadata, paged_attention
+from pdserve.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
+from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
 from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
 
 # HF weight name piece -> (our fused parameter piece, shard id)
@@ -159,8 +159,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
         q, k = self.qk_norm(q, k)  # before RoPE (Qwen3)
-        q, k = apply_rotary(q, k, positions, cos_sin_cache)  # new contiguous tensors
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, H/tp, D]
+        q = rotary_and_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta)  # rotated q, fresh
+        out = attend_cached(q, kv_cache, meta, self.scale)  # [n, H/tp, D]
         return row_parallel(self.o_proj, out.reshape(n, self.q_size))  # [n, hidden]
 
 
@@ -269,9 +269,12 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden  # [n, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[n, vocab] logits, fp32 unless ``upcast`` is False (then in the weights' dtype: an
+        argmax of those is the argmax of the fp32 ones, without writing and reading them again)."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
-        return self.lm_head(hidden).float()  # [n, vocab]
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     # ---- weights -------------------------------------------------------------------------
 
