@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -133,7 +134,9 @@ def _engine(model_dir: Path, mode: str, max_batch: int, prompt_len: int) -> LLME
     return LLMEngine(cfg, load_tokenizer_=False)
 
 
-def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, Any]:
+def _generate_timed(
+    engine: LLMEngine, prompts: list[list[int]], new_tokens: int, tag: str, timeline: bool = False
+) -> dict[str, Any]:
     """Run to completion through ``engine.step()``; time the decode phase.
 
     The decode window opens when every request has its first token (the step that returned
@@ -142,6 +145,10 @@ def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int
     Inside the window, ``wait`` is the host time spent blocked on the device (the step's event)
     and ``host`` the rest of the steps' wall time: under asynchronous scheduling a wait > 0
     means the GPU, not the host, set the pace.
+
+    ``timeline``: CUDA events around each launch (and after the graph replay) split each decode
+    step's GPU time into inputs + forward, LM head + sampling + copy-out, and idle time before
+    the step's first work (the host was late): ``gpu_*_ms`` medians.
     """
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -151,8 +158,30 @@ def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int
     wait_s = [0.0]
     orig_launch = runner.launch
 
+    marks: list[tuple[Any, Any, Any]] = []
+    graphs = runner.cuda_graphs
+    orig_run = graphs.run if graphs is not None else None
+    mid: list[Any] = [None]
+    if timeline and graphs is not None:
+
+        def marked_run(*a: Any, **kw: Any) -> Any:
+            out = orig_run(*a, **kw)  # type: ignore[misc]
+            mid[0] = torch.cuda.Event(enable_timing=True)
+            mid[0].record()
+            return out
+
+        graphs.run = marked_run  # type: ignore[method-assign]
+
     def timed_launch(*a: Any, **kw: Any) -> Any:
+        if timeline:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            mid[0] = None
         pending = orig_launch(*a, **kw)
+        if timeline:
+            e2 = torch.cuda.Event(enable_timing=True)
+            e2.record()
+            marks.append((e0, mid[0], e2))
         result = pending.result
 
         def timed_result() -> Any:
@@ -190,7 +219,23 @@ def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int
         t_close = time.perf_counter()
     finally:
         runner.launch = orig_launch  # type: ignore[method-assign]
+        if orig_run is not None:
+            graphs.run = orig_run  # type: ignore[method-assign,union-attr]
     assert t_open is not None
+    gpu: dict[str, float] = {}
+    if marks:
+        torch.cuda.synchronize()
+        steady = [m for m in marks[len(marks) // 4 :] if m[1] is not None]  # decode steps, graphs
+        if len(steady) > 2:
+            fwd = [m[0].elapsed_time(m[1]) for m in steady]
+            post = [m[1].elapsed_time(m[2]) for m in steady]
+            idle = [a[2].elapsed_time(b[0]) for a, b in itertools.pairwise(steady)]
+            gpu = {
+                "gpu_forward_ms": statistics.median(fwd),
+                "gpu_head_sample_ms": statistics.median(post),
+                "gpu_idle_before_ms": statistics.median(idle),
+                "gpu_steps_timed": len(steady),
+            }
     total = t_close - t_open
     steps = max(1, len(step_s))
     wait = wait_s[0] - wait_open
@@ -205,6 +250,7 @@ def _generate_timed(engine: LLMEngine, prompts: list[list[int]], new_tokens: int
         "host_ms_mean": 1e3 * (total - wait) / steps,
         "prefill_s": t_open - t_prefill,
         "tokens": [tokens[r] for r in rids],
+        **gpu,
     }
 
 
@@ -316,6 +362,16 @@ def run_pdserve(
                     r["launch_ms"] = 1e3 * statistics.median(launch_s)
                     if profile_replays and mode == "graphs":
                         r["replay_kernels"] = _profile_replay(graphs, bs)
+                        tl = _generate_timed(
+                            engine, make_prompts(b, prompt_len, seed=b), 48, f"tl{b}", timeline=True
+                        )
+                        r.update({k: v for k, v in tl.items() if k.startswith("gpu_")})
+                        log(
+                            f"pdserve {mode} batch {b} GPU per step (events): inputs+forward "
+                            f"{tl.get('gpu_forward_ms', float('nan')):.3f} ms, LM head+sample+copy "
+                            f"{tl.get('gpu_head_sample_ms', float('nan')):.3f} ms, idle before "
+                            f"{tl.get('gpu_idle_before_ms', float('nan')):.3f} ms"
+                        )
                 log(
                     f"pdserve {mode} batch {b}: {r['decode_tok_s']:,.0f} tok/s, step {r['step_ms_mean']:.3f} ms "
                     f"(host {r['host_ms_mean']:.3f}, wait {r['wait_ms_mean']:.3f})"
@@ -671,39 +727,139 @@ def _sweep_batch(b: int, ctx: int, copy_gbps: float) -> list[dict]:
     kv_bytes = b * ctx * 2 * kv_heads * dim * 2
     default = ta.num_kv_splits(b, kv_heads, sms)
     rows = []
-    for splits in sorted({default, max(1, default // 2), min(16, default * 2)}):
-        for block_n, warps, stages in [(n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (2, 3)]:
-            cfg = {
-                "batch": b,
-                "ctx": ctx,
-                "splits": splits,
-                "block_n": block_n,
-                "warps": warps,
-                "stages": stages,
-            }
+    splits_pair = sorted({default, min(16, default * 2)})
+    # (splits, block_n, warps, stages)
+    if b >= 32:  # the big batch: the wide sweep
+        grid = [(sp, n, w, st) for sp in splits_pair for n in (32, 64) for w in (2, 4) for st in (2, 3, 4)]
+    else:
+        grid = [(sp, 64, 4, 3) for sp in splits_pair]
+    for splits, block_n, warps, stages in grid:
+        cfg = {
+            "batch": b,
+            "ctx": ctx,
+            "splits": splits,
+            "block_n": block_n,
+            "warps": warps,
+            "stages": stages,
+        }
 
-            def call(
-                i: int = 0,
-                splits: int = splits,
-                block_n: int = block_n,
-                warps: int = warps,
-                stages: int = stages,
-            ) -> None:
-                cache = stage[:, i % layers]
-                ta.write_kv_cache(k, v, cache, slots)
-                ta.paged_attention(
-                    q, cache, table, seq_lens, qsl, 1, dim**-0.5, splits,
-                    block_n=block_n, num_warps=warps, num_stages=stages,
-                )  # fmt: skip
+        def call(
+            i: int = 0,
+            splits: int = splits,
+            block_n: int = block_n,
+            warps: int = warps,
+            stages: int = stages,
+        ) -> None:
+            cache = stage[:, i % layers]
+            ta.write_kv_cache(k, v, cache, slots)
+            ta.paged_attention(
+                q, cache, table, seq_lens, qsl, 1, dim**-0.5, splits,
+                block_n=block_n, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
 
-            try:
-                us = graph_us(call, layers)
-            except Exception as e:  # a config that does not compile or fit: record, go on
-                rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
-                continue
-            of_copy = kv_bytes / (us * 1e-6) / 1e9 / copy_gbps
-            is_default = (splits, block_n, warps, stages) == (default, 64, 4, 2)
-            rows.append({**cfg, "us": us, "of_copy": of_copy, "default": is_default})
+        try:
+            us = graph_us(call, layers)
+        except Exception as e:  # a config that does not compile or fit: record, go on
+            rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        of_copy = kv_bytes / (us * 1e-6) / 1e9 / copy_gbps
+        is_default = (splits, block_n, warps, stages) == (default, 64, 4, 3)
+        rows.append({**cfg, "us": us, "of_copy": of_copy, "default": is_default})
+    return rows
+
+
+def rotary_store_timing(batches: list[int], ctx: int) -> list[dict]:
+    """Per layer, in a CUDA graph over 16 layers' caches: rotary then the KV write (two launches)
+    vs the fused rotary + KV store (one launch)."""
+    from pdserve.kernels import rotary_cos_sin_cache
+
+    dim = MODEL_SHAPE["head_dim"]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    cos_sin = rotary_cos_sin_cache(inv_freq, MAX_MODEL_LEN)
+    rows = []
+    for b in batches:
+        row = _rotary_store_at(b, ctx, cos_sin)
+        log(
+            f"rotary + KV store batch {b}: two launches {row['rotary_then_write_us']:.2f} us, fused {row['fused_us']:.2f} us"
+        )
+        rows.append(row)
+    return rows
+
+
+def _rotary_store_at(b: int, ctx: int, cos_sin: torch.Tensor) -> dict:
+    from pdserve.kernels import triton_attention as ta
+    from pdserve.kernels import triton_rotary as tr
+
+    layers = MODEL_SHAPE["num_layers"]
+    heads, kv_heads, dim = MODEL_SHAPE["num_heads"], MODEL_SHAPE["num_kv_heads"], MODEL_SHAPE["head_dim"]
+    per_seq = -(-ctx // BLOCK_SIZE)
+    stage = torch.zeros(
+        (b * per_seq + 1, layers, 2, BLOCK_SIZE, kv_heads, dim), dtype=torch.bfloat16, device="cuda"
+    )
+    slots = torch.arange(b, device="cuda", dtype=torch.int64) * per_seq * BLOCK_SIZE + ctx - 1
+    qkv = torch.randn((b, (heads + 2 * kv_heads) * dim), dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, : heads * dim].view(b, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(b, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(b, kv_heads, dim)
+    pos = torch.full((b,), ctx - 1, dtype=torch.int64, device="cuda")
+
+    def two(i: int = 0) -> None:
+        _, k_rot = tr.rotary_fwd(q, k, pos, cos_sin)
+        ta.write_kv_cache(k_rot, v, stage[:, i % layers], slots)
+
+    def one(i: int = 0) -> None:
+        tr.rotary_store_kv_fwd(q, k, v, pos, cos_sin, stage[:, i % layers], slots)
+
+    return {"batch": b, "rotary_then_write_us": graph_us(two, layers), "fused_us": graph_us(one, layers)}
+
+
+def gemm_timing(batches: list[int], copy_gbps: float) -> list[dict]:
+    """The layer's GEMMs alone, 16 weight copies per shape (no L2 reuse), in a CUDA graph: per
+    call us and fraction of copy bandwidth, with torch's default BLAS and with cuBLASLt preferred."""
+    hidden, inter, vocab = (
+        MODEL_SHAPE["hidden_size"],
+        MODEL_SHAPE["intermediate_size"],
+        MODEL_SHAPE["vocab_size"],
+    )
+    q_kv = (MODEL_SHAPE["num_heads"] + 2 * MODEL_SHAPE["num_kv_heads"]) * MODEL_SHAPE["head_dim"]
+    shapes = {
+        "qkv": (hidden, q_kv),
+        "o_proj": (hidden, hidden),
+        "gate_up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+        "lm_head": (hidden, vocab),
+    }
+    rows = []
+    default_lib = torch.backends.cuda.preferred_blas_library()
+    for name, (k_in, n_out) in shapes.items():
+        copies = 16 if n_out * k_in < 1 << 26 else 4
+        weights = [torch.randn(n_out, k_in, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+        for b in batches:
+            x = torch.randn(b, k_in, dtype=torch.bfloat16, device="cuda")
+            row: dict[str, Any] = {"gemm": name, "batch": b}
+            for lib in ("default", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(default_lib if lib == "default" else "cublaslt")
+                try:
+                    us = graph_us(
+                        lambda i=0, x=x, w=weights: torch.nn.functional.linear(x, w[i % len(w)]), 16
+                    )
+                except Exception as e:  # report and go on
+                    row[lib] = f"{type(e).__name__}: {e}"[:120]
+                    continue
+                row[f"{lib}_us"] = us
+                row[f"{lib}_of_copy"] = weights[0].numel() * 2 / (us * 1e-6) / 1e9 / copy_gbps
+            torch.backends.cuda.preferred_blas_library(default_lib)
+            log(
+                f"gemm {name} batch {b}: "
+                + ", ".join(
+                    f"{lib} {row[f'{lib}_us']:.2f} us ({row[f'{lib}_of_copy']:.2f})"
+                    for lib in ("default", "cublaslt")
+                    if f"{lib}_us" in row
+                )
+            )
+            rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -756,18 +912,30 @@ def diagnose(args: argparse.Namespace) -> int:
     copy_gbps = copy_bandwidth_gbps()
     log(f"copy bandwidth {copy_gbps:,.0f} GB/s")
     build_model(args.model_dir)
-    for mode, batches in (("graphs", [1, 64]), ("torch-attn", [1])):
-        profile_engine(args.model_dir, args.out, mode, batches, args.prompt_len)
-    rows = attention_sweep(args.batches, args.prompt_len + args.new_tokens // 2, copy_gbps)
+    if not args.no_traces:
+        for mode, batches in (("graphs", [1, 64]), ("torch-attn", [1])):
+            profile_engine(args.model_dir, args.out, mode, batches, args.prompt_len)
+    ctx = args.prompt_len + args.new_tokens // 2
+    fused: list[dict] = []
+    gemms: list[dict] = []
+    try:
+        fused = rotary_store_timing(args.batches, ctx)
+        gemms = gemm_timing(args.batches, copy_gbps)
+    except Exception as e:  # keep the attention sweep
+        log(f"fused rotary / GEMM timing failed: {type(e).__name__}: {e}")
+    rows = attention_sweep(args.batches, ctx, copy_gbps)
     (args.out / "attention_sweep.json").write_text(
-        json.dumps({"copy_gbps": copy_gbps, "rows": rows}, indent=1)
+        json.dumps({"copy_gbps": copy_gbps, "rows": rows, "rotary_store": fused, "gemms": gemms}, indent=1)
     )
     for b in args.batches:
         ok = sorted((r for r in rows if r["batch"] == b and "us" in r), key=lambda r: r["us"])
         print(f"batch {b}: " + "; ".join(
             f"s{r['splits']} n{r['block_n']} w{r['warps']} st{r['stages']}: {r['us']:.1f} us ({r['of_copy']:.2f})"
-            for r in ok[:6]
+            for r in ok[:8]
         ) + f" | default {[round(r['us'], 1) for r in ok if r.get('default')]}")  # fmt: skip
+        errs = [r for r in rows if r["batch"] == b and "error" in r]
+        if errs:
+            print(f"  batch {b}: {len(errs)} configs failed, first: {errs[0]['error']}")
     return 0
 
 
@@ -796,6 +964,7 @@ def main(argv: list[str] | None = None) -> int:
         help="transformers KV caches to time (static compiles its decode step: ~30 s per batch size)",
     )
     parser.add_argument("--diagnose", action="store_true", help="profiler traces + attention sweep instead")
+    parser.add_argument("--no-traces", action="store_true", help="--diagnose without the profiler traces")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu_decode.py needs a CUDA device; nothing run.")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU issue measures, in one call on the lent H200 (its time is short):
 #
-#   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest kernels
+#   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest pytest-files
+#                                         kernels attn decode-quick startup
+#                                   (pytest-files: the tests named in $PYTEST_FILES)
 #                                   (default: decode pd pytest)
 #
 # Runs from the repository root with PYTHONPATH=. (no install). Wheels the image lacks (the
@@ -50,6 +52,12 @@ for p in "${parts[@]}"; do
     pytest-rest) part pytest_rest "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short \
       --ignore=tests/gpu/test_async_cuda.py ;;
+    attn) part attn_sweep "${ATTN_LIMIT:-240}" python3 bench/gpu_decode.py --out "$OUT" --diagnose --no-traces ;;
+    decode-quick) part gpu_decode_quick "${DECODE_LIMIT:-150}" python3 bench/gpu_decode.py --out "$OUT" \
+      --modes graphs --skip-transformers --skip-micro --profile-replays --batches 1 64 ;;
+    pytest-files) part pytest_files "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
+      $PYTEST_FILES -rfE --tb=short ;;
+    startup) part startup 120 python3 bench/startup.py ;;
     kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac
