@@ -53,6 +53,24 @@ def _rotate_heads(
 
 
 @triton.jit
+def _rotate_q(
+    q_ptr, pos_ptr, cache_ptr, q_out_ptr, tok, q_tok_stride, q_head_stride, cache_stride,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr,
+):  # fmt: skip
+    """Token ``tok``'s cos/sin row (gathered once) and its rotated q heads; returns the row and
+    lane index for the caller's k heads."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
+    d_mask = d < HALF
+    row = cache_ptr + pos * cache_stride + d
+    cos = tl.load(row, mask=d_mask, other=0.0)
+    sin = tl.load(row + HALF, mask=d_mask, other=0.0)
+    _rotate_heads(q_ptr, q_out_ptr + tok * (NUM_Q_HEADS * 2 * HALF), tok, q_tok_stride, q_head_stride,
+                  2 * HALF, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_HQ)  # fmt: skip
+    return cos, sin, d, d_mask
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -73,14 +91,8 @@ def _rotary_kernel(
     BLOCK_HK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
-    d_mask = d < HALF
-    row = cache_ptr + pos * cache_stride + d
-    cos = tl.load(row, mask=d_mask, other=0.0)
-    sin = tl.load(row + HALF, mask=d_mask, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr + tok * (NUM_Q_HEADS * 2 * HALF), tok, q_tok_stride, q_head_stride,
-                  2 * HALF, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_HQ)  # fmt: skip
+    cos, sin, d, d_mask = _rotate_q(q_ptr, pos_ptr, cache_ptr, q_out_ptr, tok, q_tok_stride, q_head_stride,
+                                    cache_stride, NUM_Q_HEADS, HALF, HALF_PAD, BLOCK_HQ)  # fmt: skip
     _rotate_heads(k_ptr, k_out_ptr + tok * (NUM_KV_HEADS * 2 * HALF), tok, k_tok_stride, k_head_stride,
                   2 * HALF, cos, sin, d, d_mask, NUM_KV_HEADS, HALF, BLOCK_HK)  # fmt: skip
 
@@ -115,14 +127,8 @@ def _rotary_store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
-    d_mask = d < HALF
-    row = cache_ptr + pos * cache_stride + d
-    cos = tl.load(row, mask=d_mask, other=0.0)
-    sin = tl.load(row + HALF, mask=d_mask, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr + tok * (NUM_Q_HEADS * 2 * HALF), tok, q_tok_stride, q_head_stride,
-                  2 * HALF, cos, sin, d, d_mask, NUM_Q_HEADS, HALF, BLOCK_HQ)  # fmt: skip
+    cos, sin, d, d_mask = _rotate_q(q_ptr, pos_ptr, cache_ptr, q_out_ptr, tok, q_tok_stride, q_head_stride,
+                                    cache_stride, NUM_Q_HEADS, HALF, HALF_PAD, BLOCK_HQ)  # fmt: skip
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:  # slot < 0: padding row of a captured batch, nothing to store
         dst = kv_ptr + (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_pos
