@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import kernels
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
@@ -317,7 +318,7 @@ class ModelRunner:
         if all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs):
             # bf16 -> fp32 is exact: the argmax (first maximum on ties) is the same without the cast
             logits = self.model.compute_logits(hidden, upcast=False)
-            samples = SampledTensors(logits.argmax(dim=-1), [], [])  # no SamplerInput rows to build
+            samples = SampledTensors(kernels.argmax_rows(logits), [], [])  # no SamplerInput rows to build
         else:
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
             inputs = [

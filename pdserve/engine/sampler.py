@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import kernels
 from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
@@ -152,7 +153,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (tuple(logits.shape), len(inputs))
         assert logits.dtype == torch.float32, logits.dtype
         if all(argmax_only(x.params, len(x.output_token_ids)) for x in inputs):
-            return SampledTensors(logits.argmax(dim=-1), [], [])  # the common case: one kernel
+            return SampledTensors(kernels.argmax_rows(logits), [], [])  # the common case: one kernel
         penalised = [i for i, x in enumerate(inputs) if x.params.has_penalties]
         min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
@@ -167,7 +168,7 @@ class Sampler:
             if min_tokens:
                 _mask_stop_tokens(logits, [inputs[i] for i in min_tokens], min_tokens, put)
 
-        token_ids = logits.argmax(dim=-1)  # [num_rows]; greedy rows keep theirs
+        token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs
         if sampled:
             idx = put(sampled, torch.long)
             # Advanced indexing copies, so _sample may work in place.
@@ -260,7 +261,7 @@ def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch
         q[j].exponential_(generator=gen)
     # Exp(1) draws can be exactly 0 (u == 0); keep log finite so a masked -inf stays -inf.
     q.clamp_(min=torch.finfo(torch.float32).tiny)
-    return (x - q.log()).argmax(dim=-1)
+    return kernels.argmax_rows(x - q.log())
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> None:
