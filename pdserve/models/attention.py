@@ -186,6 +186,14 @@ def _gather_context(
     return key.transpose(1, 2), value.transpose(1, 2), key_valid
 
 
+def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """The new tokens' K/V into their slots, by the metadata's attention path."""
+    if meta.backend == "triton":
+        _triton().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    else:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+
+
 def rotary_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -210,10 +218,7 @@ def rotary_and_store_kv(
             q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping
         )
     q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
-    if meta.backend == "triton":
-        _triton().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    else:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    _store_kv(k, v, kv_cache, meta)
     return q
 
 
@@ -236,10 +241,7 @@ def paged_attention(
     num_kv_heads = kv_cache.shape[3]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"k {tuple(k.shape)}"
     assert kv_cache.dtype == k.dtype, f"kv_cache {kv_cache.dtype} vs k {k.dtype}"
-    if meta.backend == "triton":
-        _triton().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    else:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    _store_kv(k, v, kv_cache, meta)
     return attend_cached(q, kv_cache, meta, scale)
 
 
