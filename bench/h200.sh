@@ -52,7 +52,7 @@ for p in "${parts[@]}"; do
     pytest-rest) part pytest_rest "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short \
       --ignore=tests/gpu/test_async_cuda.py ;;
-    attn) part attn_sweep "${ATTN_LIMIT:-240}" python3 bench/gpu_decode.py --out "$OUT" --diagnose --no-traces ;;
+    attn) part attn_sweep "${ATTN_LIMIT:-240}" python3 bench/gpu_diagnose.py --out "$OUT" --no-traces ;;
     decode-quick) part gpu_decode_quick "${DECODE_LIMIT:-150}" python3 bench/gpu_decode.py --out "$OUT" \
       --modes graphs --skip-transformers --skip-micro --profile-replays --batches 1 64 ;;
     pytest-files) part pytest_files "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \

@@ -235,7 +235,8 @@ def _merge_splits_kernel(
 # ----------------------------------------------------------------------------- wrappers
 
 
-def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """Assert a layer's cache view is what the kernels index: [blocks, 2, block_size, Hkv, D]."""
     assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, f"kv_cache shape {tuple(kv_cache.shape)}"
     assert kv_cache.shape[3:] == (num_kv_heads, head_dim), f"kv_cache shape {tuple(kv_cache.shape)}"
     assert kv_cache.stride(-1) == 1, f"kv_cache: head_dim must be unit-stride, strides {kv_cache.stride()}"
@@ -251,7 +252,7 @@ def write_kv_cache(
     [num_blocks, 2, block_size, Hkv, D]; slot_mapping: [num_tokens] int64.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
-    _check_cache(kv_cache, num_kv_heads, head_dim)
+    check_kv_cache(kv_cache, num_kv_heads, head_dim)
     assert v.shape == k.shape, f"v {tuple(v.shape)} vs k {tuple(k.shape)}"
     assert k.stride(-1) == 1 and v.stride(-1) == 1, f"k/v strides {k.stride()} {v.stride()}"
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64, (
@@ -323,7 +324,7 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    _check_cache(kv_cache, num_kv_heads, head_dim)
+    check_kv_cache(kv_cache, num_kv_heads, head_dim)
     num_seqs = seq_lens.shape[0]
     assert q.stride(-1) == 1, f"q strides {q.stride()}"
     assert q.dtype == kv_cache.dtype, f"q {q.dtype} vs kv_cache {kv_cache.dtype}"
@@ -418,6 +419,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "MAX_QUERIES_PER_KV",
     "TRITON_DTYPES",
+    "check_kv_cache",
     "device_sm_count",
     "num_kv_splits",
     "paged_attention",

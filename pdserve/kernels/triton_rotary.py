@@ -20,6 +20,7 @@ import triton.language as tl
 
 from pdserve.kernels.backend import TRITON_DTYPES
 from pdserve.kernels.rotary import MAX_ROTARY_HEAD_DIM, POSITION_DTYPES
+from pdserve.kernels.triton_attention import check_kv_cache
 
 # Lanes (heads x D/2) per block per half: 4096 fp32 = 16 values per thread per half at 8 warps.
 _TILE = 4096
@@ -207,10 +208,7 @@ def rotary_store_kv_fwd(
     n, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     assert v.shape == k.shape and v.stride(2) == 1, f"v {tuple(v.shape)} strides {v.stride()}"
-    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, f"kv_cache shape {tuple(kv_cache.shape)}"
-    assert kv_cache.shape[3:] == (num_kv_heads, dim) and kv_cache.stride(4) == 1, (
-        f"kv_cache shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
-    )
+    check_kv_cache(kv_cache, num_kv_heads, dim)
     assert kv_cache.dtype == k.dtype == v.dtype, f"kv_cache {kv_cache.dtype} vs k {k.dtype} v {v.dtype}"
     assert slot_mapping.shape == (n,) and slot_mapping.dtype == torch.int64, f"slots {slot_mapping.shape}"
     assert kv_cache.device == q.device == slot_mapping.device == v.device
