@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.errors import CapacityError, InvalidRequestError
+from pdserve.errors import CapacityError, EngineDeadError, InvalidRequestError
 
 MAX_MESSAGE_BYTES = 512 << 20  # prompt_embeds and long prompts exceed gRPC's 4 MiB default
 OPTIONS = [
@@ -72,4 +72,6 @@ def error_to_status(e: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL

@@ -182,4 +182,4 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.AbortResponse(num_aborted=len(aborted))
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return self.node.load_report(pb)
+        return await self.node.answer_load(pb, context)

@@ -13,7 +13,7 @@ import grpc
 from pdserve.engine.request import Request
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
-from pdserve.kvtransfer.connector import KVProducer
+from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
 from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
@@ -57,7 +57,11 @@ class PrefillNode(NodeBase):
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
         params = req.kv_transfer_params or {}
-        self.producer.on_hold(params["transfer_id"], block_ids, int(params.get("need_send", 1)))
+        try:
+            self.producer.on_hold(params["transfer_id"], block_ids, int(params.get("need_send", 1)))
+        except ValueError as e:  # already held (admission refuses this): free, never kill the step
+            logger.error("not holding KV of %s: %s", req.request_id, e)
+            return False
         return True
 
     def _release(self, transfer_id: str) -> None:
@@ -72,6 +76,16 @@ class PrefillNode(NodeBase):
             expired = self.producer.tracker.expire()
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
+
+    def release_if_cancelled(self, context: Any, transfer_id: str) -> None:
+        """A Prefill RPC ended: if its caller cancelled it (even after our answer was ready, which
+        no exception tells the handler), nobody will pull this KV - release the hold now."""
+        if context.cancelled():
+            self.producer.abort(transfer_id)
+            self.producer.forget(transfer_id)
+
+    def aborted_holds_total(self) -> int:
+        return self.producer.aborted_total
 
     def held_transfer_blocks(self) -> int:
         return self.producer.tracker.num_held_blocks
@@ -123,7 +137,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 embeds = convert.tensor_from_pb(request.prompt_embeds)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
-        node.producer.expect(tid)
+        try:
+            node.producer.admit(tid)
+        except DuplicateTransferError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        context.add_done_callback(lambda ctx: node.release_if_cancelled(ctx, tid))
         assert node.engine_loop is not None
         first = None
         try:
@@ -139,7 +157,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             node.producer.forget(tid)
             await context.abort(channel.error_to_status(e), str(e))
         except asyncio.CancelledError:
-            node.producer.forget(tid)  # the router went away: generate() aborted the request
+            # The router went away: generate() aborted the request; if it had already finished,
+            # its KV is held for nobody - release it now, not at the lease's end.
+            node.producer.abort(tid)
+            node.producer.forget(tid)
             raise
         assert first is not None
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
@@ -216,12 +237,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node = self.node
         n = 0
         ids = set(request.transfer_ids) | set(request.request_ids)
+        assert node.engine_loop is not None
+        # Engine first: a request finishing meanwhile is then held already, and freed just below.
+        aborted = await node.engine_loop.call(lambda e: e.abort(list(ids)))
         for tid in ids:
             if node.producer.abort(tid):
                 n += 1
-        assert node.engine_loop is not None
-        aborted = await node.engine_loop.call(lambda e: e.abort(list(ids)))
         return pb.AbortResponse(num_aborted=n + len(aborted))
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return self.node.load_report(pb)
+        return await self.node.answer_load(pb, context)

@@ -9,6 +9,7 @@ import uvicorn
 
 from pdserve.config.cluster import ClusterConfig
 from services.router.app import create_app
+from services.router.limits import RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.pd_backend import PDBackend, RouterPolicy
 
@@ -50,6 +51,8 @@ async def serve_router(cluster: ClusterConfig) -> None:
         metrics=metrics,
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
+        max_body_bytes=r.max_body_bytes,
+        limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")
