@@ -39,9 +39,10 @@ class NodeOptions:
     kv_host: str = "127.0.0.1"  # address peers reach our transfer engine at
     kv_transport: str = "tcp"
     kv_lease_s: float = 30.0
+    kv_keepalive_s: float = 5.0  # decode: KeepAlive period for transfers queued here (< the lease)
     kv_ready_timeout_s: float = 60.0  # prefill: how long a push waits for the KV to exist
     kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
-    kv_load_failure_policy: str = "recompute"  # fail | recompute (reprefill is the router's)
+    kv_load_failure_policy: str = "recompute"  # fail | recompute | reprefill (kvtransfer.load_policy)
     shared_token: str | None = None
 
 

@@ -192,6 +192,16 @@ class KVProducer:
             self.failures_total += 1
         return PushResult(ok, nbytes if ok else 0, len(descs), dt, err)
 
+    def keep_alive(self, transfer_ids: Sequence[str]) -> list[str]:
+        """A consumer still wants these: extend their leases; returns the ids not held here."""
+        unknown = []
+        for tid in transfer_ids:
+            try:
+                self.tracker.heartbeat(tid)
+            except UnknownTransferError:
+                unknown.append(tid)
+        return unknown
+
     def abort(self, transfer_id: str) -> bool:
         if transfer_id in self.tracker:
             self.aborted_total += 1  # a hold given up before its pull (client gone, decode failed)

@@ -261,3 +261,17 @@ class LoadReport(_message.Message):
     num_aborted_total: int
     block_size: int
     def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("transfer_ids",)
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("unknown_transfer_ids", "epoch")
+    UNKNOWN_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    unknown_transfer_ids: _containers.RepeatedScalarFieldContainer[str]
+    epoch: str
+    def __init__(self, unknown_transfer_ids: _Optional[_Iterable[str]] = ..., epoch: _Optional[str] = ...) -> None: ...

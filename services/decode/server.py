@@ -14,9 +14,11 @@ import grpc
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY, check_policy, engine_policy
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.decode.keepalive import LeaseKeeper
 from services.node import NodeBase, NodeOptions
 from services.prefill.server import handshake_from_pb, handshake_to_pb
 
@@ -32,6 +34,9 @@ class DecodeNode(NodeBase):
         self.pull_bytes_total = 0
         self.pull_seconds_total = 0.0
         self.pull_failures_total = 0
+        self.lease_keeper = LeaseKeeper(self, opts.kv_keepalive_s)
+        check_policy(opts.kv_load_failure_policy)
+        self.reprefill_ids: set[str] = set()  # failed pulls the router should re-prefill
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), server)
@@ -41,6 +46,15 @@ class DecodeNode(NodeBase):
             ("kv_transfer_bytes", "KV bytes received from prefill nodes", self.pull_bytes_total),
             ("kv_transfer_seconds", "Seconds spent waiting for KV pushes", self.pull_seconds_total),
             ("kv_transfer_failures", "KV pulls that failed", self.pull_failures_total),
+            *self.lease_keeper_counters(),
+        ]
+
+    def lease_keeper_counters(self) -> list[tuple[str, str, float]]:
+        k = self.lease_keeper
+        return [
+            ("kv_keepalive_transfers", "Queued transfers whose prefill lease decode extended", k.sent_total),
+            ("kv_keepalive_unknown", "Queued transfers prefill no longer held", k.unknown_total),
+            ("kv_keepalive_failures", "KeepAlive calls to prefill nodes that failed", k.failures_total),
         ]
 
     def _stub(self, address: str) -> pb_grpc.PrefillServiceStub:
@@ -114,7 +128,9 @@ class DecodeNode(NodeBase):
             logger.warning(
                 "KV pull %s failed: %s (policy %s)", p["transfer_id"], err, self.opts.kv_load_failure_policy
             )
-        policy = self.opts.kv_load_failure_policy
+        policy = engine_policy(self.opts.kv_load_failure_policy)
+        if not ok and self.opts.kv_load_failure_policy == "reprefill":
+            self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
         self.engine_loop.post_and_dispatch(lambda e: e.finish_kv_load(spec.request_id, ok, policy, err))
 
@@ -147,6 +163,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     else grpc.StatusCode.FAILED_PRECONDITION,
                     f"handshake with prefill {request.prefill_address} failed: {e.details()}",
                 )
+            node.lease_keeper.ensure_started()
             kv_params = {
                 "remote_prefill": True,
                 "transfer_id": request.transfer_id,
@@ -169,10 +186,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         )
         try:
             async for d in gen:
+                if d.finish_reason == "error" and request.request_id in node.reprefill_ids:
+                    node.reprefill_ids.discard(request.request_id)
+                    context.set_trailing_metadata(((KV_LOAD_FAILED_KEY, "1"),))
+                    await context.abort(
+                        grpc.StatusCode.ABORTED, f"{d.error} (kv_load_failure_policy reprefill)"
+                    )
                 yield convert.delta_to_pb(d)
         except PdserveError as e:
             await context.abort(channel.error_to_status(e), str(e))
         finally:
+            node.reprefill_ids.discard(request.request_id)
             await gen.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

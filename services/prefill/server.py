@@ -245,5 +245,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 n += 1
         return pb.AbortResponse(num_aborted=n + len(aborted))
 
+    async def KeepAlive(
+        self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KeepAliveResponse:
+        unknown = self.node.producer.keep_alive(list(request.transfer_ids))
+        return pb.KeepAliveResponse(unknown_transfer_ids=unknown, epoch=self.node.epoch)
+
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         return await self.node.answer_load(pb, context)

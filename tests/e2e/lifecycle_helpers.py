@@ -42,3 +42,18 @@ def health_status(address: str) -> str:
         except grpc.RpcError as e:
             return f"unreachable ({e.code().name})"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def two_prefill_config(model_dir: Any, *, router: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    """router + prefill-0 + prefill-1 + decode-0 on loopback (ports base .. base+6)."""
+    from pdserve.config.cluster import ClusterConfig
+    from tests.e2e.cluster import make_cluster_config
+
+    c = make_cluster_config(model_dir, router=router, **overrides)
+    data = c.model_dump(mode="json", exclude_unset=True)
+    base = c.router.port
+    p1 = {**next(n for n in data["nodes"] if n["name"] == "prefill-0")}
+    p1.update(name="prefill-1", grpc_port=base + 5, metrics_port=base + 6)
+    p1.update(overrides.get("prefill-1", {}))
+    data["nodes"].append(p1)
+    return ClusterConfig.from_dict(data)
