@@ -220,7 +220,18 @@ class ClusterConfig(_Frozen):
             )
         self._check_models()
         self._check_addresses()
+        self._check_keepalive()
         return self
+
+    def _check_keepalive(self) -> None:
+        """Decode's KeepAlive must come more often than any prefill lease runs out (issue 13)."""
+        leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
+        for n in self.nodes:
+            if n.role == "decode" and leases and n.kv_keepalive_s >= min(leases):
+                raise ConfigError(
+                    f"node {n.name!r}: kv_keepalive_s ({n.kv_keepalive_s}) must be below the shortest "
+                    f"prefill kv_lease_s ({min(leases)}), or queued requests lose their KV; lower it"
+                )
 
     def _check_models(self) -> None:
         if self.model is not None and all(n.model != self.model for n in self.nodes):

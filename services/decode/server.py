@@ -152,6 +152,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "remote_prefill needs transfer_id, prefill_address and the first token",
                 )
+            known = node._peers.get(request.prefill_address)
+            if known is not None and request.prefill_epoch and known.epoch != request.prefill_epoch:
+                node._peers.pop(request.prefill_address, None)  # prefill restarted: handshake anew
             try:
                 await node.ensure_handshake(request.prefill_address)
             except HandshakeError as e:

@@ -53,6 +53,7 @@ class NodeHandle:
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
+    epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
 
     @property
     def available(self) -> bool:
@@ -282,22 +283,27 @@ class PDBackend:
                         yield d
                     return
         assert p_node is not None
-        yield first
-        if first.finish_reason is not None:
-            await self._abort_prefill(p_node, transfer_id)  # EOS or max_tokens=1: nobody will pull
-            return
         leg: tuple[NodeHandle, str] | None = (p_node, transfer_id)
-        while True:
-            try:
-                async for d in self._decode_leg(
-                    d_node, req, leg[1] if leg else None, leg[0] if leg else None, first.token_ids
-                ):
-                    yield d
-                break
-            except KVLoadFailedError:
-                # Decode's pull failed under kv_load_failure_policy reprefill: another prefill
-                # node computes the KV again (or, with none left, decode prefills it itself).
-                leg = await self._reprefill(req, key, tried)
+        try:
+            yield first
+            if first.finish_reason is not None:
+                await self._abort_prefill(p_node, transfer_id)  # EOS or max_tokens=1: nobody will pull
+                return
+            while True:
+                try:
+                    async for d in self._decode_leg(
+                        d_node, req, leg[1] if leg else None, leg[0] if leg else None, first.token_ids
+                    ):
+                        yield d
+                    break
+                except KVLoadFailedError:
+                    # Decode's pull failed under kv_load_failure_policy reprefill: another prefill
+                    # node computes the KV again (or, with none left, decode prefills it itself).
+                    leg = await self._reprefill(req, key, tried)
+        finally:
+            p_node.epoch_by_transfer.pop(transfer_id, None)  # when no decode leg read it
+            if leg is not None:
+                leg[0].epoch_by_transfer.pop(leg[1], None)
         for h in hashes:
             d_node.remember_prefix(h)
 
@@ -347,6 +353,8 @@ class PDBackend:
             p.in_flight -= 1
         d = convert.delta_from_pb(resp.first)
         d.request_id = req.request_id
+        if resp.epoch:
+            p.epoch_by_transfer[transfer_id] = resp.epoch  # read (and dropped) by the decode leg
         return d
 
     async def _decode_leg(
@@ -366,6 +374,7 @@ class PDBackend:
             remote_prefill=transfer_id is not None,
             transfer_id=transfer_id or "",
             prefill_address=p_node.address if p_node else "",
+            prefill_epoch=p_node.epoch_by_transfer.pop(transfer_id, "") if p_node and transfer_id else "",
             # Decode needs the embeddings only if it prefills (local path, or recompute after a
             # failed pull); sent always so the recompute policy stays correct.
             prompt_embeds=_embeds_pb(req),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -44,12 +45,27 @@ def health_status(address: str) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
+def own_port_range() -> None:
+    """Start this process's clusters away from 31000, where every other test process starts:
+    on a shared host a port freed by a killed node was taken by another engineer's cluster."""
+    from tests.e2e import cluster
+
+    if cluster._next_base[0] < 33000:
+        cluster._next_base[0] = 33000 + (os.getpid() % 2000) * 13
+
+
+def isolated_cluster_config(model_dir: Any, **kw: Any) -> Any:
+    from tests.e2e.cluster import make_cluster_config
+
+    own_port_range()
+    return make_cluster_config(model_dir, **kw)
+
+
 def two_prefill_config(model_dir: Any, *, router: dict[str, Any] | None = None, **overrides: Any) -> Any:
     """router + prefill-0 + prefill-1 + decode-0 on loopback (ports base .. base+6)."""
     from pdserve.config.cluster import ClusterConfig
-    from tests.e2e.cluster import make_cluster_config
 
-    c = make_cluster_config(model_dir, router=router, **overrides)
+    c = isolated_cluster_config(model_dir, router=router, **overrides)
     data = c.model_dump(mode="json", exclude_unset=True)
     base = c.router.port
     p1 = {**next(n for n in data["nodes"] if n["name"] == "prefill-0")}

@@ -18,8 +18,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from tests.e2e.cluster import make_cluster_config, running_cluster
-from tests.e2e.lifecycle_helpers import health_status, wait_nothing_held
+from tests.e2e.cluster import running_cluster
+from tests.e2e.lifecycle_helpers import health_status, isolated_cluster_config, wait_nothing_held
 
 pytestmark = pytest.mark.slow
 NODES = ["prefill-0", "decode-0"]
@@ -27,7 +27,7 @@ NODES = ["prefill-0", "decode-0"]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
-    cfg = make_cluster_config(
+    cfg = isolated_cluster_config(
         tiny_models["llama"], router={"local_prefill_max_tokens": 16}, all={"kv_lease_s": 60.0}
     )
     with running_cluster(cfg, tmp_path_factory.mktemp("lifecycle")) as rc:
