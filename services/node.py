@@ -22,6 +22,7 @@ from pdserve.kvtransfer.backend import MooncakeBackend, TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc import channel
+from pdserve.rpc.malformed import MalformedRequestInterceptor
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
@@ -40,6 +41,7 @@ class NodeOptions:
     kv_transport: str = "tcp"
     kv_lease_s: float = 30.0
     kv_keepalive_s: float = 5.0  # decode: KeepAlive period for transfers queued here (< the lease)
+    kv_checksum: bool = False  # decode: ask prefill for a digest of each push and verify it
     kv_ready_timeout_s: float = 60.0  # prefill: how long a push waits for the KV to exist
     kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
     kv_load_failure_policy: str = "recompute"  # fail | recompute | reprefill (kvtransfer.load_policy)
@@ -100,9 +102,9 @@ class NodeBase:
             self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death
         )
         self.engine_loop.start()
-        interceptors = (
-            [channel.TokenAuthInterceptor(self.opts.shared_token)] if self.opts.shared_token else []
-        )
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if self.opts.shared_token:
+            interceptors.insert(0, channel.TokenAuthInterceptor(self.opts.shared_token))
         server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
         self.add_servicers(server)
         health_servicer = self._health = health.aio.HealthServicer()

@@ -113,6 +113,7 @@ class NodeConfig(_Frozen):
     # decode side: every this many seconds, KeepAlive(transfer_ids) to each prefill node for the
     # requests still queued here, so their leases outlive a long queue (must be < the lease)
     kv_keepalive_s: float = Field(default=5.0, gt=0)
+    kv_checksum: bool = False  # decode: verify a digest of every pulled transfer (kvtransfer/checksum.py)
     max_model_len: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)

@@ -13,6 +13,7 @@ import grpc
 
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
+from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY, check_policy, engine_policy
 from pdserve.rpc import channel, convert
@@ -37,6 +38,8 @@ class DecodeNode(NodeBase):
         self.lease_keeper = LeaseKeeper(self, opts.kv_keepalive_s)
         check_policy(opts.kv_load_failure_policy)
         self.reprefill_ids: set[str] = set()  # failed pulls the router should re-prefill
+        self.checksums_verified_total = 0
+        self.checksum_mismatches_total = 0
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), server)
@@ -55,7 +58,20 @@ class DecodeNode(NodeBase):
             ("kv_keepalive_transfers", "Queued transfers whose prefill lease decode extended", k.sent_total),
             ("kv_keepalive_unknown", "Queued transfers prefill no longer held", k.unknown_total),
             ("kv_keepalive_failures", "KeepAlive calls to prefill nodes that failed", k.failures_total),
+            (
+                "kv_checksums_verified",
+                "Pulled transfers whose checksum matched",
+                self.checksums_verified_total,
+            ),
+            (
+                "kv_checksum_mismatches",
+                "Pulled transfers whose checksum did not match",
+                self.checksum_mismatches_total,
+            ),
         ]
+
+    def _verify(self, req: pb.PushKVRequest, checksum: str) -> tuple[bool, str]:
+        return _verify_digest(self, req, checksum)
 
     def _stub(self, address: str) -> pb_grpc.PrefillServiceStub:
         ch = self._channels.get(address)
@@ -105,6 +121,7 @@ class DecodeNode(NodeBase):
                 dst_session=self.backend.session_id if self.backend else "",
                 dst_compat_hash=self.handshake.compat_hash,
                 expected_src_epoch=peer.epoch,
+                want_checksum=self.opts.kv_checksum,
             )
             resp = await self._stub(addr).PushKV(
                 req,
@@ -114,6 +131,8 @@ class DecodeNode(NodeBase):
             ok = p["transfer_id"] in resp.ok
             if ok:
                 self.pull_bytes_total += resp.bytes
+                if self.opts.kv_checksum:
+                    ok, err = await asyncio.to_thread(self._verify, req, resp.checksum)
             else:
                 err = f"prefill {addr} reported the write as failed"
         except grpc.aio.AioRpcError as e:
@@ -133,6 +152,17 @@ class DecodeNode(NodeBase):
             self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
         self.engine_loop.post_and_dispatch(lambda e: e.finish_kv_load(spec.request_id, ok, policy, err))
+
+
+def _verify_digest(node: DecodeNode, req: pb.PushKVRequest, checksum: str) -> tuple[bool, str]:
+    """Decode: the received blocks against prefill's digest (kv_checksum)."""
+    if not checksum:
+        return False, "prefill sent no checksum (kv_checksum is on here; is prefill older?)"
+    if kv_blocks_digest(node.engine.runner.kv_cache, list(req.dst_block_ids)).hex() != checksum:
+        node.checksum_mismatches_total += 1
+        return False, f"KV checksum mismatch for {req.transfer_id}: the transfer was corrupted"
+    node.checksums_verified_total += 1
+    return True, ""
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):

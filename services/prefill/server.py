@@ -13,6 +13,7 @@ import grpc
 from pdserve.engine.request import Request
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
 from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
@@ -83,6 +84,15 @@ class PrefillNode(NodeBase):
         if context.cancelled():
             self.producer.abort(transfer_id)
             self.producer.forget(transfer_id)
+
+    def push_digest(self, transfer_id: str, num_tokens: int) -> str:
+        """Digest of the held blocks a push of ``num_tokens`` sends (taken before the push: after
+        it the blocks may be freed and reused)."""
+        entry = self.producer.tracker.get(transfer_id)
+        if entry is None:
+            return ""  # the push below answers NOT_FOUND
+        n = -(-num_tokens // self.engine.kv.block_size)
+        return kv_blocks_digest(self.engine.runner.kv_cache, entry.block_ids[:n]).hex()
 
     def aborted_holds_total(self) -> int:
         return self.producer.aborted_total
@@ -189,6 +199,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
         if not ready:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
+        digest = ""
+        if request.want_checksum:
+            digest = await asyncio.to_thread(node.push_digest, tid, request.num_tokens)
         try:
             regions = [
                 Region(
@@ -221,6 +234,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             bytes=res.bytes,
             num_descriptors=res.num_descriptors,
             seconds=res.seconds,
+            checksum=digest,
         )
 
     async def Handshake(

@@ -33,7 +33,14 @@ def cluster(tiny_models, tmp_path_factory):
     cfg = two_prefill_config(
         tiny_models["llama"],
         all={"kv_lease_s": 3.0},
-        **{"decode-0": {"kv_load_failure_policy": "reprefill", "kv_keepalive_s": 0.5, "max_num_seqs": 1}},
+        **{
+            "decode-0": {
+                "kv_load_failure_policy": "reprefill",
+                "kv_keepalive_s": 0.5,
+                "max_num_seqs": 1,
+                "kv_checksum": True,
+            }
+        },
     )
     with running_cluster(cfg, tmp_path_factory.mktemp("failover"), router=False) as rc:
         yield rc
@@ -101,6 +108,9 @@ def test_a_request_queued_on_decode_keeps_its_prefill_lease(cluster) -> None:
     asyncio.run(main())
     assert _decode_metric(cluster, "pdserve:kv_transfer_failures_total") == before  # pulled, not recomputed
     assert _decode_metric(cluster, "pdserve:kv_keepalive_transfers_total") > 0
+    # kv_checksum is on for decode-0: every pull so far was verified, none mismatched.
+    assert _decode_metric(cluster, "pdserve:kv_checksums_verified_total") >= 2
+    assert _decode_metric(cluster, "pdserve:kv_checksum_mismatches_total") == 0
     wait_nothing_held(cluster, NODES)
 
 
