@@ -77,7 +77,9 @@ async def client_loop(rc: Any, seed: int, stop_at: float, stats: dict[str, Any])
                 stats["requests"] += 1
             except openai.APIError as e:
                 stats["errors"] += 1
-                stats["error_samples"].append(f"{type(e).__name__}: {str(e)[:160]}")
+                stats["error_samples"].append(
+                    f"{type(e).__name__}: {str(e)[:120]} (cause {e.__cause__!r:.120})"
+                )
     finally:
         await c.close()
 
@@ -111,6 +113,7 @@ async def run(args: argparse.Namespace, rc: Any) -> dict[str, Any]:
         "lease_expiries": expired,
         "decode_pull_failures": node_metric(rc, "decode-0", "pdserve:kv_transfer_failures_total") - fail0,
         "keepalive_unknown": node_metric(rc, "decode-0", "pdserve:kv_keepalive_unknown_total") - unk0,
+        "keepalive_transfers": node_metric(rc, "decode-0", "pdserve:kv_keepalive_transfers_total"),
         "free_blocks_start": free0,
         "free_blocks_end": free1,
         "rss_mib_warm": {n: round(v, 1) for n, v in rss_warm.items()},

@@ -79,6 +79,7 @@ class RouterConfig(_Frozen):
     # breaker_open_s; then one probe request (half-open) decides. 4xx / 429 are not node faults.
     breaker_failures: int = Field(default=3, ge=1)
     breaker_open_s: float = Field(default=5.0, gt=0)
+    http_keepalive_s: float = Field(default=75.0, ge=1)  # idle HTTP keep-alive connections close after this
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:

@@ -29,10 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 def queued_transfers(engine: LLMEngine) -> dict[str, list[str]]:
-    """Engine thread: prefill address -> transfer_ids of requests here that still need their KV."""
+    """Engine thread: prefill address -> transfer_ids of requests queued here before their pull.
+
+    A pull in flight needs no keep-alive (prefill's tracker never expires a hold it is sending
+    from), and asking for it races with its release ("unknown" right after a good pull)."""
     sched = engine.scheduler
     out: dict[str, list[str]] = defaultdict(list)
-    for req in [*sched.waiting, *sched.waiting_for_kv.values()]:
+    for req in sched.waiting:
         p = req.kv_transfer_params or {}
         if p.get("remote_prefill") and p.get("prefill_address") and p.get("transfer_id"):
             out[p["prefill_address"]].append(p["transfer_id"])

@@ -59,7 +59,16 @@ async def serve_router(cluster: ClusterConfig) -> None:
         limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
     )
     server = uvicorn.Server(
-        uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")
+        uvicorn.Config(
+            app,
+            host=r.host,
+            port=r.port,
+            log_level="warning",
+            lifespan="off",
+            # uvicorn's 5 s default closes idle keep-alive connections just as busy clients reuse
+            # them (the soak's ReadError); clients and proxies expect a minute or more.
+            timeout_keep_alive=int(r.http_keepalive_s),
+        )
     )
     print(f"pdserve router ready on http://{r.host}:{r.port}/v1", flush=True)
     try:

@@ -93,6 +93,7 @@ def test_cancel_after_admission_aborts_the_request(tiny_models, make_llm) -> Non
             release.set()
             await asyncio.gather(task, return_exceptions=True)
             llm.engine.add_request = real_add  # type: ignore[method-assign]
+            await el.call(lambda e: None)  # a barrier: the add and the posted abort ran before it
             for _ in range(200):
                 if not llm.engine.has_unfinished():
                     break
