@@ -113,7 +113,7 @@ class NodeConfig(_Frozen):
     kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer
     # decode side: every this many seconds, KeepAlive(transfer_ids) to each prefill node for the
     # requests still queued here, so their leases outlive a long queue (must be < the lease)
-    kv_keepalive_s: float = Field(default=5.0, gt=0)
+    kv_keepalive_s: float | None = Field(default=None, gt=0)  # None: min(5 s, shortest prefill lease / 3)
     kv_checksum: bool = False  # decode: verify a digest of every pulled transfer (kvtransfer/checksum.py)
     max_model_len: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
@@ -225,11 +225,23 @@ class ClusterConfig(_Frozen):
         self._check_keepalive()
         return self
 
+    def keepalive_s(self, node: NodeConfig) -> float:
+        """A decode node's KeepAlive period: as set, else min(5 s, the shortest prefill lease / 3)."""
+        if node.kv_keepalive_s is not None:
+            return node.kv_keepalive_s
+        leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
+        return min([5.0] + [lease / 3 for lease in leases])
+
     def _check_keepalive(self) -> None:
         """Decode's KeepAlive must come more often than any prefill lease runs out (issue 13)."""
         leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
         for n in self.nodes:
-            if n.role == "decode" and leases and n.kv_keepalive_s >= min(leases):
+            if (
+                n.role == "decode"
+                and leases
+                and n.kv_keepalive_s is not None
+                and n.kv_keepalive_s >= min(leases)
+            ):
                 raise ConfigError(
                     f"node {n.name!r}: kv_keepalive_s ({n.kv_keepalive_s}) must be below the shortest "
                     f"prefill kv_lease_s ({min(leases)}), or queued requests lose their KV; lower it"

@@ -423,4 +423,8 @@ def test_keepalive_must_beat_the_lease(tmp_path) -> None:
     with pytest.raises(ConfigError, match="kv_keepalive_s"):
         ClusterConfig.from_dict(data)
     data["nodes"][1]["kv_keepalive_s"] = 1.0
-    assert ClusterConfig.from_dict(data).node("decode-0").kv_keepalive_s == 1.0
+    c = ClusterConfig.from_dict(data)
+    assert c.keepalive_s(c.node("decode-0")) == 1.0
+    del data["nodes"][1]["kv_keepalive_s"]  # derived: a third of the shortest lease, at most 5 s
+    c = ClusterConfig.from_dict(data)
+    assert c.keepalive_s(c.node("decode-0")) == 4.0 / 3
