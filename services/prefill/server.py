@@ -173,6 +173,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             node.producer.forget(tid)
             raise
         assert first is not None
+        if first.finish_reason == "error":
+            # A node fault (engine step failed, engine thread died), not the request's: a status
+            # the router retries on another prefill node, instead of a "first token" that is an error.
+            node.producer.forget(tid)
+            alive = node.engine_loop.alive
+            await context.abort(
+                grpc.StatusCode.INTERNAL if alive else grpc.StatusCode.UNAVAILABLE,
+                first.error or "prefill failed",
+            )
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
             first.finish_reason = None  # length of the prefill leg only: decode continues
         held = tid in node.producer.tracker

@@ -78,3 +78,43 @@ def test_engine_death_turns_node_not_serving_fails_requests_and_exits(tiny_model
         assert node.exit_code == EXIT_ENGINE_DIED
 
     asyncio.run(main())
+
+
+def test_prefill_engine_death_is_unavailable_for_the_router_to_retry(tiny_models) -> None:
+    from services.prefill.server import PrefillNode
+
+    port = _free_port()
+    node = PrefillNode(
+        NodeOptions(
+            name="p-0", role="prefill", engine=EngineConfig(model=str(tiny_models["llama"])), grpc_port=port
+        )
+    )
+
+    async def main() -> None:
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(node.serve(ready))
+        await asyncio.wait_for(ready.wait(), 60)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.PrefillServiceStub(ch)
+
+            def broken(*_a: object) -> list:  # type: ignore[type-arg]
+                raise RuntimeError("simulated device loss")
+
+            node.engine.step = broken  # type: ignore[method-assign]
+            node.engine.fail_all = broken  # type: ignore[method-assign]
+            sampling = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=8))
+            try:
+                await stub.Prefill(
+                    pb.PrefillRequest(
+                        transfer_id="t1", prompt_token_ids=list(range(1, 40)), sampling=sampling
+                    ),
+                    timeout=10,
+                )
+                raise AssertionError("a prefill on a dead engine answered")
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and "engine thread" in (e.details() or "")
+            assert node.producer.tracker.num_held_blocks == 0
+        await asyncio.wait_for(serving, 15)
+        assert node.exit_code == EXIT_ENGINE_DIED
+
+    asyncio.run(main())
