@@ -136,9 +136,9 @@ def serve(
             kv_host=kv_host,
             kv_transport=n.kv_transport,
             kv_lease_s=n.kv_lease_s,
-            kv_load_failure_policy="recompute"
-            if n.kv_load_failure_policy == "reprefill"
-            else n.kv_load_failure_policy,
+            kv_keepalive_s=cluster.keepalive_s(n),
+            kv_checksum=n.kv_checksum,
+            kv_load_failure_policy=n.kv_load_failure_policy,
             shared_token=cluster.shared_token,
         )
     )

@@ -38,3 +38,8 @@ class UnsupportedError(PdserveError, NotImplementedError):
 class EngineStalledError(PdserveError, RuntimeError):
     """The engine cannot make progress: a device step outlived ``step_timeout_s``, or requests
     remain that no step can ever schedule. Names what it waited for and the setting."""
+
+
+class EngineDeadError(PdserveError, RuntimeError):
+    """The node's engine thread (or a stage process) died: nothing more can be served here. The
+    node turns NOT_SERVING and exits non-zero; maps to gRPC UNAVAILABLE so the router goes elsewhere."""

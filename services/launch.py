@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from services.node import NodeBase, NodeOptions
 
@@ -25,3 +26,6 @@ def build_node(opts: NodeOptions) -> NodeBase:
 def run_node(opts: NodeOptions) -> None:
     node = build_node(opts)
     asyncio.run(node.serve())
+    if node.exit_code:
+        logger.critical("node %s exits with %d (engine died)", opts.name, node.exit_code)
+        sys.exit(node.exit_code)

@@ -17,12 +17,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.errors import EngineDeadError
 from pdserve.kvtransfer.backend import MooncakeBackend, TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc import channel
+from pdserve.rpc.malformed import MalformedRequestInterceptor
 
 logger = logging.getLogger(__name__)
+EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
+ENGINE_DEATH_LINGER_S = 1.0  # NOT_SERVING is visible this long before the process exits
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,11 @@ class NodeOptions:
     kv_host: str = "127.0.0.1"  # address peers reach our transfer engine at
     kv_transport: str = "tcp"
     kv_lease_s: float = 30.0
+    kv_keepalive_s: float = 5.0  # decode: KeepAlive period for transfers queued here (< the lease)
+    kv_checksum: bool = False  # decode: ask prefill for a digest of each push and verify it
     kv_ready_timeout_s: float = 60.0  # prefill: how long a push waits for the KV to exist
     kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
-    kv_load_failure_policy: str = "recompute"  # fail | recompute (reprefill is the router's)
+    kv_load_failure_policy: str = "recompute"  # fail | recompute | reprefill (kvtransfer.load_policy)
     shared_token: str | None = None
 
 
@@ -59,6 +65,7 @@ class NodeBase:
         self.handshake = handshake_info_of(self.engine.runner, opts.engine.model, self.epoch)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_loop: EngineLoop | None = None
+        self.exit_code = 0
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
 
@@ -84,17 +91,23 @@ class NodeBase:
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         return []
 
+    def aborted_holds_total(self) -> int:
+        """Prefill: KV holds released by an abort (their request had already finished here)."""
+        return 0
+
     # lifecycle -----------------------------------------------------------------------------------
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         self.loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(self.engine, self.loop, self._on_kv_loads, self._on_step)
-        self.engine_loop.start()
-        interceptors = (
-            [channel.TokenAuthInterceptor(self.opts.shared_token)] if self.opts.shared_token else []
+        self.engine_loop = EngineLoop(
+            self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death
         )
+        self.engine_loop.start()
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if self.opts.shared_token:
+            interceptors.insert(0, channel.TokenAuthInterceptor(self.opts.shared_token))
         server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
         self.add_servicers(server)
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         addr = f"{self.opts.host}:{self.opts.grpc_port}"
         if server.add_insecure_port(addr) == 0:
@@ -121,11 +134,32 @@ class NodeBase:
         if self.backend is not None:
             self.backend.close()
 
+    def _on_engine_death(self, e: BaseException) -> None:
+        """Event loop, once: the engine thread died (its streams already ended with an error).
+        NOT_SERVING at once so probes and the router stop sending; then stop and exit non-zero
+        (``exit_code``) so a supervisor restarts the node with a fresh epoch."""
+        logger.critical("node %s: engine died (%r); NOT_SERVING, exiting", self.opts.name, e)
+        self.exit_code = EXIT_ENGINE_DIED
+        self._death_task = asyncio.ensure_future(
+            self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        assert self.loop is not None
+        self.loop.call_later(ENGINE_DEATH_LINGER_S, self._stop_event.set)
+
     def request_stop(self) -> None:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._stop_event.set)
 
+    async def answer_load(self, pb: Any, context: grpc.aio.ServicerContext) -> Any:
+        """GetLoad: the report, or UNAVAILABLE once the engine died (the router drops the node)."""
+        try:
+            return self.load_report(pb)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
     def load_report(self, pb: Any) -> Any:
+        if self.engine_loop is not None:
+            self.engine_loop.check_alive()  # a dead engine's counters are frozen: no report
         eng = self.engine
         st = eng.scheduler.stats()
         return pb.LoadReport(
@@ -139,7 +173,7 @@ class NodeBase:
             num_blocks_held_for_transfer=self.held_transfer_blocks(),
             num_held_requests=eng.kv.num_held_requests,
             stranded_kv_blocks=self.stranded_kv_blocks(),
-            num_aborted_total=eng.num_aborted_total,
+            num_aborted_total=eng.num_aborted_total + self.aborted_holds_total(),
             block_size=eng.kv.block_size,
         )
 
@@ -178,7 +212,11 @@ class _NodeCollector:
         yield gauge("stranded_kv_blocks", "Blocks held that no live peer will read", n.stranded_kv_blocks())
         yield gauge("prefix_cache_hit_rate", "Prefix-cache block hit rate", pool.hit_rate)
         yield counter("num_preemptions", "Preemptions by recompute", st.num_preemptions_total)
-        yield counter("requests_aborted", "Requests aborted on this node", eng.num_aborted_total)
+        yield counter(
+            "requests_aborted",
+            "Requests aborted on this node",
+            eng.num_aborted_total + n.aborted_holds_total(),
+        )
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
 

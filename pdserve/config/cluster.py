@@ -66,6 +66,20 @@ class RouterConfig(_Frozen):
     local_prefill_max_tokens: int = Field(default=32, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0)  # whole request, first byte to last token
     prefill_timeout_s: float = Field(default=120.0, gt=0)  # P's leg: admitted to first token + KV ready
+    # Request lifecycle under failure (issue 13). Bounded input: past these a request is a 400/413.
+    max_body_bytes: int | None = Field(default=None, ge=1024)  # None: max(16 MiB, room for prompt_embeds)
+    max_prompts_per_request: int = Field(default=256, ge=1)  # entries of a completions batch
+    max_sequences_per_request: int = Field(default=256, ge=1)  # prompts x n
+    # Per-leg deadlines: a frozen (SIGSTOPped) or dead peer is noticed by these, not by the lease.
+    decode_first_token_timeout_s: float = Field(
+        default=30.0, gt=0
+    )  # D.Decode call -> first delta (incl. pull)
+    inter_token_timeout_s: float = Field(default=15.0, gt=0)  # gap between two deltas of a stream
+    # Circuit breaker per node: this many consecutive node faults take it out of rotation for
+    # breaker_open_s; then one probe request (half-open) decides. 4xx / 429 are not node faults.
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_open_s: float = Field(default=5.0, gt=0)
+    http_keepalive_s: float = Field(default=75.0, ge=1)  # idle HTTP keep-alive connections close after this
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
@@ -97,6 +111,10 @@ class NodeConfig(_Frozen):
     block_size: int = 16
     kv_load_failure_policy: Literal["fail", "recompute", "reprefill"] = "recompute"  # decode side
     kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer
+    # decode side: every this many seconds, KeepAlive(transfer_ids) to each prefill node for the
+    # requests still queued here, so their leases outlive a long queue (must be < the lease)
+    kv_keepalive_s: float | None = Field(default=None, gt=0)  # None: min(5 s, shortest prefill lease / 3)
+    kv_checksum: bool = False  # decode: verify a digest of every pulled transfer (kvtransfer/checksum.py)
     max_model_len: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
@@ -204,7 +222,30 @@ class ClusterConfig(_Frozen):
             )
         self._check_models()
         self._check_addresses()
+        self._check_keepalive()
         return self
+
+    def keepalive_s(self, node: NodeConfig) -> float:
+        """A decode node's KeepAlive period: as set, else min(5 s, the shortest prefill lease / 3)."""
+        if node.kv_keepalive_s is not None:
+            return node.kv_keepalive_s
+        leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
+        return min([5.0] + [lease / 3 for lease in leases])
+
+    def _check_keepalive(self) -> None:
+        """Decode's KeepAlive must come more often than any prefill lease runs out (issue 13)."""
+        leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
+        for n in self.nodes:
+            if (
+                n.role == "decode"
+                and leases
+                and n.kv_keepalive_s is not None
+                and n.kv_keepalive_s >= min(leases)
+            ):
+                raise ConfigError(
+                    f"node {n.name!r}: kv_keepalive_s ({n.kv_keepalive_s}) must be below the shortest "
+                    f"prefill kv_lease_s ({min(leases)}), or queued requests lose their KV; lower it"
+                )
 
     def _check_models(self) -> None:
         if self.model is not None and all(n.model != self.model for n in self.nodes):

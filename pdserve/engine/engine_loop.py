@@ -3,6 +3,11 @@
 Every engine mutation happens on the engine thread: callers post commands (add, abort, any
 function of the engine) and receive deltas on per-request asyncio queues. The thread steps
 while there is work and sleeps on its command queue when idle.
+
+The thread must not die silently (DESIGN §7): a command whose caller was cancelled is a no-op,
+a command that raises is logged and the loop goes on, and if the loop itself fails every stream
+ends with an error delta at once, every later call raises ``EngineDeadError``, and ``on_death``
+tells the node (which turns NOT_SERVING and exits non-zero).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
+from pdserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,6 +38,7 @@ class EngineLoop:
         loop: asyncio.AbstractEventLoop,
         on_kv_loads: Callable[[list[KVLoadSpec]], None] | None = None,
         on_step: Callable[[LLMEngine], None] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.loop = loop
@@ -41,6 +48,10 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue[GenerationDelta]] = {}
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._stopped = threading.Event()
+        self._on_death = on_death  # runs on the event loop once the engine thread has died
+        self.dead: BaseException | None = None
+        self._pending: set[Future[Any]] = set()  # call() futures not yet run (failed on death)
+        self._pending_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -51,32 +62,67 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     # -- called from the event loop ------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.dead is None
+
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine thread died ({self.dead!r}); this node is restarting")
+
     def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
-        """Run ``fn(engine)`` on the engine thread; await the result."""
+        """Run ``fn(engine)`` on the engine thread; await the result.
+
+        Cancelling the awaiting task cancels the future; the command then does nothing (setting
+        a result on a cancelled future raised InvalidStateError and killed the thread)."""
         fut: Future[T] = Future()
+        with self._pending_lock:  # checked under the lock: a death drains _pending under it too
+            self.check_alive()
+            self._pending.add(fut)
 
         def run() -> None:
+            with self._pending_lock:
+                self._pending.discard(fut)
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller is gone: skip the work too (an add for a gone caller)
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
             except BaseException as e:  # handed to the awaiting caller, not swallowed
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
         self._cmds.put(run)
         return asyncio.wrap_future(fut, loop=self.loop)
 
     def post(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Fire-and-forget variant of :meth:`call` (safe from any thread)."""
-        self._cmds.put(lambda: fn(self.engine))
+        self._cmds.put(lambda: self._guarded(fn))
 
     def post_and_dispatch(self, fn: Callable[[LLMEngine], list[GenerationDelta]]) -> None:
         """Run ``fn(engine)`` on the engine thread and deliver the deltas it returns (any thread)."""
 
         def run() -> None:
-            deltas = fn(self.engine)
+            deltas = self._guarded(fn)
             if deltas:
-                self.loop.call_soon_threadsafe(self._dispatch, deltas)
+                self._deliver(deltas)
 
         self._cmds.put(run)
+
+    def _guarded(self, fn: Callable[[LLMEngine], T]) -> T | None:
+        # A fire-and-forget command has no caller to hand its error to: log it with its trace
+        # and keep the thread alive for every other request.
+        try:
+            return fn(self.engine)
+        except Exception:
+            logger.exception("engine command %r failed; the engine thread goes on", fn)
+            return None
+
+    def _deliver(self, deltas: list[GenerationDelta]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._dispatch, deltas)
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening any more
+            logger.debug("dropped %d deltas after the event loop closed", len(deltas))
 
     async def generate(
         self,
@@ -90,6 +136,7 @@ class EngineLoop:
         prompt_embeds: Any | None = None,
     ) -> AsyncGenerator[GenerationDelta, None]:
         """Admit a request and yield its deltas; closing the generator aborts the request."""
+        self.check_alive()
         q: asyncio.Queue[GenerationDelta] = asyncio.Queue()
         self._streams[request_id] = q
         try:
@@ -104,8 +151,15 @@ class EngineLoop:
                     prompt_embeds=prompt_embeds,
                 )
             )
-        except BaseException:
+        except asyncio.CancelledError:
+            # The caller left while add_request ran (or was queued): the request may be admitted
+            # now with nobody to read it, so abort it (a no-op if it never got in).
             self._streams.pop(request_id, None)
+            if self.dead is None:
+                self.post(lambda e: e.abort([request_id]))
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)  # refused: never abort, the id may be another's
             raise
         finished = False
         try:
@@ -117,7 +171,7 @@ class EngineLoop:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not finished and self.dead is None:
                 self.post(lambda e: e.abort([request_id]))
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -128,6 +182,35 @@ class EngineLoop:
                 q.put_nowait(d)
 
     def _run(self) -> None:
+        try:
+            self._loop_body()
+        except BaseException as e:  # the thread is dying: make it loud and fail everyone now
+            logger.critical("engine thread died: %r", e, exc_info=True)
+            self.dead = e
+            self._fail_pending(e)
+            try:
+                self.loop.call_soon_threadsafe(self._after_death, e)
+            except RuntimeError:
+                logger.error("event loop closed; cannot report the engine's death")
+
+    def _fail_pending(self, e: BaseException) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, set()
+        for fut in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(f"the engine thread died ({e!r})"))
+
+    def _after_death(self, e: BaseException) -> None:
+        """Event loop: end every open stream with an error now, then tell the node."""
+        message = f"the engine thread of this node died ({type(e).__name__}: {e}); retry elsewhere"
+        for rid, q in list(self._streams.items()):
+            q.put_nowait(
+                GenerationDelta(request_id=rid, token_ids=[], text="", finish_reason="error", error=message)
+            )
+        if self._on_death is not None:
+            self._on_death(e)
+
+    def _loop_body(self) -> None:
         eng = self.engine
         while not self._stopped.is_set():
             # Sleep on the command queue unless a step can make progress: requests waiting only
@@ -161,4 +244,4 @@ class EngineLoop:
             if self._on_step is not None:
                 self._on_step(eng)
             if deltas:
-                self.loop.call_soon_threadsafe(self._dispatch, deltas)
+                self._deliver(deltas)

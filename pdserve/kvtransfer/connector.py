@@ -68,6 +68,10 @@ def handshake_info_of(runner: Any, model_dir: str | Path, epoch: str) -> Handsha
     )
 
 
+class DuplicateTransferError(InvalidRequestError):
+    """A prefill for a transfer_id this node already prefills or holds; maps to ALREADY_EXISTS."""
+
+
 @dataclass
 class PushResult:
     ok: bool
@@ -100,11 +104,24 @@ class KVProducer:
         self.seconds_total = 0.0
         self.failures_total = 0
         self.pushes_total = 0
+        self.aborted_total = 0
 
     def expect(self, transfer_id: str) -> None:
         """A prefill for ``transfer_id`` was admitted: a push may wait for it."""
         with self._lock:
             self._ready.setdefault(transfer_id, threading.Event())
+
+    def admit(self, transfer_id: str) -> None:
+        """Like ``expect``, but refuses a transfer_id already expected or held: a second request
+        with it would collide with the first one's hold (and used to fail every request on the
+        node when the tracker refused the hold on the engine thread)."""
+        with self._lock:
+            if transfer_id in self._ready or transfer_id in self.tracker:
+                raise DuplicateTransferError(
+                    f"transfer_id {transfer_id!r} is already in use on this node; mint a new one",
+                    field="transfer_id",
+                )
+            self._ready[transfer_id] = threading.Event()
 
     def forget(self, transfer_id: str) -> None:
         with self._lock:
@@ -175,7 +192,19 @@ class KVProducer:
             self.failures_total += 1
         return PushResult(ok, nbytes if ok else 0, len(descs), dt, err)
 
+    def keep_alive(self, transfer_ids: Sequence[str]) -> list[str]:
+        """A consumer still wants these: extend their leases; returns the ids not held here."""
+        unknown = []
+        for tid in transfer_ids:
+            try:
+                self.tracker.heartbeat(tid)
+            except UnknownTransferError:
+                unknown.append(tid)
+        return unknown
+
     def abort(self, transfer_id: str) -> bool:
+        if transfer_id in self.tracker:
+            self.aborted_total += 1  # a hold given up before its pull (client gone, decode failed)
         freed = self.tracker.abort(transfer_id)
         if transfer_id not in self.tracker:
             self.forget(transfer_id)

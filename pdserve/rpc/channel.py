@@ -7,14 +7,16 @@ from typing import Any
 
 import grpc
 
-from pdserve.errors import CapacityError, InvalidRequestError
+from pdserve.errors import CapacityError, EngineDeadError, InvalidRequestError
 
 MAX_MESSAGE_BYTES = 512 << 20  # prompt_embeds and long prompts exceed gRPC's 4 MiB default
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),  # a dead peer is noticed by a failed ping, not a long timeout
-    ("grpc.keepalive_timeout_ms", 5_000),
+    # A dead or frozen (SIGSTOPped) peer is noticed by an unanswered ping within ~8 s, during a
+    # call too, not by a long timeout (KEEPALIVE in README's timeout table).
+    ("grpc.keepalive_time_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # A peer that was down comes back within seconds, not after gRPC's default 120 s backoff cap.
@@ -72,4 +74,6 @@ def error_to_status(e: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL

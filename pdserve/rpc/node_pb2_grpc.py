@@ -59,6 +59,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_rpc_dot_node__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_rpc_dot_node__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/pdserve.rpc.PrefillService/KeepAlive',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -94,6 +99,14 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Decode -> prefill, every kv_keepalive_s, for the transfers still queued on decode: extends
+        their leases (a waiting queue is a heartbeat, not only the pull) and names the ones gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +134,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoadRequest.FromString,
                     response_serializer=pdserve_dot_rpc_dot_node__pb2.LoadReport.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +276,33 @@ class PrefillService:
             '/pdserve.rpc.PrefillService/GetLoad',
             pdserve_dot_rpc_dot_node__pb2.LoadRequest.SerializeToString,
             pdserve_dot_rpc_dot_node__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.PrefillService/KeepAlive',
+            pdserve_dot_rpc_dot_node__pb2.KeepAliveRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,10 +13,13 @@ import grpc
 
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
+from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY, check_policy, engine_policy
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.decode.keepalive import LeaseKeeper
 from services.node import NodeBase, NodeOptions
 from services.prefill.server import handshake_from_pb, handshake_to_pb
 
@@ -32,6 +35,11 @@ class DecodeNode(NodeBase):
         self.pull_bytes_total = 0
         self.pull_seconds_total = 0.0
         self.pull_failures_total = 0
+        self.lease_keeper = LeaseKeeper(self, opts.kv_keepalive_s)
+        check_policy(opts.kv_load_failure_policy)
+        self.reprefill_ids: set[str] = set()  # failed pulls the router should re-prefill
+        self.checksums_verified_total = 0
+        self.checksum_mismatches_total = 0
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), server)
@@ -41,7 +49,29 @@ class DecodeNode(NodeBase):
             ("kv_transfer_bytes", "KV bytes received from prefill nodes", self.pull_bytes_total),
             ("kv_transfer_seconds", "Seconds spent waiting for KV pushes", self.pull_seconds_total),
             ("kv_transfer_failures", "KV pulls that failed", self.pull_failures_total),
+            *self.lease_keeper_counters(),
         ]
+
+    def lease_keeper_counters(self) -> list[tuple[str, str, float]]:
+        k = self.lease_keeper
+        return [
+            ("kv_keepalive_transfers", "Queued transfers whose prefill lease decode extended", k.sent_total),
+            ("kv_keepalive_unknown", "Queued transfers prefill no longer held", k.unknown_total),
+            ("kv_keepalive_failures", "KeepAlive calls to prefill nodes that failed", k.failures_total),
+            (
+                "kv_checksums_verified",
+                "Pulled transfers whose checksum matched",
+                self.checksums_verified_total,
+            ),
+            (
+                "kv_checksum_mismatches",
+                "Pulled transfers whose checksum did not match",
+                self.checksum_mismatches_total,
+            ),
+        ]
+
+    def _verify(self, req: pb.PushKVRequest, checksum: str) -> tuple[bool, str]:
+        return _verify_digest(self, req, checksum)
 
     def _stub(self, address: str) -> pb_grpc.PrefillServiceStub:
         ch = self._channels.get(address)
@@ -91,6 +121,7 @@ class DecodeNode(NodeBase):
                 dst_session=self.backend.session_id if self.backend else "",
                 dst_compat_hash=self.handshake.compat_hash,
                 expected_src_epoch=peer.epoch,
+                want_checksum=self.opts.kv_checksum,
             )
             resp = await self._stub(addr).PushKV(
                 req,
@@ -100,6 +131,8 @@ class DecodeNode(NodeBase):
             ok = p["transfer_id"] in resp.ok
             if ok:
                 self.pull_bytes_total += resp.bytes
+                if self.opts.kv_checksum:
+                    ok, err = await asyncio.to_thread(self._verify, req, resp.checksum)
             else:
                 err = f"prefill {addr} reported the write as failed"
         except grpc.aio.AioRpcError as e:
@@ -114,9 +147,22 @@ class DecodeNode(NodeBase):
             logger.warning(
                 "KV pull %s failed: %s (policy %s)", p["transfer_id"], err, self.opts.kv_load_failure_policy
             )
-        policy = self.opts.kv_load_failure_policy
+        policy = engine_policy(self.opts.kv_load_failure_policy)
+        if not ok and self.opts.kv_load_failure_policy == "reprefill":
+            self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
         self.engine_loop.post_and_dispatch(lambda e: e.finish_kv_load(spec.request_id, ok, policy, err))
+
+
+def _verify_digest(node: DecodeNode, req: pb.PushKVRequest, checksum: str) -> tuple[bool, str]:
+    """Decode: the received blocks against prefill's digest (kv_checksum)."""
+    if not checksum:
+        return False, "prefill sent no checksum (kv_checksum is on here; is prefill older?)"
+    if kv_blocks_digest(node.engine.runner.kv_cache, list(req.dst_block_ids)).hex() != checksum:
+        node.checksum_mismatches_total += 1
+        return False, f"KV checksum mismatch for {req.transfer_id}: the transfer was corrupted"
+    node.checksums_verified_total += 1
+    return True, ""
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -136,6 +182,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "remote_prefill needs transfer_id, prefill_address and the first token",
                 )
+            known = node._peers.get(request.prefill_address)
+            if known is not None and request.prefill_epoch and known.epoch != request.prefill_epoch:
+                node._peers.pop(request.prefill_address, None)  # prefill restarted: handshake anew
             try:
                 await node.ensure_handshake(request.prefill_address)
             except HandshakeError as e:
@@ -147,6 +196,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     else grpc.StatusCode.FAILED_PRECONDITION,
                     f"handshake with prefill {request.prefill_address} failed: {e.details()}",
                 )
+            node.lease_keeper.ensure_started()
             kv_params = {
                 "remote_prefill": True,
                 "transfer_id": request.transfer_id,
@@ -169,10 +219,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         )
         try:
             async for d in gen:
+                if d.finish_reason == "error" and request.request_id in node.reprefill_ids:
+                    node.reprefill_ids.discard(request.request_id)
+                    context.set_trailing_metadata(((KV_LOAD_FAILED_KEY, "1"),))
+                    await context.abort(
+                        grpc.StatusCode.ABORTED, f"{d.error} (kv_load_failure_policy reprefill)"
+                    )
                 yield convert.delta_to_pb(d)
         except PdserveError as e:
             await context.abort(channel.error_to_status(e), str(e))
         finally:
+            node.reprefill_ids.discard(request.request_id)
             await gen.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -182,4 +239,4 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.AbortResponse(num_aborted=len(aborted))
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return self.node.load_report(pb)
+        return await self.node.answer_load(pb, context)

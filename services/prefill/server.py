@@ -13,7 +13,8 @@ import grpc
 from pdserve.engine.request import Request
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
-from pdserve.kvtransfer.connector import KVProducer
+from pdserve.kvtransfer.checksum import kv_blocks_digest
+from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
 from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
@@ -57,7 +58,11 @@ class PrefillNode(NodeBase):
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
         params = req.kv_transfer_params or {}
-        self.producer.on_hold(params["transfer_id"], block_ids, int(params.get("need_send", 1)))
+        try:
+            self.producer.on_hold(params["transfer_id"], block_ids, int(params.get("need_send", 1)))
+        except ValueError as e:  # already held (admission refuses this): free, never kill the step
+            logger.error("not holding KV of %s: %s", req.request_id, e)
+            return False
         return True
 
     def _release(self, transfer_id: str) -> None:
@@ -72,6 +77,25 @@ class PrefillNode(NodeBase):
             expired = self.producer.tracker.expire()
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
+
+    def release_if_cancelled(self, context: Any, transfer_id: str) -> None:
+        """A Prefill RPC ended: if its caller cancelled it (even after our answer was ready, which
+        no exception tells the handler), nobody will pull this KV - release the hold now."""
+        if context.cancelled():
+            self.producer.abort(transfer_id)
+            self.producer.forget(transfer_id)
+
+    def push_digest(self, transfer_id: str, num_tokens: int) -> str:
+        """Digest of the held blocks a push of ``num_tokens`` sends (taken before the push: after
+        it the blocks may be freed and reused)."""
+        entry = self.producer.tracker.get(transfer_id)
+        if entry is None:
+            return ""  # the push below answers NOT_FOUND
+        n = -(-num_tokens // self.engine.kv.block_size)
+        return kv_blocks_digest(self.engine.runner.kv_cache, entry.block_ids[:n]).hex()
+
+    def aborted_holds_total(self) -> int:
+        return self.producer.aborted_total
 
     def held_transfer_blocks(self) -> int:
         return self.producer.tracker.num_held_blocks
@@ -123,7 +147,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 embeds = convert.tensor_from_pb(request.prompt_embeds)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
-        node.producer.expect(tid)
+        try:
+            node.producer.admit(tid)
+        except DuplicateTransferError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        context.add_done_callback(lambda ctx: node.release_if_cancelled(ctx, tid))
         assert node.engine_loop is not None
         first = None
         try:
@@ -139,9 +167,21 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             node.producer.forget(tid)
             await context.abort(channel.error_to_status(e), str(e))
         except asyncio.CancelledError:
-            node.producer.forget(tid)  # the router went away: generate() aborted the request
+            # The router went away: generate() aborted the request; if it had already finished,
+            # its KV is held for nobody - release it now, not at the lease's end.
+            node.producer.abort(tid)
+            node.producer.forget(tid)
             raise
         assert first is not None
+        if first.finish_reason == "error":
+            # A node fault (engine step failed, engine thread died), not the request's: a status
+            # the router retries on another prefill node, instead of a "first token" that is an error.
+            node.producer.forget(tid)
+            alive = node.engine_loop.alive
+            await context.abort(
+                grpc.StatusCode.INTERNAL if alive else grpc.StatusCode.UNAVAILABLE,
+                first.error or "prefill failed",
+            )
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
             first.finish_reason = None  # length of the prefill leg only: decode continues
         held = tid in node.producer.tracker
@@ -168,6 +208,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
         if not ready:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
+        digest = ""
+        if request.want_checksum:
+            digest = await asyncio.to_thread(node.push_digest, tid, request.num_tokens)
         try:
             regions = [
                 Region(
@@ -200,6 +243,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             bytes=res.bytes,
             num_descriptors=res.num_descriptors,
             seconds=res.seconds,
+            checksum=digest,
         )
 
     async def Handshake(
@@ -216,12 +260,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node = self.node
         n = 0
         ids = set(request.transfer_ids) | set(request.request_ids)
+        assert node.engine_loop is not None
+        # Engine first: a request finishing meanwhile is then held already, and freed just below.
+        aborted = await node.engine_loop.call(lambda e: e.abort(list(ids)))
         for tid in ids:
             if node.producer.abort(tid):
                 n += 1
-        assert node.engine_loop is not None
-        aborted = await node.engine_loop.call(lambda e: e.abort(list(ids)))
         return pb.AbortResponse(num_aborted=n + len(aborted))
 
+    async def KeepAlive(
+        self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KeepAliveResponse:
+        unknown = self.node.producer.keep_alive(list(request.transfer_ids))
+        return pb.KeepAliveResponse(unknown_transfer_ids=unknown, epoch=self.node.epoch)
+
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return self.node.load_report(pb)
+        return await self.node.answer_load(pb, context)

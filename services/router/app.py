@@ -22,6 +22,7 @@ from services.router.backend import GenerateBackend
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.errors import APIError, install_error_handlers
+from services.router.limits import DEFAULT_MIN_BODY_BYTES, RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.middleware import RequestGuard
 from services.router.prompt_embeds import max_prompt_embeds_bytes
@@ -44,12 +45,13 @@ def create_app(
     hidden_size: int | None = None,
     vocab_size: int | None = None,
     max_body_bytes: int | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """Build the app.
 
     ``hidden_size`` enables prompt_embeds (their width); ``vocab_size`` defaults to
     ``len(tokenizer)``; ``max_body_bytes`` defaults to room for two base64 prompt_embeds of
-    ``max_model_len`` float32 rows, and at least 32 MiB.
+    ``max_model_len`` float32 rows, and at least 16 MiB (``limits.DEFAULT_MIN_BODY_BYTES``).
     """
     if not served_model_names:
         raise ValueError("served_model_names is empty: name at least one model to serve")
@@ -65,9 +67,10 @@ def create_app(
         vocab_size=vocab_size if vocab_size is not None else len(tokenizer),
         hidden_size=hidden_size,
         max_prompt_embeds_bytes=max_prompt_embeds_bytes(max_model_len, hidden_size or 0),
+        limits=limits or RequestLimits(),
     )
     if max_body_bytes is None:
-        max_body_bytes = max(32 << 20, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)
+        max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)
     created = int(time.time())
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 

@@ -49,6 +49,7 @@ async def create_chat_completion(
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     num_top = body.top_logprobs or 0
     params = sampling_params(body, requested, num_top if body.logprobs else None)
+    ctx.limits.check_sequences(1, body.n)
     prompt = render_chat_prompt(ctx, body)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()

@@ -38,6 +38,8 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
         encoded = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) else body.prompt_embeds
         if not encoded:
             raise bad_request("prompt_embeds is an empty list", "prompt_embeds")
+        ctx.limits.check_prompts(len(encoded))
+        ctx.limits.check_sequences(len(encoded), body.n)
         return [
             Prompt(
                 [],
@@ -58,6 +60,8 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
         batch = [prompt]  # type: ignore[list-item]
     else:
         batch = prompt  # type: ignore[assignment]
+    ctx.limits.check_prompts(len(batch))  # before tokenizing a batch nobody will run
+    ctx.limits.check_sequences(len(batch), body.n)
     prompts = []
     for entry in batch:
         if isinstance(entry, str):

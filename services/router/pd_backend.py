@@ -17,8 +17,9 @@ import hashlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -26,10 +27,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.errors import CapacityError, InvalidRequestError
+from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
+from services.router.breaker import CircuitBreaker, is_node_fault
 
 logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.5
@@ -48,6 +51,14 @@ class NodeHandle:
     reported_load: int = 0  # running + waiting, from the node's last GetLoad
     block_size: int = 16
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    epoch: str = ""  # from GetLoad; a change means the node restarted
+    epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
+
+    @property
+    def available(self) -> bool:
+        """In rotation: answers GetLoad and its breaker lets a request through."""
+        return self.healthy and self.breaker.available()
 
     @property
     def load(self) -> int:
@@ -67,6 +78,10 @@ class RouterPolicy:
     local_prefill_min_hit_frac: float = 0.9  # decode node already saw this much of the prompt
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
+    decode_first_token_timeout_s: float = 30.0  # D.Decode call -> first delta (queue + KV pull)
+    inter_token_timeout_s: float = 15.0  # between two deltas of a decode stream
+    breaker_failures: int = 3
+    breaker_open_s: float = 5.0
 
 
 class PDBackend:
@@ -86,11 +101,18 @@ class PDBackend:
         self._md = channel.auth_metadata(shared_token)
 
         def handle(name: str, addr: str, role: str) -> NodeHandle:
-            return NodeHandle(name, role, addr, grpc.aio.insecure_channel(addr, options=channel.OPTIONS))
+            return NodeHandle(
+                name,
+                role,
+                addr,
+                grpc.aio.insecure_channel(addr, options=channel.OPTIONS),
+                breaker=CircuitBreaker(self.policy.breaker_failures, self.policy.breaker_open_s),
+            )
 
         self.prefill = [handle(n, a, "prefill") for n, a in prefill]
         self.decode = [handle(n, a, "decode") for n, a in decode]
         self._rr = 0
+        self._tasks: set[asyncio.Task[None]] = set()  # background aborts
         self._poller: asyncio.Task[None] | None = None
         reg = registry if registry is not None else CollectorRegistry()
         self.path_total = Counter(
@@ -108,6 +130,18 @@ class PDBackend:
         self.node_load = Gauge(
             "pdserve:router_node_load", "Sequences per node as the router sees them.", ["node"], registry=reg
         )
+        self.node_restarts = Counter(
+            "pdserve:router_node_restarts",
+            "New epochs seen in a node's GetLoad (restarts).",
+            ["node"],
+            registry=reg,
+        )
+        self.node_in_rotation = Gauge(
+            "pdserve:router_node_in_rotation",
+            "1 while the node answers GetLoad and its circuit breaker is not open.",
+            ["node"],
+            registry=reg,
+        )
 
     # -- node state ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +153,7 @@ class PDBackend:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # the background aborts
         for n in self.prefill + self.decode:
             await n.channel.close()
 
@@ -133,9 +168,15 @@ class PDBackend:
             n.healthy = True
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
+            if rep.epoch and rep.epoch != n.epoch:
+                if n.epoch:
+                    note_new_epoch(n, rep.epoch)
+                    self.node_restarts.labels(n.name).inc()
+                n.epoch = rep.epoch
         except grpc.aio.AioRpcError:
             n.healthy = False
         self.node_load.labels(n.name).set(n.load)
+        self.node_in_rotation.labels(n.name).set(1 if n.available else 0)
 
     async def _poll_loads(self) -> None:
         while True:
@@ -147,35 +188,40 @@ class PDBackend:
 
     async def check_capacity(self) -> None:
         self.start()
-        if not any(n.healthy for n in self.decode):
+        if not any(n.available for n in self.decode):
             # The last poll may predate a node's start: ask once more before refusing.
             await asyncio.gather(*(self._poll_one(n) for n in self.decode))
-            if not any(n.healthy for n in self.decode):
+            if not any(n.available for n in self.decode):
                 raise CapacityError("no decode node is reachable; retry later")
 
     async def ready(self) -> bool:
-        """Every role can take work: a decode node and (when configured) a prefill node answer."""
+        """A request can be served now, by the paths ``generate`` takes: a decode node is in
+        rotation. Prefill nodes are not required: without one, prompts prefill on decode
+        (local / local_fallback), so a prefill outage changes the path, not readiness."""
         await asyncio.gather(*(self._poll_one(n) for n in self.prefill + self.decode if not n.healthy))
-        return any(n.healthy for n in self.decode) and (
-            not self.prefill or any(n.healthy for n in self.prefill)
-        )
+        return any(n.available for n in self.decode)
 
     # -- choosing nodes ---------------------------------------------------------------------------
     def _pick(
         self, nodes: list[NodeHandle], key: bytes | None, exclude: frozenset[str] | set[str] = frozenset()
     ) -> NodeHandle:
-        live = [n for n in nodes if n.healthy and n.name not in exclude] or [
-            n for n in nodes if n.name not in exclude
+        live = [n for n in nodes if n.available and n.name not in exclude] or [
+            n for n in nodes if n.healthy and n.name not in exclude
         ]
+        if not live:
+            live = [n for n in nodes if n.name not in exclude]  # last resort: try even a down node
         if not live:
             raise CapacityError("no node available for this request; retry later")
         if self.policy.policy == "prefix_affinity" and key is not None:
             # Rendezvous hashing: the same leading blocks land on the same node while it lives.
-            return max(live, key=lambda n: hashlib.blake2b(key + n.name.encode(), digest_size=8).digest())
-        if self.policy.policy == "round_robin":
+            chosen = max(live, key=lambda n: hashlib.blake2b(key + n.name.encode(), digest_size=8).digest())
+        elif self.policy.policy == "round_robin":
             self._rr += 1
-            return live[self._rr % len(live)]
-        return min(live, key=lambda n: n.load)
+            chosen = live[self._rr % len(live)]
+        else:
+            chosen = min(live, key=lambda n: n.load)
+        chosen.breaker.on_dispatch()  # claims the half-open probe, if it is one
+        return chosen
 
     def prefill_locally(self, req: BackendRequest, hashes: list[bytes], d_node: NodeHandle) -> bool:
         """Conditional disaggregation: prefill on the decode node when the prompt is short, when
@@ -211,8 +257,10 @@ class PDBackend:
             tried.add(p_node.name)
             try:
                 first = await self._prefill_leg(p_node, req, transfer_id)
+                p_node.breaker.record_success()
             except grpc.aio.AioRpcError as e:
                 self.leg_failures.labels("prefill", e.code().name).inc()
+                record_leg_result(p_node, e.code())
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(e.details() or "invalid request") from e
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -235,14 +283,50 @@ class PDBackend:
                         yield d
                     return
         assert p_node is not None
-        yield first
-        if first.finish_reason is not None:
-            await self._abort_prefill(p_node, transfer_id)  # EOS or max_tokens=1: nobody will pull
-            return
-        async for d in self._decode_leg(d_node, req, transfer_id, p_node, first.token_ids):
-            yield d
+        leg: tuple[NodeHandle, str] | None = (p_node, transfer_id)
+        try:
+            yield first
+            if first.finish_reason is not None:
+                await self._abort_prefill(p_node, transfer_id)  # EOS or max_tokens=1: nobody will pull
+                return
+            while True:
+                try:
+                    async for d in self._decode_leg(
+                        d_node, req, leg[1] if leg else None, leg[0] if leg else None, first.token_ids
+                    ):
+                        yield d
+                    break
+                except KVLoadFailedError:
+                    # Decode's pull failed under kv_load_failure_policy reprefill: another prefill
+                    # node computes the KV again (or, with none left, decode prefills it itself).
+                    leg = await self._reprefill(req, key, tried)
+        finally:
+            p_node.epoch_by_transfer.pop(transfer_id, None)  # when no decode leg read it
+            if leg is not None:
+                leg[0].epoch_by_transfer.pop(leg[1], None)
         for h in hashes:
             d_node.remember_prefix(h)
+
+    async def _reprefill(
+        self, req: BackendRequest, key: bytes | None, tried: set[str]
+    ) -> tuple[NodeHandle, str] | None:
+        """A new prefill leg on a node not tried yet; None: decode recomputes (local path)."""
+        while len(tried) < len(self.prefill):
+            p = self._pick(self.prefill, key, tried)
+            tried.add(p.name)
+            tid = uuid.uuid4().hex
+            try:
+                # Its sampled token is dropped: the client has the first one, decode gets that one.
+                await self._prefill_leg(p, req, tid)
+            except grpc.aio.AioRpcError as e:
+                self.leg_failures.labels("prefill", e.code().name).inc()
+                record_leg_result(p, e.code())
+                continue
+            p.breaker.record_success()
+            self.path_total.labels("reprefill").inc()
+            return p, tid
+        self.path_total.labels("reprefill_local").inc()
+        return None
 
     async def _prefill_leg(self, p: NodeHandle, req: BackendRequest, transfer_id: str) -> GenerationDelta:
         stub = pb_grpc.PrefillServiceStub(p.channel)
@@ -269,6 +353,8 @@ class PDBackend:
             p.in_flight -= 1
         d = convert.delta_from_pb(resp.first)
         d.request_id = req.request_id
+        if resp.epoch:
+            p.epoch_by_transfer[transfer_id] = resp.epoch  # read (and dropped) by the decode leg
         return d
 
     async def _decode_leg(
@@ -288,6 +374,7 @@ class PDBackend:
             remote_prefill=transfer_id is not None,
             transfer_id=transfer_id or "",
             prefill_address=p_node.address if p_node else "",
+            prefill_epoch=p_node.epoch_by_transfer.pop(transfer_id, "") if p_node and transfer_id else "",
             # Decode needs the embeddings only if it prefills (local path, or recompute after a
             # failed pull); sent always so the recompute policy stays correct.
             prompt_embeds=_embeds_pb(req),
@@ -295,19 +382,46 @@ class PDBackend:
         d_node.in_flight += 1
         call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
         finished = errored = False
+        deadline = self.policy.decode_first_token_timeout_s
         try:
-            async for m in call:
+            while True:
+                try:
+                    m = await asyncio.wait_for(call.read(), deadline)
+                except TimeoutError:
+                    # A frozen (SIGSTOPped) or wedged decode node: noticed within the leg's
+                    # deadline, not by the request timeout; both legs are cancelled below.
+                    call.cancel()
+                    self.leg_failures.labels("decode", "LEG_DEADLINE").inc()
+                    d_node.breaker.record_failure()
+                    finished = errored = True
+                    # In the background: a frozen node would hold the client for the abort's timeout.
+                    self._background(self._abort_both(d_node, req.request_id, p_node, transfer_id))
+                    yield _error_delta(
+                        req,
+                        f"decode node {d_node.name} sent nothing for {deadline:g} s; the request was cancelled",
+                    )
+                    return
+                if m is grpc.aio.EOF:
+                    break
+                deadline = self.policy.inter_token_timeout_s
                 d = convert.delta_from_pb(m)
                 d.request_id = req.request_id
                 finished = d.finish_reason is not None
                 errored = d.finish_reason == "error"
+                if finished and not errored:
+                    d_node.breaker.record_success()
                 yield d
                 if finished:
                     return
             if not finished:
                 finished = errored = True
+                d_node.breaker.record_failure()
                 yield _error_delta(req, "decode node closed the stream without finishing")
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.ABORTED and _kv_load_failed(e):
+                finished = errored = True  # nothing streamed from decode yet; no node fault
+                self.leg_failures.labels("decode", "KV_LOAD_FAILED").inc()
+                raise KVLoadFailedError(e.details() or "KV load failed") from e
             self.leg_failures.labels("decode", e.code().name).inc()
             logger.warning(
                 "decode leg of %s on %s failed: %s %s",
@@ -320,6 +434,7 @@ class PDBackend:
                 raise InvalidRequestError(e.details() or "invalid request") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 d_node.healthy = False
+            record_leg_result(d_node, e.code())
             finished = errored = True
             yield _error_delta(req, f"decode failed: {e.code().name}: {e.details()}")
         finally:
@@ -331,6 +446,11 @@ class PDBackend:
             elif errored and p_node is not None and transfer_id is not None:
                 # Decode failed (maybe before its pull): make sure prefill lets go of the KV now.
                 await asyncio.shield(self._abort_prefill(p_node, transfer_id))
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _abort_prefill(self, p: NodeHandle, transfer_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -355,6 +475,28 @@ class PDBackend:
         for r in await asyncio.gather(*tasks, return_exceptions=True):
             if isinstance(r, BaseException):
                 logger.warning("abort after disconnect failed: %s", r)
+
+
+class KVLoadFailedError(Exception):
+    """Decode's KV pull failed and its policy is reprefill: the router re-runs the prefill leg."""
+
+
+def _kv_load_failed(e: grpc.aio.AioRpcError) -> bool:
+    md = e.trailing_metadata() or ()
+    return any(k == KV_LOAD_FAILED_KEY for k, _ in md)
+
+
+def record_leg_result(n: NodeHandle, code: grpc.StatusCode) -> None:
+    """A leg failed with ``code``: only node faults move the breaker (4xx / 429 are the request's)."""
+    if is_node_fault(code):
+        n.breaker.record_failure()
+
+
+def note_new_epoch(n: NodeHandle, epoch: str) -> None:
+    """The node restarted: its prefix cache is empty and its old failures are the old process's."""
+    logger.warning("node %s restarted (epoch %s -> %s)", n.name, n.epoch, epoch)
+    n.seen_prefixes.clear()
+    n.breaker.reset()
 
 
 def _embeds_pb(req: BackendRequest) -> pb.Tensor | None:

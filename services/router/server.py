@@ -9,6 +9,7 @@ import uvicorn
 
 from pdserve.config.cluster import ClusterConfig
 from services.router.app import create_app
+from services.router.limits import RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.pd_backend import PDBackend, RouterPolicy
 
@@ -36,6 +37,10 @@ async def serve_router(cluster: ClusterConfig) -> None:
             local_prefill_max_tokens=r.local_prefill_max_tokens,
             prefill_timeout_s=r.prefill_timeout_s,
             request_timeout_s=r.request_timeout_s,
+            decode_first_token_timeout_s=r.decode_first_token_timeout_s,
+            inter_token_timeout_s=r.inter_token_timeout_s,
+            breaker_failures=r.breaker_failures,
+            breaker_open_s=r.breaker_open_s,
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,
@@ -50,9 +55,20 @@ async def serve_router(cluster: ClusterConfig) -> None:
         metrics=metrics,
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
+        max_body_bytes=r.max_body_bytes,
+        limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
     )
     server = uvicorn.Server(
-        uvicorn.Config(app, host=r.host, port=r.port, log_level="warning", lifespan="off")
+        uvicorn.Config(
+            app,
+            host=r.host,
+            port=r.port,
+            log_level="warning",
+            lifespan="off",
+            # uvicorn's 5 s default closes idle keep-alive connections just as busy clients reuse
+            # them (the soak's ReadError); clients and proxies expect a minute or more.
+            timeout_keep_alive=int(r.http_keepalive_s),
+        )
     )
     print(f"pdserve router ready on http://{r.host}:{r.port}/v1", flush=True)
     try:

@@ -19,6 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import PdserveError, PromptTooLongError
 from services.router.backend import BackendRequest, GenerateBackend
 from services.router.errors import APIError, bad_request, to_api_error
+from services.router.limits import RequestLimits
 from services.router.logprobs import TokenTexts
 from services.router.metrics import RouterMetrics
 from services.router.protocol import SamplingFields
@@ -44,6 +45,7 @@ class ServingContext:
     vocab_size: int  # token ids must lie in [0, vocab_size)
     hidden_size: int | None  # prompt_embeds width; None: prompt_embeds refused
     max_prompt_embeds_bytes: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
     token_texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:

@@ -409,3 +409,22 @@ def test_checkpoint_is_multimodal(tmp_path: Path) -> None:
     assert got == {"llama": False, "llava": True, "qwen2vl": True, "vision": True}
     with pytest.raises(ConfigError, match="does not exist"):
         checkpoint_is_multimodal(str(tmp_path / "missing"))
+
+
+def test_keepalive_must_beat_the_lease(tmp_path) -> None:
+    import pytest
+
+    from pdserve.config.cluster import ClusterConfig, default_local_cluster
+    from pdserve.errors import ConfigError
+
+    data = default_local_cluster(tmp_path).model_dump(mode="json", exclude_unset=True)
+    data["nodes"][0]["kv_lease_s"] = 4.0
+    data["nodes"][1]["kv_keepalive_s"] = 4.0
+    with pytest.raises(ConfigError, match="kv_keepalive_s"):
+        ClusterConfig.from_dict(data)
+    data["nodes"][1]["kv_keepalive_s"] = 1.0
+    c = ClusterConfig.from_dict(data)
+    assert c.keepalive_s(c.node("decode-0")) == 1.0
+    del data["nodes"][1]["kv_keepalive_s"]  # derived: a third of the shortest lease, at most 5 s
+    c = ClusterConfig.from_dict(data)
+    assert c.keepalive_s(c.node("decode-0")) == 4.0 / 3

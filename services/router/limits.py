@@ -1,0 +1,47 @@
+"""Bounds on one HTTP request (issue 13): how many prompts, how many sequences, how many bytes.
+
+A request past a bound is refused with a 400 (413 for the body) in OpenAI's shape before any
+tokenizing or node work, so one request cannot occupy a node's queue (a completions ``prompt``
+of 1,500 strings) or the router's CPU (a 20 MB chat body) for everyone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.errors import APIError
+
+# Bodies carrying no prompt_embeds need far less; images and embeddings raise it (create_app).
+DEFAULT_MIN_BODY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_prompts_per_request: int = 256  # entries of a completions batch
+    max_sequences_per_request: int = 256  # prompts x n: backend sequences one request starts
+
+    def __post_init__(self) -> None:
+        if self.max_prompts_per_request < 1 or self.max_sequences_per_request < 1:
+            raise ValueError(f"request limits must be >= 1, got {self}")
+
+    def check_prompts(self, num_prompts: int) -> None:
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError(
+                400,
+                f"the prompt is a batch of {num_prompts} entries; at most "
+                f"{self.max_prompts_per_request} per request (router.max_prompts_per_request)",
+                param="prompt",
+                code="too_many_prompts",
+            )
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        if n < 1:
+            raise APIError(400, f"n must be >= 1, got {n}", param="n")
+        if num_prompts * n > self.max_sequences_per_request:
+            raise APIError(
+                400,
+                f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; at most "
+                f"{self.max_sequences_per_request} per request (router.max_sequences_per_request)",
+                param="n",
+                code="too_many_sequences",
+            )

@@ -1,0 +1,120 @@
+"""A node is healthy only while its engine thread is (DESIGN §7, issue 13): in-process node, real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc import convert
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.decode.server import DecodeNode
+from services.node import EXIT_ENGINE_DIED, NodeOptions
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_engine_death_turns_node_not_serving_fails_requests_and_exits(tiny_models) -> None:
+    port = _free_port()
+    node = DecodeNode(
+        NodeOptions(
+            name="colo-0",
+            role="colocated",
+            engine=EngineConfig(model=str(tiny_models["llama"])),
+            grpc_port=port,
+        )
+    )
+
+    async def main() -> None:
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(node.serve(ready))
+        await asyncio.wait_for(ready.wait(), 60)
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(ch)
+        stub = pb_grpc.DecodeServiceStub(ch)
+        ok = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert ok.status == health_pb2.HealthCheckResponse.SERVING
+
+        def broken(*_a: object) -> list:  # type: ignore[type-arg]
+            raise RuntimeError("simulated device loss")
+
+        node.engine.step = broken  # type: ignore[method-assign]
+        node.engine.fail_all = broken  # type: ignore[method-assign]
+        req = pb.DecodeRequest(
+            request_id="victim",
+            prompt_token_ids=[1, 2, 3, 4],
+            sampling=convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
+        )
+        t0 = asyncio.get_running_loop().time()
+        msgs = [m async for m in stub.Decode(req, timeout=10)]
+        assert msgs[-1].finish_reason == "error" and "engine thread" in msgs[-1].error
+        assert asyncio.get_running_loop().time() - t0 < 5, "in-flight request was not failed at once"
+        bad = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert bad.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        try:
+            await stub.GetLoad(pb.LoadRequest(), timeout=5)
+            raise AssertionError("GetLoad answered for a dead engine")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+        try:
+            async for _ in stub.Decode(
+                pb.DecodeRequest(request_id="late", prompt_token_ids=[1], sampling=req.sampling), timeout=5
+            ):
+                pass
+            raise AssertionError("a new request was admitted by a dead engine")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+        await ch.close()
+        await asyncio.wait_for(serving, 15)  # serve() returns by itself
+        assert node.exit_code == EXIT_ENGINE_DIED
+
+    asyncio.run(main())
+
+
+def test_prefill_engine_death_is_unavailable_for_the_router_to_retry(tiny_models) -> None:
+    from services.prefill.server import PrefillNode
+
+    port = _free_port()
+    node = PrefillNode(
+        NodeOptions(
+            name="p-0", role="prefill", engine=EngineConfig(model=str(tiny_models["llama"])), grpc_port=port
+        )
+    )
+
+    async def main() -> None:
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(node.serve(ready))
+        await asyncio.wait_for(ready.wait(), 60)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.PrefillServiceStub(ch)
+
+            def broken(*_a: object) -> list:  # type: ignore[type-arg]
+                raise RuntimeError("simulated device loss")
+
+            node.engine.step = broken  # type: ignore[method-assign]
+            node.engine.fail_all = broken  # type: ignore[method-assign]
+            sampling = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=8))
+            try:
+                await stub.Prefill(
+                    pb.PrefillRequest(
+                        transfer_id="t1", prompt_token_ids=list(range(1, 40)), sampling=sampling
+                    ),
+                    timeout=10,
+                )
+                raise AssertionError("a prefill on a dead engine answered")
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and "engine thread" in (e.details() or "")
+            assert node.producer.tracker.num_held_blocks == 0
+        await asyncio.wait_for(serving, 15)
+        assert node.exit_code == EXIT_ENGINE_DIED
+
+    asyncio.run(main())
