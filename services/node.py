@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.errors import UnsupportedError
 from pdserve.kvtransfer.backend import MooncakeBackend, TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.handshake import new_epoch
@@ -48,6 +49,14 @@ class NodeBase:
     def __init__(self, opts: NodeOptions) -> None:
         self.opts = opts
         self.epoch = new_epoch()
+        pp = opts.engine.parallel.pipeline_parallel_size
+        if pp > 1 and opts.role in ("prefill", "decode"):
+            # Each stage would need its own regions and Mooncake endpoint with PushKV routed to
+            # it (issue 11, not finished): refuse rather than move only stage 0's layers.
+            raise UnsupportedError(
+                f"pp={pp} on a {opts.role} node is not supported yet (KV transfer moves one stage's "
+                "layers only); use pp: 1 on prefill/decode nodes, pp > 1 on colocated nodes"
+            )
         self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
         self.backend: TransferBackend | None = None
         if opts.role in ("prefill", "decode"):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config.engine import EngineConfig
+from pdserve.distributed.pp_stage import PipelineRunner
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
@@ -100,7 +101,12 @@ class LLMEngine:
         load_tokenizer_: bool,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None,
     ) -> None:
-        self.runner = ModelRunner(config)
+        self.runner: ModelRunner | PipelineRunner
+        if config.parallel.pipeline_parallel_size > 1:
+            # PP beneath the engine: stage 0 here, stages 1.. in their own processes.
+            self.runner = PipelineRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         arch = self.runner.arch
         self.arch = arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -158,7 +164,10 @@ class LLMEngine:
         return config.async_scheduling
 
     def close(self) -> None:
-        """Stop the TP worker ranks, if any (idempotent); a TP 1 engine holds nothing to close."""
+        """Stop the TP worker ranks or pipeline stages, if any (idempotent)."""
+        runner = getattr(self, "runner", None)
+        if isinstance(runner, PipelineRunner):
+            runner.close()
         if self._tp_group is not None:
             self._tp_group.close()
             self._tp_group = None
