@@ -40,6 +40,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError, UnsupportedError
+from pdserve.kvtransfer.params import KVTransferParams, RemoteDecodeParams
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
 from pdserve.models.loader import load_tokenizer
@@ -59,8 +60,8 @@ class _Tracked:
 def _continues_elsewhere(req: Request) -> bool:
     """A prefill leg whose decode continues on another node: keep an incomplete character
     back (decode's detokenizer completes it) instead of flushing it as U+FFFD."""
-    p = req.kv_transfer_params or {}
-    return bool(p.get("remote_decode")) and not p.get("final_at_prefill") and req.stop_reason is None
+    p = req.kv_transfer_params
+    return isinstance(p, RemoteDecodeParams) and not p.final_at_prefill and req.stop_reason is None
 
 
 class LLMEngine:
@@ -225,7 +226,7 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: list[int] | None = None,
         prompt_embeds: Any | None = None,
     ) -> Request:
