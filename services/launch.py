@@ -25,3 +25,5 @@ def build_node(opts: NodeOptions) -> NodeBase:
 def run_node(opts: NodeOptions) -> None:
     node = build_node(opts)
     asyncio.run(node.serve())
+    if node.exit_code:  # e.g. a pipeline stage died: the node left service, exit non-zero
+        raise SystemExit(node.exit_code)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.config.engine import EngineConfig
+from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import UnsupportedError
@@ -24,6 +25,7 @@ from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc import channel
 
 logger = logging.getLogger(__name__)
+STAGE_WATCH_S = 0.5  # how often the node checks that its pipeline stage processes live
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class NodeBase:
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
         self.regions = kv_regions_of(self.engine.runner)
         self.handshake = handshake_info_of(self.engine.runner, opts.engine.model, self.epoch)
+        self.exit_code = 0  # non-zero: the node stopped because a part of it failed
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_loop: EngineLoop | None = None
         self.registry = CollectorRegistry()
@@ -123,12 +126,36 @@ class NodeBase:
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         self._stop_event = stop
+        watchdog = None
+        if isinstance(self.engine.runner, PipelineRunner):
+            watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
         await stop.wait()
+        if watchdog is not None:
+            watchdog.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         self.engine_loop.stop()
         if self.backend is not None:
             self.backend.close()
+
+    async def _watch_stages(self, runner: PipelineRunner, health_servicer: Any) -> None:
+        """A node is healthy only while every stage process is (DESIGN §7): a dead stage turns
+        health NOT_SERVING, fails every in-flight request with the reason, and stops the node
+        with exit code 1 (a prefill's held KV is then freed by the peer's lease on decode)."""
+        while True:
+            await asyncio.sleep(STAGE_WATCH_S)
+            try:
+                runner.check_alive()
+            except PipelineStageError as e:
+                msg = f"node {self.opts.name} is out of service: {e}"
+                logger.error("%s", msg)
+                await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                assert self.engine_loop is not None
+                self.engine_loop.post_and_dispatch(lambda eng, m=msg: eng.fail_all(m))
+                await asyncio.sleep(STAGE_WATCH_S)  # let the failed deltas reach their streams
+                self.exit_code = 1
+                self._stop_event.set()
+                return
 
     def request_stop(self) -> None:
         if self.loop is not None:

@@ -139,6 +139,7 @@ class LLMEngine:
         self._kv_loads: list[KVLoadSpec] = []
         self.async_scheduling = self._resolve_async(config)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not processed
+        self._failed_step_seq: int | None = None  # a step whose launch raised (see fail_all)
         self.num_aborted_total = 0
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
@@ -344,7 +345,12 @@ class LLMEngine:
             self.fence.advance(sched.step_seq)
         ids = list(self.scheduler.requests)
         out = []
-        for r in self.scheduler.abort_requests(ids):
+        aborted = self.scheduler.abort_requests(ids)
+        if self._failed_step_seq is not None:
+            self.fence.advance(self._failed_step_seq)
+            self._failed_step_seq = None
+        self.kv.process_deferred_frees()
+        for r in aborted:
             d = self._final_delta(r)
             d.finish_reason, d.error = "error", message
             out.append(d)
@@ -358,7 +364,13 @@ class LLMEngine:
             self.runner.drop_finished(sched.finished_req_ids)
             self.fence.advance(sched.step_seq)
             return deltas
-        pending = self.runner.launch(sched)
+        try:
+            pending = self.runner.launch(sched)
+        except BaseException:
+            # The step never completes (e.g. a pipeline stage died): fail_all() passes its fence
+            # so the blocks freed for its requests are not deferred forever.
+            self._failed_step_seq = sched.step_seq
+            raise
         if not self.async_scheduling:
             return self._complete(sched, pending)
         prev, self._inflight = self._inflight, (sched, pending)
