@@ -4,6 +4,7 @@ set-up, the gRPC server with health checking, metrics, and a clean shutdown."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ class NodeBase:
                 logger.error("%s", msg)
                 await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
                 assert self.engine_loop is not None
-                self.engine_loop.post_and_dispatch(lambda eng, m=msg: eng.fail_all(m))
+                self.engine_loop.post_and_dispatch(functools.partial(LLMEngine.fail_all, message=msg))
                 await asyncio.sleep(STAGE_WATCH_S)  # let the failed deltas reach their streams
                 self.exit_code = 1
                 self._stop_event.set()
