@@ -1,7 +1,7 @@
 """Pipeline parallelism on this host: engine throughput of PP 1 / 2 / 4, and the P4->D2 fan-out.
 
     .venv/bin/python bench/pp.py [--num-requests 16] [--prompt-len 64] [--output-len 32]
-        [--layers 4] [--hidden 256] [--transfer-tokens 2048]
+        [--layers 4] [--hidden 256] [--transfer-tokens 2048] [--rounds 2]
 
 Part 1 drives ``LLM`` (engine core + stage 0 in this process, stages 1.. spawned, gloo on CPU)
 with the same closed batch for each PP size and prints tokens/s and TTFT p50.
@@ -98,17 +98,19 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--transfer-tokens", type=int, default=2048)
     ap.add_argument("--transfer-layers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     print(f"load average before: {loadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model("llama", Path(tmp) / "m", num_layers=args.layers, hidden_size=args.hidden)
         engine_run(model, 1, args)  # warm-up: first-use costs (allocator, kernels) stay out of PP 1's row
         print(f"{'pp':>3} {'tok/s':>9} {'TTFT p50 ms':>12}")
-        for pp in (1, 2, 4):
-            if pp > args.layers:
-                continue
-            tps, ttft = engine_run(model, pp, args)
-            print(f"{pp:>3} {tps:>9.1f} {ttft * 1e3:>12.1f}")
+        for _round in range(args.rounds):  # interleaved rounds: a shared host's load shifts
+            for pp in (1, 2, 4):
+                if pp > args.layers:
+                    continue
+                tps, ttft = engine_run(model, pp, args)
+                print(f"{pp:>3} {tps:>9.1f} {ttft * 1e3:>12.1f}")
     base = transfer_run(1, 1, args.transfer_layers, args.transfer_tokens)
     fan = transfer_run(4, 2, args.transfer_layers, args.transfer_tokens)
     print(
