@@ -4,6 +4,7 @@ set-up, the gRPC server with health checking, metrics, and a clean shutdown."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -15,9 +16,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.config.engine import EngineConfig
+from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.errors import EngineDeadError
+from pdserve.errors import EngineDeadError, UnsupportedError
 from pdserve.kvtransfer.backend import MooncakeBackend, TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.handshake import new_epoch
@@ -27,6 +29,7 @@ from pdserve.rpc.malformed import MalformedRequestInterceptor
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
 ENGINE_DEATH_LINGER_S = 1.0  # NOT_SERVING is visible this long before the process exits
+STAGE_WATCH_S = 0.5  # how often the node checks that its pipeline stage processes live
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,14 @@ class NodeBase:
     def __init__(self, opts: NodeOptions) -> None:
         self.opts = opts
         self.epoch = new_epoch()
+        pp = opts.engine.parallel.pipeline_parallel_size
+        if pp > 1 and opts.role in ("prefill", "decode"):
+            # Each stage would need its own regions and Mooncake endpoint with PushKV routed to
+            # it (issue 11, not finished): refuse rather than move only stage 0's layers.
+            raise UnsupportedError(
+                f"pp={pp} on a {opts.role} node is not supported yet (KV transfer moves one stage's "
+                "layers only); use pp: 1 on prefill/decode nodes, pp > 1 on colocated nodes"
+            )
         self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
         self.backend: TransferBackend | None = None
         if opts.role in ("prefill", "decode"):
@@ -63,9 +74,9 @@ class NodeBase:
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
         self.regions = kv_regions_of(self.engine.runner)
         self.handshake = handshake_info_of(self.engine.runner, opts.engine.model, self.epoch)
+        self.exit_code = 0  # non-zero: the node stopped because a part of it failed
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_loop: EngineLoop | None = None
-        self.exit_code = 0
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
 
@@ -127,7 +138,12 @@ class NodeBase:
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         self._stop_event = stop
+        watchdog = None
+        if isinstance(self.engine.runner, PipelineRunner):
+            watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
         await stop.wait()
+        if watchdog is not None:
+            watchdog.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         self.engine_loop.stop()
@@ -145,6 +161,25 @@ class NodeBase:
         )
         assert self.loop is not None
         self.loop.call_later(ENGINE_DEATH_LINGER_S, self._stop_event.set)
+
+    async def _watch_stages(self, runner: PipelineRunner, health_servicer: Any) -> None:
+        """A node is healthy only while every stage process is (DESIGN §7): a dead stage turns
+        health NOT_SERVING, fails every in-flight request with the reason, and stops the node
+        with exit code 1 (a prefill's held KV is then freed by the peer's lease on decode)."""
+        while True:
+            await asyncio.sleep(STAGE_WATCH_S)
+            try:
+                runner.check_alive()
+            except PipelineStageError as e:
+                msg = f"node {self.opts.name} is out of service: {e}"
+                logger.error("%s", msg)
+                await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                assert self.engine_loop is not None
+                self.engine_loop.post_and_dispatch(functools.partial(LLMEngine.fail_all, message=msg))
+                await asyncio.sleep(STAGE_WATCH_S)  # let the failed deltas reach their streams
+                self.exit_code = 1
+                self._stop_event.set()
+                return
 
     def request_stop(self) -> None:
         if self.loop is not None:

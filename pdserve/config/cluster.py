@@ -102,6 +102,8 @@ class NodeConfig(_Frozen):
     ec_role: EcRole | None = None  # derived by the resolver
     tp: int = 1
     pp: int = 1
+    # layers per pipeline stage (len pp, sums to the model's layers); None: even split
+    pp_layer_split: tuple[int, ...] | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_transport: Literal["tcp", "rdma"] = "tcp"  # Mooncake Transfer Engine protocol

@@ -51,6 +51,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     pipeline_rank: int = 0
     tensor_parallel_size: int = 1
+    # Layers per pipeline stage (len = pipeline_parallel_size, sums to the model's layers);
+    # None: even split, the first stages one layer more (pdserve.kvtransfer.topology.split_layers)
+    pp_layer_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.pipeline_rank < self.pipeline_parallel_size:
@@ -59,6 +62,12 @@ class ParallelConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        split = self.pp_layer_split
+        if split is not None and (len(split) != self.pipeline_parallel_size or min(split) < 1):
+            raise ConfigError(
+                f"pp_layer_split {list(split)} must hold {self.pipeline_parallel_size} positive layer "
+                f"counts (one per pipeline stage, pp={self.pipeline_parallel_size})"
+            )
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ConfigError(
                 "tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet; "

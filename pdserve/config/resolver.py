@@ -111,7 +111,10 @@ class ResolvedNode:
                 max_num_seqs=n.max_num_seqs, max_num_batched_tokens=n.max_num_batched_tokens
             ),
             parallel=ParallelConfig(
-                pipeline_parallel_size=n.pp, pipeline_rank=pipeline_rank, tensor_parallel_size=n.tp
+                pipeline_parallel_size=n.pp,
+                pipeline_rank=pipeline_rank,
+                tensor_parallel_size=n.tp,
+                pp_layer_split=n.pp_layer_split,
             ),
         )
 

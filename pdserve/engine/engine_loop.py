@@ -25,6 +25,7 @@ from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import EngineDeadError
+from pdserve.kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,7 +131,7 @@ class EngineLoop:
         params: SamplingParams,
         request_id: str,
         *,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: list[int] | None = None,
         priority: int = 0,
         prompt_embeds: Any | None = None,

@@ -43,7 +43,8 @@ class LLM:
         )
         self.engine = LLMEngine(self.config)
         self._counter = 0
-        if self.config.parallel.tensor_parallel_size > 1:
+        par = self.config.parallel
+        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
             atexit.register(self.close)
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config.engine import EngineConfig
+from pdserve.distributed.pp_stage import PipelineRunner
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
@@ -39,6 +40,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError, UnsupportedError
+from pdserve.kvtransfer.params import KVTransferParams, RemoteDecodeParams
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
 from pdserve.models.loader import load_tokenizer
@@ -58,8 +60,8 @@ class _Tracked:
 def _continues_elsewhere(req: Request) -> bool:
     """A prefill leg whose decode continues on another node: keep an incomplete character
     back (decode's detokenizer completes it) instead of flushing it as U+FFFD."""
-    p = req.kv_transfer_params or {}
-    return bool(p.get("remote_decode")) and not p.get("final_at_prefill") and req.stop_reason is None
+    p = req.kv_transfer_params
+    return isinstance(p, RemoteDecodeParams) and not p.final_at_prefill and req.stop_reason is None
 
 
 class LLMEngine:
@@ -100,7 +102,12 @@ class LLMEngine:
         load_tokenizer_: bool,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None,
     ) -> None:
-        self.runner = ModelRunner(config)
+        self.runner: ModelRunner | PipelineRunner
+        if config.parallel.pipeline_parallel_size > 1:
+            # PP beneath the engine: stage 0 here, stages 1.. in their own processes.
+            self.runner = PipelineRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         arch = self.runner.arch
         self.arch = arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -132,6 +139,7 @@ class LLMEngine:
         self._kv_loads: list[KVLoadSpec] = []
         self.async_scheduling = self._resolve_async(config)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not processed
+        self._failed_step_seq: int | None = None  # a step whose launch raised (see fail_all)
         self.num_aborted_total = 0
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
@@ -158,7 +166,10 @@ class LLMEngine:
         return config.async_scheduling
 
     def close(self) -> None:
-        """Stop the TP worker ranks, if any (idempotent); a TP 1 engine holds nothing to close."""
+        """Stop the TP worker ranks or pipeline stages, if any (idempotent)."""
+        runner = getattr(self, "runner", None)
+        if isinstance(runner, PipelineRunner):
+            runner.close()
         if self._tp_group is not None:
             self._tp_group.close()
             self._tp_group = None
@@ -216,7 +227,7 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: list[int] | None = None,
         prompt_embeds: Any | None = None,
     ) -> Request:
@@ -334,7 +345,12 @@ class LLMEngine:
             self.fence.advance(sched.step_seq)
         ids = list(self.scheduler.requests)
         out = []
-        for r in self.scheduler.abort_requests(ids):
+        aborted = self.scheduler.abort_requests(ids)
+        if self._failed_step_seq is not None:
+            self.fence.advance(self._failed_step_seq)
+            self._failed_step_seq = None
+        self.kv.process_deferred_frees()
+        for r in aborted:
             d = self._final_delta(r)
             d.finish_reason, d.error = "error", message
             out.append(d)
@@ -348,7 +364,13 @@ class LLMEngine:
             self.runner.drop_finished(sched.finished_req_ids)
             self.fence.advance(sched.step_seq)
             return deltas
-        pending = self.runner.launch(sched)
+        try:
+            pending = self.runner.launch(sched)
+        except BaseException:
+            # The step never completes (e.g. a pipeline stage died): fail_all() passes its fence
+            # so the blocks freed for its requests are not deferred forever.
+            self._failed_step_seq = sched.step_seq
+            raise
         if not self.async_scheduling:
             return self._complete(sched, pending)
         prev, self._inflight = self._inflight, (sched, pending)

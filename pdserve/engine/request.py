@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.params import KVTransferParams
 
 _arrival_counter = itertools.count()
 
@@ -52,7 +53,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Set when this request's prompt KV comes from another node (decode side) or must stay
     # resident for another node to pull (prefill side). Opaque to the scheduler core.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # Prompt given as embeddings ([num_prompt_tokens, hidden] tensor, opaque here): the prompt
     # token ids are placeholders, and ``cache_salt`` (a digest of the embeddings) keeps their
     # blocks apart in the prefix cache.

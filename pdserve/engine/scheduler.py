@@ -36,6 +36,7 @@ from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import KVLoadSpec, ScheduledChunk, SchedulerOutput
+from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
 
 
 @dataclass
@@ -225,8 +226,12 @@ class Scheduler:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            params = req.kv_transfer_params or {}
-            if params.get("remote_prefill") and req.num_computed_tokens == 0 and req.num_preemptions == 0:
+            params = req.kv_transfer_params
+            if (
+                isinstance(params, RemotePrefillParams)
+                and req.num_computed_tokens == 0
+                and req.num_preemptions == 0
+            ):
                 # Decode side: all prompt KV comes from the prefill node. Blocks for the whole
                 # prompt are allocated now; the pull writes into them.
                 num_remote = req.num_prompt_tokens
@@ -237,7 +242,7 @@ class Scheduler:
                 self.waiting_for_kv[req.request_id] = req
                 self.kv.begin_inflight_write(req.request_id)
                 out.kv_loads.append(
-                    KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, dict(params))
+                    KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, params)
                 )
                 continue
             hit_blocks: list[KVCacheBlock] = []
@@ -325,9 +330,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self._finished_since_last_step.append(req.request_id)
-        params = req.kv_transfer_params or {}
         if (
-            params.get("remote_decode")
+            isinstance(req.kv_transfer_params, RemoteDecodeParams)
             and req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
             and self._on_hold is not None
             and self.kv.holds(req.request_id)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.engine.request import Request
+from pdserve.kvtransfer.params import RemotePrefillParams
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ class KVLoadSpec:
     request_id: str
     block_ids: list[int]  # destination blocks, covering num_tokens positions from position 0
     num_tokens: int
-    params: dict[str, Any]  # the request's kv_transfer_params (peer address, transfer_id, ...)
+    params: RemotePrefillParams  # the request's (peer address, transfer_id)
 
 
 @dataclass

@@ -91,14 +91,23 @@ class KVProducer:
         block_size: int,
         release: Callable[[str], None],
         lease_s: float = 30.0,
+        *,
+        stage: int = 0,
+        num_stages: int = 1,
+        tracker: KVSendTracker | None = None,
     ) -> None:
+        """One producer per prefill stage: ``regions`` are that stage's layers. The stages of a
+        node share one ``tracker`` (one block table per node), which frees a request once every
+        one of the ``num_stages`` stages counted its consumers."""
         self.backend = backend
         self.regions = list(regions)
         self.block_size = block_size
         self._release = release  # frees the request's blocks (posted to the engine thread)
         self._ready: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
-        self.tracker = KVSendTracker(free_fn=self._free_transfer, lease_s=lease_s)
+        self.stage = stage
+        self.num_stages = num_stages
+        self.tracker = tracker if tracker is not None else KVSendTracker(self._free_transfer, lease_s)
         # Counters for metrics.
         self.bytes_total = 0
         self.seconds_total = 0.0
@@ -131,8 +140,12 @@ class KVProducer:
         """Engine thread: the request's KV is complete; hold its blocks under a lease."""
         with self._lock:
             ev = self._ready.setdefault(transfer_id, threading.Event())
-        self.tracker.add(transfer_id, block_ids, need_send)
+        self.tracker.add(transfer_id, block_ids, need_send, self.num_stages)
         ev.set()
+
+    def free_transfer(self, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """The tracker's free callback (for a tracker shared by several stages' producers)."""
+        self._free_transfer(transfer_id, block_ids)
 
     def _free_transfer(self, transfer_id: str, _block_ids: Sequence[int]) -> None:
         self.forget(transfer_id)
@@ -153,10 +166,13 @@ class KVProducer:
         num_tokens: int,
         dst_regions: Sequence[Region],
         dst_session: str,
+        consumer: tuple[int, int] | None = None,
     ) -> PushResult:
         """Write the held KV into the puller's blocks. Validation errors raise before anything is
         written (InvalidRequestError, RegionMismatchError, BlockIdError, UnknownTransferError);
-        a failed write returns ok=False and counts as a report (DESIGN §3)."""
+        a failed write returns ok=False and counts as a report (DESIGN §3). ``consumer`` is the
+        asking (decode pp_rank, tp_rank): counted once however often it asks. A puller that
+        shares no layer with this stage moves no bytes and still counts."""
         entry = self.tracker.get(transfer_id)
         if entry is None:
             raise UnknownTransferError(transfer_id)
@@ -176,14 +192,15 @@ class KVProducer:
         ok, err = False, ""
         self.tracker.begin_send(transfer_id)
         try:
-            self.backend.write(dst_session, descs, transfer_id=transfer_id)
+            if descs:
+                self.backend.write(dst_session, descs, transfer_id=transfer_id)
             ok = True
         except Exception as e:  # the write failed: counted and reported, never swallowed silently
             err = str(e)
             logger.warning("KV push %s -> %s failed: %s", transfer_id, dst_session, e)
         finally:
             dt = time.perf_counter() - t0
-            self.tracker.end_send(transfer_id, ok)
+            self.tracker.end_send(transfer_id, ok, consumer, self.stage)
         self.pushes_total += 1
         if ok:
             self.bytes_total += nbytes

@@ -8,20 +8,26 @@ another P), so holding the blocks for it would only strand them.
 
 An entry is freed - ``free_fn(transfer_id, block_ids)`` called exactly once - on the first of:
 
-    reported (sent + failed) >= need_send   and nothing in flight
+    every stage counted need_send consumers and nothing in flight
     lease passed (expire())                 and nothing in flight
     abort()                                 and nothing in flight (else when the last write ends)
 
 never while a write into the blocks' source memory is still in flight. Pure Python, thread-safe.
+
+Reports are counted per prefill stage (``num_stages``: the node's PP size; the blocks are one
+node-wide table, so they are freed once, when every stage reached its count) and by consumer
+identity ``(decode pp_rank, decode tp_rank)``: a retried or duplicated pull from the same consumer
+counts once. A report without a consumer identity counts as a distinct one (single-stage peers).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.errors import PdserveError
 
@@ -47,10 +53,18 @@ class SendEntry:
     failed: int = 0  # pulls that completed with an error
     sending: int = 0  # writes in flight now
     aborted: bool = False  # free as soon as nothing is in flight
+    num_stages: int = 1  # prefill stages that each must reach need_send
+    # prefill stage -> the consumers that reported to it (distinct (pp_rank, tp_rank) pairs)
+    consumers: dict[int, frozenset[object]] = field(default_factory=dict)
 
     @property
     def reported(self) -> int:
-        return self.sent + self.failed
+        """Distinct reports, summed over the stages."""
+        return sum(len(c) for c in self.consumers.values())
+
+    @property
+    def complete(self) -> bool:
+        return all(len(self.consumers.get(s, ())) >= self.need_send for s in range(self.num_stages))
 
 
 class KVSendTracker:
@@ -69,18 +83,21 @@ class KVSendTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, SendEntry] = {}
+        self._anon = itertools.count()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def add(self, transfer_id: str, block_ids: Sequence[int], need_send: int) -> None:
+    def add(self, transfer_id: str, block_ids: Sequence[int], need_send: int, num_stages: int = 1) -> None:
         """Start holding ``block_ids`` (KV_READY); the lease starts now."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         if need_send < 1:
             raise ValueError(f"need_send must be >= 1, got {need_send} for transfer_id {transfer_id!r}")
         with self._lock:
             if transfer_id in self._entries:
                 raise ValueError(f"transfer_id {transfer_id!r} is already held")
             self._entries[transfer_id] = SendEntry(
-                transfer_id, tuple(block_ids), need_send, self._clock() + self.lease_s
+                transfer_id, tuple(block_ids), need_send, self._clock() + self.lease_s, num_stages=num_stages
             )
 
     def begin_send(self, transfer_id: str) -> SendEntry:
@@ -95,20 +112,26 @@ class KVSendTracker:
             self._extend(entry)
             return replace(entry)
 
-    def end_send(self, transfer_id: str, ok: bool) -> bool:
-        """A pull's write ended (ok or not) and counts as one report; True if this freed the entry."""
+    def end_send(
+        self, transfer_id: str, ok: bool, consumer: tuple[int, int] | None = None, stage: int = 0
+    ) -> bool:
+        """A pull's write from prefill ``stage`` ended (ok or not): one report of ``consumer``
+        (counted once however often it retries); True if this freed the entry."""
         with self._lock:
             entry = self._entries.get(transfer_id)
             if entry is None:
                 raise UnknownTransferError(transfer_id)
             assert entry.sending > 0, f"end_send without begin_send for {transfer_id!r}"
             entry.sending -= 1
+            assert 0 <= stage < entry.num_stages, f"stage {stage} of {entry.num_stages} for {transfer_id!r}"
             if ok:
                 entry.sent += 1
             else:
                 entry.failed += 1
+            who: object = consumer if consumer is not None else ("anonymous", next(self._anon))
+            entry.consumers[stage] = entry.consumers.get(stage, frozenset()) | {who}
             self._extend(entry)
-            done = entry.sending == 0 and (entry.aborted or entry.reported >= entry.need_send)
+            done = entry.sending == 0 and (entry.aborted or entry.complete)
             if done:
                 del self._entries[transfer_id]
         if done:

@@ -165,7 +165,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[HandshakeInfo, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum")
+    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,11 @@ class PushKVRequest(_message.Message):
     DST_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SRC_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WANT_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DST_PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DST_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DST_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DST_LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    DST_LAYER_END_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -182,7 +187,12 @@ class PushKVRequest(_message.Message):
     dst_compat_hash: str
     expected_src_epoch: str
     want_checksum: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ...) -> None: ...
+    dst_pp_rank: int
+    dst_tp_rank: int
+    dst_pp_size: int
+    dst_layer_start: int
+    dst_layer_end: int
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "checksum")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvtransfer.params import RemotePrefillParams
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 
@@ -36,9 +37,9 @@ def queued_transfers(engine: LLMEngine) -> dict[str, list[str]]:
     sched = engine.scheduler
     out: dict[str, list[str]] = defaultdict(list)
     for req in sched.waiting:
-        p = req.kv_transfer_params or {}
-        if p.get("remote_prefill") and p.get("prefill_address") and p.get("transfer_id"):
-            out[p["prefill_address"]].append(p["transfer_id"])
+        p = req.kv_transfer_params
+        if isinstance(p, RemotePrefillParams):
+            out[p.prefill_address].append(p.transfer_id)
     return dict(out)
 
 

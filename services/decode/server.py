@@ -16,6 +16,7 @@ from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY, check_policy, engine_policy
+from pdserve.kvtransfer.params import RemotePrefillParams
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
@@ -107,14 +108,14 @@ class DecodeNode(NodeBase):
 
     async def _pull(self, spec: KVLoadSpec) -> None:
         p = spec.params
-        addr = p["prefill_address"]
+        addr = p.prefill_address
         ok, err = False, ""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
             peer = self._peers.get(addr) or await self.ensure_handshake(addr)
             req = pb.PushKVRequest(
-                transfer_id=p["transfer_id"],
+                transfer_id=p.transfer_id,
                 dst_block_ids=spec.block_ids[: -(-spec.num_tokens // self.engine.kv.block_size)],
                 num_tokens=spec.num_tokens,
                 dst_regions=[pb.Region(**r.to_dict()) for r in self.regions],
@@ -122,13 +123,19 @@ class DecodeNode(NodeBase):
                 dst_compat_hash=self.handshake.compat_hash,
                 expected_src_epoch=peer.epoch,
                 want_checksum=self.opts.kv_checksum,
+                # this node is one stage (pp > 1 on decode nodes is refused at start)
+                dst_pp_rank=0,
+                dst_tp_rank=0,
+                dst_pp_size=1,
+                dst_layer_start=0,
+                dst_layer_end=self.engine.arch.num_hidden_layers,
             )
             resp = await self._stub(addr).PushKV(
                 req,
                 timeout=self.opts.kv_pull_timeout_s,
                 metadata=channel.auth_metadata(self.opts.shared_token),
             )
-            ok = p["transfer_id"] in resp.ok
+            ok = p.transfer_id in resp.ok
             if ok:
                 self.pull_bytes_total += resp.bytes
                 if self.opts.kv_checksum:
@@ -145,7 +152,7 @@ class DecodeNode(NodeBase):
         if not ok:
             self.pull_failures_total += 1
             logger.warning(
-                "KV pull %s failed: %s (policy %s)", p["transfer_id"], err, self.opts.kv_load_failure_policy
+                "KV pull %s failed: %s (policy %s)", p.transfer_id, err, self.opts.kv_load_failure_policy
             )
         policy = engine_policy(self.opts.kv_load_failure_policy)
         if not ok and self.opts.kv_load_failure_policy == "reprefill":
@@ -197,11 +204,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     f"handshake with prefill {request.prefill_address} failed: {e.details()}",
                 )
             node.lease_keeper.ensure_started()
-            kv_params = {
-                "remote_prefill": True,
-                "transfer_id": request.transfer_id,
-                "prefill_address": request.prefill_address,
-            }
+            kv_params = RemotePrefillParams(request.transfer_id, request.prefill_address)
         embeds = None
         if request.HasField("prompt_embeds"):
             try:

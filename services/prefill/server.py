@@ -16,6 +16,7 @@ from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.params import RemoteDecodeParams
 from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
 from pdserve.rpc import channel, convert
@@ -57,9 +58,10 @@ class PrefillNode(NodeBase):
         self._last_expire = 0.0
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
-        params = req.kv_transfer_params or {}
+        params = req.kv_transfer_params
+        assert isinstance(params, RemoteDecodeParams), params
         try:
-            self.producer.on_hold(params["transfer_id"], block_ids, int(params.get("need_send", 1)))
+            self.producer.on_hold(params.transfer_id, block_ids, params.need_send)
         except ValueError as e:  # already held (admission refuses this): free, never kill the step
             logger.error("not holding KV of %s: %s", req.request_id, e)
             return False
@@ -135,12 +137,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         first_params = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=list(params.stop)
         )
-        kv_params = {
-            "remote_decode": True,
-            "transfer_id": tid,
-            "need_send": max(1, request.need_send),
-            "final_at_prefill": params.max_tokens == 1,
-        }
+        kv_params = RemoteDecodeParams(
+            tid, max(1, request.need_send), final_at_prefill=params.max_tokens == 1
+        )
         embeds = None
         if request.HasField("prompt_embeds"):
             try:
@@ -230,6 +229,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 request.num_tokens,
                 regions,
                 request.dst_session,
+                # the asking decode stage: a retried pull from it is counted once
+                (request.dst_pp_rank, request.dst_tp_rank),
             )
         except UnknownTransferError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))

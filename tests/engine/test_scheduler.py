@@ -9,6 +9,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
 
 BS = 4
 
@@ -163,7 +164,7 @@ def test_remote_kv_load_and_hold_for_transfer() -> None:
     )
     # Decode side: prompt KV comes from afar, the first token from prefill.
     d = Request(
-        "d", list(range(10)), SamplingParams(max_tokens=3), kv_transfer_params={"remote_prefill": True}
+        "d", list(range(10)), SamplingParams(max_tokens=3), kv_transfer_params=RemotePrefillParams("t", "p:1")
     )
     d.output_token_ids.append(42)
     s.add_request(d)
@@ -175,7 +176,7 @@ def test_remote_kv_load_and_hold_for_transfer() -> None:
     assert [(c.start_pos, c.num_tokens) for c in out.chunks] == [(10, 1)]
     # Prefill side: the finished request's blocks are held for the pull, then released.
     p = Request(
-        "p", list(range(100, 110)), SamplingParams(max_tokens=1), kv_transfer_params={"remote_decode": True}
+        "p", list(range(100, 110)), SamplingParams(max_tokens=1), kv_transfer_params=RemoteDecodeParams("t")
     )
     s.add_request(p)
     s.update_from_output(out, {"d": 5})
@@ -188,7 +189,7 @@ def test_remote_kv_load_and_hold_for_transfer() -> None:
 def test_remote_kv_failure_policies() -> None:
     s = make()
     d = Request(
-        "d", list(range(10)), SamplingParams(max_tokens=3), kv_transfer_params={"remote_prefill": True}
+        "d", list(range(10)), SamplingParams(max_tokens=3), kv_transfer_params=RemotePrefillParams("t", "p:1")
     )
     s.add_request(d)
     s.schedule()
@@ -196,7 +197,9 @@ def test_remote_kv_failure_policies() -> None:
     assert d.status == RequestStatus.WAITING and d.kv_transfer_params is None
     out = s.schedule()
     assert out.chunks[0].num_tokens == 10  # local prefill
-    e = Request("e", list(range(50, 60)), SamplingParams(), kv_transfer_params={"remote_prefill": True})
+    e = Request(
+        "e", list(range(50, 60)), SamplingParams(), kv_transfer_params=RemotePrefillParams("t", "p:1")
+    )
     s.add_request(e)
     s.update_from_output(out, {"d": 1})
     s.schedule()
@@ -206,7 +209,7 @@ def test_remote_kv_failure_policies() -> None:
 
 def test_abort_while_remote_kv_in_flight_frees_after_load_ends() -> None:
     s = make()
-    d = Request("d", list(range(10)), SamplingParams(), kv_transfer_params={"remote_prefill": True})
+    d = Request("d", list(range(10)), SamplingParams(), kv_transfer_params=RemotePrefillParams("t", "p:1"))
     s.add_request(d)
     s.schedule()
     s.abort_requests(["d"])

@@ -1,0 +1,77 @@
+"""Pipeline parallelism on CPU (gloo): PP 2 and 4 must generate what PP 1 generates.
+
+Each PP engine is this process (engine core + stage 0) plus spawned stage processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.distributed.pp_stage import PipelineStageError
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import ConfigError
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(1 + 29 * i)] for i in range(8)]  # 1..204 tokens
+COMMON = dict(
+    device="cpu", dtype="float32", max_num_batched_tokens=64, enable_chunked_prefill=True, max_model_len=256
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama4(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama", num_layers=4)
+
+
+def _run(model_dir: Path, **kw) -> list[list[int]]:
+    with LLM(str(model_dir), **COMMON, **kw) as llm:
+        out = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        llm.engine.kv.process_deferred_frees()
+        assert llm.engine.kv.pool.num_used_blocks == 0
+    return out
+
+
+def test_pp_matches_single_stage(llama4):
+    ref = _run(llama4)
+    assert _run(llama4, pipeline_parallel_size=2) == ref
+    assert _run(llama4, pipeline_parallel_size=4, pp_layer_split=(1, 1, 1, 1)) == ref
+    assert _run(llama4, pipeline_parallel_size=2, pp_layer_split=(1, 3)) == ref
+
+
+def test_more_stages_than_layers_is_a_start_error(llama4):
+    with pytest.raises(ConfigError, match=r"pp=5 .* 4 layers"):
+        LLM(str(llama4), pipeline_parallel_size=5, **COMMON)
+
+
+def test_a_dead_stage_fails_the_next_step(llama4):
+    import os
+    import signal
+
+    llm = LLM(str(llama4), pipeline_parallel_size=2, **COMMON)
+    try:
+        runner = llm.engine.runner
+        os.kill(runner.stage_pids()[0], signal.SIGKILL)
+        with pytest.raises(PipelineStageError, match="stage 1"):
+            llm.generate(PROMPTS[:2], GREEDY)
+    finally:
+        llm.close()
+
+
+def test_split_must_match_pp():
+    from pdserve.config.engine import ParallelConfig
+
+    with pytest.raises(ConfigError, match=r"pp_layer_split \[2, 2\] .* pp=1"):
+        ParallelConfig(pp_layer_split=(2, 2))
+
+
+def test_pp_node_roles_with_kv_transfer_are_refused(llama4):
+    from pdserve.config.engine import EngineConfig, ParallelConfig
+    from pdserve.errors import UnsupportedError
+    from services.node import NodeBase, NodeOptions
+
+    cfg = EngineConfig(model=str(llama4), device="cpu", parallel=ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(UnsupportedError, match="pp=2 on a prefill node"):
+        NodeBase(NodeOptions(name="p0", role="prefill", engine=cfg))
