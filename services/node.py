@@ -21,6 +21,7 @@ from pdserve.kvtransfer.backend import MooncakeBackend, TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc import channel
+from services.node_lifecycle import LIVENESS_SERVICE, DrainGate, drain, start_membership
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ class NodeOptions:
     kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
     kv_load_failure_policy: str = "recompute"  # fail | recompute (reprefill is the router's)
     shared_token: str | None = None
+    # Lifecycle (services.node_lifecycle): registry membership and the SIGTERM drain.
+    redis_url: str | None = None  # register + heartbeat here; None: the static list, no registration
+    registry_ttl_s: float = 10.0
+    advertise_address: str | None = None  # host:port the router dials (k8s: pod IP); None: host:grpc_port
+    stages: int = 1  # pipeline stages behind this node's address (registered, for the router)
+    drain_timeout_s: float = 30.0
 
 
 class NodeBase:
@@ -58,6 +65,7 @@ class NodeBase:
         self.regions = kv_regions_of(self.engine.runner)
         self.handshake = handshake_info_of(self.engine.runner, opts.engine.model, self.epoch)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_on_stop = False  # SIGTERM / SIGINT drain; request_stop() stops at once
         self.engine_loop: EngineLoop | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
@@ -89,9 +97,10 @@ class NodeBase:
         self.loop = asyncio.get_running_loop()
         self.engine_loop = EngineLoop(self.engine, self.loop, self._on_kv_loads, self._on_step)
         self.engine_loop.start()
-        interceptors = (
-            [channel.TokenAuthInterceptor(self.opts.shared_token)] if self.opts.shared_token else []
-        )
+        gate = DrainGate()
+        interceptors: list[grpc.aio.ServerInterceptor] = [gate]
+        if self.opts.shared_token:
+            interceptors.append(channel.TokenAuthInterceptor(self.opts.shared_token))
         server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
         self.add_servicers(server)
         health_servicer = health.aio.HealthServicer()
@@ -103,6 +112,8 @@ class NodeBase:
         if self.opts.metrics_port:
             start_http_server(self.opts.metrics_port, addr=self.opts.host, registry=self.registry)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        membership = await start_membership(self)
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)
         if ready is not None:
@@ -110,20 +121,29 @@ class NodeBase:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                self.loop.add_signal_handler(sig, stop.set)
+                self.loop.add_signal_handler(sig, self._stop_draining)
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         self._stop_event = stop
         await stop.wait()
+        if self._drain_on_stop:
+            await drain(self, gate, health_servicer, membership)
+        elif membership is not None:
+            await membership.stop()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         self.engine_loop.stop()
         if self.backend is not None:
             self.backend.close()
 
-    def request_stop(self) -> None:
+    def request_stop(self, drain: bool = False) -> None:
+        """Stop serving; ``drain`` as on SIGTERM (tests of the drain), else at once (other tests)."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._stop_event.set)
+            self.loop.call_soon_threadsafe(self._stop_draining if drain else self._stop_event.set)
+
+    def _stop_draining(self) -> None:
+        self._drain_on_stop = True
+        self._stop_event.set()
 
     def load_report(self, pb: Any) -> Any:
         eng = self.engine

@@ -79,8 +79,9 @@ class PDBackend:
         policy: RouterPolicy | None = None,
         shared_token: str | None = None,
         registry: CollectorRegistry | None = None,
+        discovered: bool = False,  # node lists filled later by services.router.discovery
     ) -> None:
-        if not decode:
+        if not decode and not discovered:
             raise ValueError("the router needs at least one decode-capable node")
         self.policy = policy or RouterPolicy()
         self._md = channel.auth_metadata(shared_token)

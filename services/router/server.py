@@ -8,7 +8,9 @@ import logging
 import uvicorn
 
 from pdserve.config.cluster import ClusterConfig
+from pdserve.registry import registry_for
 from services.router.app import create_app
+from services.router.discovery import NodeDiscovery, discovery_interval_s
 from services.router.metrics import RouterMetrics
 from services.router.pd_backend import PDBackend, RouterPolicy
 
@@ -28,9 +30,10 @@ async def serve_router(cluster: ClusterConfig) -> None:
     )
     r = cluster.router
     metrics = RouterMetrics()
+    registry = registry_for(cluster)
     backend = PDBackend(
-        prefill=[(n.name, n.grpc_address) for n in cluster.prefill_nodes],
-        decode=[(n.name, n.grpc_address) for n in cluster.decode_nodes],
+        prefill=[],
+        decode=[],
         policy=RouterPolicy(
             policy=r.policy,
             local_prefill_max_tokens=r.local_prefill_max_tokens,
@@ -39,7 +42,12 @@ async def serve_router(cluster: ClusterConfig) -> None:
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,
+        discovered=True,
     )
+    discovery = NodeDiscovery(registry, backend, cluster, discovery_interval_s(cluster))
+    await discovery.refresh()  # static: the file's nodes; Redis: whoever is registered now
+    if registry.dynamic:
+        discovery.start()
     backend.start()
     app = create_app(
         backend,
@@ -58,6 +66,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
     try:
         await server.serve()
     finally:
+        await discovery.close()
         await backend.close()
 
 
