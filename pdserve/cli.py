@@ -105,7 +105,7 @@ def serve(
         help="host the node registers in Redis for the router to dial (k8s: the pod IP); "
         "default: the node's host in the config. Needs redis_url in the config",
     ),
-    log_level: str = typer.Option("info"),
+    log_level: str = typer.Option("info", envvar="PDSERVE_LOG_LEVEL"),
 ) -> None:
     """Start one node of a cluster (what compose and Kubernetes run)."""
     _setup_logging(log_level)
