@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import uvicorn
 
@@ -70,5 +71,13 @@ async def serve_router(cluster: ClusterConfig) -> None:
         await backend.close()
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_router(cluster: ClusterConfig) -> None:
+    # uvicorn re-raises SIGTERM / SIGINT once its graceful shutdown is done, so with the default
+    # handlers a clean stop would read as "killed" (143) to compose and Kubernetes.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     asyncio.run(serve_router(cluster))
