@@ -147,3 +147,68 @@ async def _drain_scenario(rc, cluster: ClusterConfig, redis_url: str) -> None:  
     print(
         f"drain: {running[target]} streams on {target}, exit 0 after {elapsed_s:.2f}s; new requests {outcomes}"
     )
+
+
+async def test_drain_timeout_fails_what_is_left_and_still_exits_0(tiny_models, tmp_path: Path) -> None:
+    base = pick_base_port("127.0.0.1", 32700, span=3)
+    cluster = ClusterConfig.from_dict(
+        {
+            "model": str(tiny_models["llama"]),
+            "router": {"port": base},
+            "nodes": [
+                {"name": "decode-0", "role": "decode", "grpc_port": base + 1, "metrics_port": base + 2}
+                | {"drain_timeout_s": 1.0}
+            ],
+        }
+    )
+    from pdserve.rpc import node_pb2 as pb
+    from pdserve.rpc import node_pb2_grpc as pb_grpc
+
+    with running_cluster(cluster, tmp_path) as rc:
+        client = AsyncOpenAI(base_url=rc.base_url, api_key="none", max_retries=0, timeout=120)
+        first = asyncio.Event()
+
+        async def stream() -> str | None:
+            s = await client.completions.create(
+                model=rc.model_name,
+                prompt=PROMPT,
+                max_tokens=1800,  # far longer than the 1 s drain
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            finish = None
+            async for chunk in s:
+                first.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            return finish
+
+        task = asyncio.create_task(stream())
+        await asyncio.wait_for(first.wait(), 60)
+        child = rc.children[0]
+        assert child.name == "decode-0"
+        t0 = time.monotonic()
+        child.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        # A new stream is refused by the draining node itself (the streaming handler's gate) ...
+        async with grpc.aio.insecure_channel(cluster.node("decode-0").grpc_address) as ch:
+            call = pb_grpc.DecodeServiceStub(ch).Decode(
+                pb.DecodeRequest(request_id="late", prompt_token_ids=[1, 2])
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call:
+                    pass
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # ... and at the router, with no other decode node, a new request gets 503.
+        with pytest.raises(APIStatusError) as busy:
+            await client.completions.create(model=rc.model_name, prompt="hi", max_tokens=4)
+        assert busy.value.status_code == 503
+        try:
+            finish = await asyncio.wait_for(task, 30)
+        except Exception as e:  # the router ends the stream with an error event
+            finish = f"raised {type(e).__name__}"
+        assert finish != "length", "the stream should have been cut by the drain timeout"
+        code = await asyncio.to_thread(child.proc.wait, 10)
+        elapsed_s = time.monotonic() - t0
+        assert code == 0 and elapsed_s < 1.0 + 5.0, (code, elapsed_s)
+        assert "timed out after 1s" in child.log_path.read_text()
