@@ -16,6 +16,7 @@ not kill a node that is finishing its work.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -87,11 +88,19 @@ class DrainGate(grpc.aio.ServerInterceptor):
             if self.draining:
                 await self._refuse(context, method)
             self.active += 1
+            result = inner(request, context)
             try:
-                async for m in inner(request, context):
+                if inspect.isawaitable(result):  # a handler that writes with context.write()
+                    await result
+                    return
+                async for m in result:
                     yield m
             finally:
                 self.active -= 1
+                if inspect.isasyncgen(result):
+                    # On a cancelled call the server closes only this wrapper: close the servicer's
+                    # generator now, so its own clean-up (aborting the engine request) runs at once.
+                    await result.aclose()
 
         return call
 

@@ -295,9 +295,10 @@ class PDBackend:
         )
         d_node.in_flight += 1
         call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
-        finished = errored = False
+        finished = errored = streamed = False
         try:
             async for m in call:
+                streamed = True
                 d = convert.delta_from_pb(m)
                 d.request_id = req.request_id
                 finished = d.finish_reason is not None
@@ -321,6 +322,13 @@ class PDBackend:
                 raise InvalidRequestError(e.details() or "invalid request") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 d_node.healthy = False
+                if transfer_id is None and not finished and not streamed:
+                    # Refused before anything reached the client (a draining or gone node): a
+                    # retryable 503, not a failed generation (GenerateBackend's contract).
+                    finished = True  # nothing was admitted, nothing to abort
+                    raise CapacityError(
+                        f"decode node {d_node.name} unavailable: {e.details()}; retry later"
+                    ) from e
             finished = errored = True
             yield _error_delta(req, f"decode failed: {e.code().name}: {e.details()}")
         finally:

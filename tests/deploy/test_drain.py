@@ -91,7 +91,14 @@ async def _drain_scenario(rc, cluster: ClusterConfig, redis_url: str) -> None:  
 
     streams = [asyncio.create_task(stream(i)) for i in range(8)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    running = {name: rc.load(name).num_running for name in ("decode-0", "decode-1")}
+    # The first chunk is prefill's token; wait until decode has admitted the streams.
+    deadline = time.monotonic() + 20
+    while True:
+        loads = {name: rc.load(name) for name in ("decode-0", "decode-1")}
+        running = {name: r.num_running + r.num_waiting for name, r in loads.items()}
+        if sum(running.values()) >= 8 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
     target = max(running, key=lambda k: running[k])
     other = "decode-1" if target == "decode-0" else "decode-0"
     assert running[target] >= 1, running
