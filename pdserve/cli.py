@@ -99,7 +99,13 @@ def serve(
     bind_host: str | None = typer.Option(
         None, help="address to bind (default: the node's host if it is an IP)"
     ),
-    log_level: str = typer.Option("info"),
+    advertise_host: str | None = typer.Option(
+        None,
+        envvar="PDSERVE_ADVERTISE_HOST",
+        help="host the node registers in Redis for the router to dial (k8s: the pod IP); "
+        "default: the node's host in the config. Needs redis_url in the config",
+    ),
+    log_level: str = typer.Option("info", envvar="PDSERVE_LOG_LEVEL"),
 ) -> None:
     """Start one node of a cluster (what compose and Kubernetes run)."""
     _setup_logging(log_level)
@@ -121,6 +127,11 @@ def serve(
     if resolved.role != role:
         raise typer.BadParameter(f"node {node!r} has role {resolved.role!r} in {config}, not {role!r}")
     n = resolved.node
+    if advertise_host and not cluster.redis_url:
+        raise typer.BadParameter(
+            f"--advertise-host {advertise_host!r} (or PDSERVE_ADVERTISE_HOST) needs a node registry: "
+            "set redis_url in the cluster config, or drop it (the router dials the config's host)"
+        )
     host = bind_host or (n.host if _is_ip(n.host) else "0.0.0.0")
     kv_host = os.environ.get("PDSERVE_KV_HOST") or (
         n.host if _is_ip(n.host) else socket.gethostbyname(socket.gethostname())
@@ -140,6 +151,11 @@ def serve(
             kv_checksum=n.kv_checksum,
             kv_load_failure_policy=n.kv_load_failure_policy,
             shared_token=cluster.shared_token,
+            redis_url=cluster.redis_url,
+            registry_ttl_s=cluster.registry_ttl_s,
+            advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
+            stages=n.pp,
+            drain_timeout_s=n.drain_timeout_s,
         )
     )
 
@@ -150,6 +166,32 @@ def _is_ip(host: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+@app.command()
+def probe(
+    kind: str = typer.Argument(..., help="grpc (health of a node) | http (a router URL answers 2xx)"),
+    target: str = typer.Argument(
+        ..., help="grpc: host:port; http: a URL such as http://127.0.0.1:8000/ready"
+    ),
+    service: str = typer.Option("", help="grpc health service name ('' = ready, pdserve.liveness = alive)"),
+    timeout_s: float = typer.Option(2.0),
+) -> None:
+    """Exit 0 if the target is healthy, 1 if not (the health check compose runs in the image)."""
+    if kind == "grpc":
+        from pdserve.rpc.health import is_serving
+
+        ok = is_serving(target, timeout_s, service=service)
+    elif kind == "http":
+        import httpx
+
+        try:
+            ok = httpx.get(target, timeout=timeout_s).is_success
+        except httpx.HTTPError:
+            ok = False
+    else:
+        raise typer.BadParameter(f"probe kind {kind!r} is not supported: use grpc or http")
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command()

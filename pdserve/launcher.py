@@ -199,6 +199,8 @@ def up(
         return 0
     finally:
         print("stopping ...", flush=True)
-        stop_children(children)
+        # SIGTERM drains each node: leave it its drain timeout before SIGKILL
+        drain_s = max((n.drain_timeout_s for n in cluster.nodes), default=0.0)
+        stop_children(children, grace_s=max(10.0, drain_s + 5.0))
         for s, h in old.items():
             signal.signal(s, h)

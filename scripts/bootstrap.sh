@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 need=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need+=(libibverbs1)  # Mooncake TE links it, even for TCP
 command -v redis-server >/dev/null || need+=(redis-server)
+command -v kubectl >/dev/null || need+=(kubernetes-client)  # `kubectl kustomize` in tests/deploy
 if ((${#need[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "bootstrap: apt-get install ${need[*]}"

@@ -25,6 +25,7 @@ from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc import channel
 from pdserve.rpc.malformed import MalformedRequestInterceptor
+from services.node_lifecycle import LIVENESS_SERVICE, DrainGate, drain, start_membership
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
@@ -49,6 +50,12 @@ class NodeOptions:
     kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
     kv_load_failure_policy: str = "recompute"  # fail | recompute | reprefill (kvtransfer.load_policy)
     shared_token: str | None = None
+    # Lifecycle (services.node_lifecycle): registry membership and the SIGTERM drain.
+    redis_url: str | None = None  # register + heartbeat here; None: the static list, no registration
+    registry_ttl_s: float = 10.0
+    advertise_address: str | None = None  # host:port the router dials (k8s: pod IP); None: host:grpc_port
+    stages: int = 1  # pipeline stages behind this node's address (registered, for the router)
+    drain_timeout_s: float = 30.0
 
 
 class NodeBase:
@@ -76,6 +83,7 @@ class NodeBase:
         self.handshake = handshake_info_of(self.engine.runner, opts.engine.model, self.epoch)
         self.exit_code = 0  # non-zero: the node stopped because a part of it failed
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_on_stop = False  # SIGTERM / SIGINT drain; request_stop() stops at once
         self.engine_loop: EngineLoop | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
@@ -113,7 +121,10 @@ class NodeBase:
             self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death
         )
         self.engine_loop.start()
-        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        gate = DrainGate()
+        # token first (an unauthenticated call learns nothing), then the drain gate, then the
+        # malformed-request guard innermost (it wraps the deserializers the gate re-wraps)
+        interceptors: list[grpc.aio.ServerInterceptor] = [gate, MalformedRequestInterceptor()]
         if self.opts.shared_token:
             interceptors.insert(0, channel.TokenAuthInterceptor(self.opts.shared_token))
         server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
@@ -127,6 +138,8 @@ class NodeBase:
         if self.opts.metrics_port:
             start_http_server(self.opts.metrics_port, addr=self.opts.host, registry=self.registry)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        membership = await start_membership(self)
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)
         if ready is not None:
@@ -134,7 +147,7 @@ class NodeBase:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                self.loop.add_signal_handler(sig, stop.set)
+                self.loop.add_signal_handler(sig, self._stop_draining)
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         self._stop_event = stop
@@ -144,6 +157,10 @@ class NodeBase:
         await stop.wait()
         if watchdog is not None:
             watchdog.cancel()
+        if self._drain_on_stop:
+            await drain(self, gate, health_servicer, membership)
+        elif membership is not None:
+            await membership.stop()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
         self.engine_loop.stop()
@@ -181,9 +198,14 @@ class NodeBase:
                 self._stop_event.set()
                 return
 
-    def request_stop(self) -> None:
+    def request_stop(self, drain: bool = False) -> None:
+        """Stop serving; ``drain`` as on SIGTERM (tests of the drain), else at once (other tests)."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._stop_event.set)
+            self.loop.call_soon_threadsafe(self._stop_draining if drain else self._stop_event.set)
+
+    def _stop_draining(self) -> None:
+        self._drain_on_stop = True
+        self._stop_event.set()
 
     async def answer_load(self, pb: Any, context: grpc.aio.ServicerContext) -> Any:
         """GetLoad: the report, or UNAVAILABLE once the engine died (the router drops the node)."""

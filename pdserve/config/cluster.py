@@ -121,6 +121,9 @@ class NodeConfig(_Frozen):
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
     step_timeout_s: float = Field(default=300.0, gt=0)  # a device step taking longer fails its requests
+    # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
+    # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
+    drain_timeout_s: float = Field(default=30.0, gt=0)
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
 
@@ -191,7 +194,18 @@ class ClusterConfig(_Frozen):
     router: RouterConfig = RouterConfig()  # frozen, so one shared default is safe
     redis_url: str | None = None  # node registry / embedding-cache index
     shared_token: str | None = None  # internal gRPC calls carry "authorization: Bearer <token>"
+    # Redis registry: a node's entry expires this long after its last heartbeat (beats every TTL/3).
+    registry_ttl_s: float = Field(default=10.0, gt=0)
     nodes: tuple[NodeConfig, ...]
+
+    @model_validator(mode="after")
+    def _check_registry(self) -> ClusterConfig:
+        if "registry_ttl_s" in self.model_fields_set and not self.redis_url:
+            raise ConfigError(
+                f"registry_ttl_s ({self.registry_ttl_s}) is set but redis_url is not: the TTL is the "
+                "Redis registry's; set redis_url or remove registry_ttl_s (the static node list has none)"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -94,23 +94,15 @@ class PDBackend:
         policy: RouterPolicy | None = None,
         shared_token: str | None = None,
         registry: CollectorRegistry | None = None,
+        discovered: bool = False,  # node lists filled later by services.router.discovery
     ) -> None:
-        if not decode:
+        if not decode and not discovered:
             raise ValueError("the router needs at least one decode-capable node")
         self.policy = policy or RouterPolicy()
         self._md = channel.auth_metadata(shared_token)
 
-        def handle(name: str, addr: str, role: str) -> NodeHandle:
-            return NodeHandle(
-                name,
-                role,
-                addr,
-                grpc.aio.insecure_channel(addr, options=channel.OPTIONS),
-                breaker=CircuitBreaker(self.policy.breaker_failures, self.policy.breaker_open_s),
-            )
-
-        self.prefill = [handle(n, a, "prefill") for n, a in prefill]
-        self.decode = [handle(n, a, "decode") for n, a in decode]
+        self.prefill = [self.new_handle(n, a, "prefill") for n, a in prefill]
+        self.decode = [self.new_handle(n, a, "decode") for n, a in decode]
         self._rr = 0
         self._tasks: set[asyncio.Task[None]] = set()  # background aborts
         self._poller: asyncio.Task[None] | None = None
@@ -144,6 +136,16 @@ class PDBackend:
         )
 
     # -- node state ------------------------------------------------------------------------------
+    def new_handle(self, name: str, addr: str, role: str) -> NodeHandle:
+        """A node's handle with its own channel and circuit breaker (static list and discovery)."""
+        return NodeHandle(
+            name,
+            role,
+            addr,
+            grpc.aio.insecure_channel(addr, options=channel.OPTIONS),
+            breaker=CircuitBreaker(self.policy.breaker_failures, self.policy.breaker_open_s),
+        )
+
     def start(self) -> None:
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_loads())
@@ -381,7 +383,7 @@ class PDBackend:
         )
         d_node.in_flight += 1
         call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
-        finished = errored = False
+        finished = errored = streamed = False
         deadline = self.policy.decode_first_token_timeout_s
         try:
             while True:
@@ -404,6 +406,7 @@ class PDBackend:
                 if m is grpc.aio.EOF:
                     break
                 deadline = self.policy.inter_token_timeout_s
+                streamed = True
                 d = convert.delta_from_pb(m)
                 d.request_id = req.request_id
                 finished = d.finish_reason is not None
@@ -434,6 +437,13 @@ class PDBackend:
                 raise InvalidRequestError(e.details() or "invalid request") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 d_node.healthy = False
+                if transfer_id is None and not finished and not streamed:
+                    # Refused before anything reached the client (a draining or gone node): a
+                    # retryable 503, not a failed generation (GenerateBackend's contract).
+                    finished = True  # nothing was admitted, nothing to abort
+                    raise CapacityError(
+                        f"decode node {d_node.name} unavailable: {e.details()}; retry later"
+                    ) from e
             record_leg_result(d_node, e.code())
             finished = errored = True
             yield _error_delta(req, f"decode failed: {e.code().name}: {e.details()}")

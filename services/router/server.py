@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import uvicorn
 
 from pdserve.config.cluster import ClusterConfig
+from pdserve.registry import registry_for
 from services.router.app import create_app
+from services.router.discovery import NodeDiscovery, discovery_interval_s
 from services.router.limits import RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.pd_backend import PDBackend, RouterPolicy
@@ -29,9 +32,10 @@ async def serve_router(cluster: ClusterConfig) -> None:
     )
     r = cluster.router
     metrics = RouterMetrics()
+    registry = registry_for(cluster)
     backend = PDBackend(
-        prefill=[(n.name, n.grpc_address) for n in cluster.prefill_nodes],
-        decode=[(n.name, n.grpc_address) for n in cluster.decode_nodes],
+        prefill=[],
+        decode=[],
         policy=RouterPolicy(
             policy=r.policy,
             local_prefill_max_tokens=r.local_prefill_max_tokens,
@@ -44,7 +48,12 @@ async def serve_router(cluster: ClusterConfig) -> None:
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,
+        discovered=True,
     )
+    discovery = NodeDiscovery(registry, backend, cluster, discovery_interval_s(cluster))
+    await discovery.refresh()  # static: the file's nodes; Redis: whoever is registered now
+    if registry.dynamic:
+        discovery.start()
     backend.start()
     app = create_app(
         backend,
@@ -74,8 +83,17 @@ async def serve_router(cluster: ClusterConfig) -> None:
     try:
         await server.serve()
     finally:
+        await discovery.close()
         await backend.close()
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_router(cluster: ClusterConfig) -> None:
+    # uvicorn re-raises SIGTERM / SIGINT once its graceful shutdown is done, so with the default
+    # handlers a clean stop would read as "killed" (143) to compose and Kubernetes.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     asyncio.run(serve_router(cluster))
