@@ -119,11 +119,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 

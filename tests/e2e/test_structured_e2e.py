@@ -85,3 +85,70 @@ def test_invalid_regex_is_a_400_naming_it(cluster) -> None:
             max_tokens=4,
             extra_body={"structured_outputs": {"regex": "[a-"}},
         )
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["utc", "cet"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _reassemble(stream) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                cur = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                cur["name"] += tc.function.name or ""
+                cur["arguments"] += tc.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "clock"}}, "required"])
+def test_forced_tool_calls_through_pd(cluster, tool_choice) -> None:
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    kw = dict(
+        model=cluster.model_name,
+        messages=_messages(pd=True),
+        tools=[WEATHER, CLOCK],
+        tool_choice=tool_choice,
+        max_tokens=120,
+        temperature=0.0,
+    )
+    resp = client.chat.completions.create(**kw)
+    calls = resp.choices[0].message.tool_calls
+    assert calls and resp.choices[0].finish_reason == "tool_calls", resp
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in calls] == ["clock"]
+    streamed = _reassemble(client.chat.completions.create(stream=True, **kw))
+    assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
