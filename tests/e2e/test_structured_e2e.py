@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -50,22 +51,31 @@ SCHEMAS = [Nested, WithEnum, WithArray, Bounded]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16})
+    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 48})
     with running_cluster(cfg, tmp_path_factory.mktemp("structured-e2e")) as rc:
         yield rc
 
 
-def _messages(pd: bool) -> list[dict[str, str]]:
-    # Short prompts prefill on decode (local); long ones go through prefill -> decode.
-    text = "give me json " * (20 if pd else 1)
+def _path_count(rc, path: str) -> float:
+    text = httpx.get(rc.cluster.router_url + "/metrics").text
+    key = f'pdserve:router_requests_by_path_total{{path="{path}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def _messages(pd: bool, salt: int = 0) -> list[dict[str, str]]:
+    # Short prompts prefill on decode (local); long ones go through prefill -> decode, each with
+    # its own first block (a prefix decode has seen would be prefilled there).
+    text = f"{salt} give me json" + " and more" * (40 if pd else 0)
     return [{"role": "user", "content": text}]
 
 
 @pytest.mark.parametrize("pd", [False, True], ids=["local", "pd"])
 def test_parse_returns_valid_objects(cluster, pd) -> None:
     client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
-    for model in SCHEMAS:
-        kw = dict(model=cluster.model_name, messages=_messages(pd), max_tokens=200, temperature=0.0)
+    path = "disaggregated" if pd else "local"
+    before = _path_count(cluster, path)
+    for j, model in enumerate(SCHEMAS):
+        kw = dict(model=cluster.model_name, messages=_messages(pd, j), max_tokens=200, temperature=0.0)
         resp = client.chat.completions.parse(response_format=model, **kw)
         parsed = resp.choices[0].message.parsed
         assert isinstance(parsed, model), resp.choices[0].message.content
@@ -74,6 +84,11 @@ def test_parse_returns_valid_objects(cluster, pd) -> None:
             final = stream.get_final_completion()
         assert isinstance(final.choices[0].message.parsed, model)
         assert final.choices[0].message.content == resp.choices[0].message.content  # greedy: same
+    # Every request took that path (the stream repeats its prompt: decode has seen it then).
+    expected = 2 * len(SCHEMAS) if not pd else len(SCHEMAS)
+    assert _path_count(cluster, path) - before >= expected, httpx.get(
+        cluster.cluster.router_url + "/metrics"
+    ).text
 
 
 def test_invalid_regex_is_a_400_naming_it(cluster) -> None:
@@ -136,7 +151,7 @@ def test_forced_tool_calls_through_pd(cluster, tool_choice) -> None:
     client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
     kw = dict(
         model=cluster.model_name,
-        messages=_messages(pd=True),
+        messages=_messages(pd=True, salt=7 if tool_choice == "required" else 8),
         tools=[WEATHER, CLOCK],
         tool_choice=tool_choice,
         max_tokens=120,
