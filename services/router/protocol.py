@@ -73,8 +73,11 @@ class CompletionRequest(SamplingFields):
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.echo and self.logprobs is not None:
+            # Prompt logprobs (computed where the prompt is prefilled) are not implemented yet.
+            raise APIError(400, "echo with logprobs is not supported yet", param="echo", code="unsupported")
+        if self.echo and self.prompt_embeds is not None:
+            raise APIError(400, "echo is not supported with prompt_embeds", param="echo", code="unsupported")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if self.best_of is not None and self.best_of != self.n:

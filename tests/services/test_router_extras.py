@@ -79,3 +79,18 @@ def test_bad_constraint_is_a_400_naming_it(url: str, extra: dict, needle: str) -
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_echo_prepends_the_prompt_streaming_and_not(url: str) -> None:
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "echo": True}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    plain = httpx.post(url + "/v1/completions", json={**body, "echo": False}).json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["text"] == "hello there" + plain
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    import json
+
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events) == "hello there" + plain
+    r = httpx.post(url + "/v1/completions", json={**body, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
