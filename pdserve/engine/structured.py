@@ -108,19 +108,23 @@ class GrammarState:
         self.num_accepted = len(output_token_ids)
 
 
+@functools.lru_cache(maxsize=1)
+def _batch_matcher() -> Any:  # -> xgrammar.BatchGrammarMatcher
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+
 def apply_masks(logits: Any, states: list[tuple[int, GrammarState]]) -> None:
-    """Mask ``logits`` [rows, V] in place: row i keeps only the tokens its grammar allows."""
-    import torch
+    """Mask ``logits`` [rows, V] in place: row i keeps only the tokens its grammar allows.
+
+    One batched fill (xgrammar's thread pool) for all constrained rows, one masked write."""
     import xgrammar as xgr
 
     live = [(row, s) for row, s in states if not s.failed and not s.matcher.is_terminated()]
     if not live:
         return
-    vocab_size = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(live), vocab_size)  # [L, ceil(V/32)] int32, CPU
-    for j, (_, s) in enumerate(live):
-        s.matcher.fill_next_token_bitmask(bitmask, j)
     rows = [row for row, _ in live]
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-    full[rows] = bitmask
-    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), indices=rows)
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [rows, ceil(V/32)] int32, CPU
+    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
