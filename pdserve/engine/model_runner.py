@@ -28,8 +28,10 @@ from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.structured import GrammarCompiler, GrammarState
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors
@@ -116,6 +118,8 @@ class ModelRunner:
         self.staging = PinnedStaging(self.device, timeout_s=config.step_timeout_s)
         self.sampler = Sampler(self.staging)
         self._generators: dict[str, torch.Generator] = {}
+        self._grammars: dict[str, GrammarState] = {}  # structured-output matchers by request id
+        self._grammar_compiler: GrammarCompiler | None = None
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
         a = self.arch
@@ -262,9 +266,29 @@ class ModelRunner:
         return g
 
     def drop_finished(self, request_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators) of finished requests."""
+        """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._grammars.pop(rid, None)
+
+    def _grammar(self, request: Request, vocab_size: int) -> GrammarState | None:
+        """The request's matcher, built on first sight and caught up with its output tokens (on
+        decode after P/D: the first token prefill sampled under the same grammar)."""
+        structured = request.sampling_params.structured
+        if structured is None:
+            return None
+        state = self._grammars.get(request.request_id)
+        if state is None:
+            if self._grammar_compiler is None:
+                from pdserve.models.loader import load_tokenizer
+
+                self._grammar_compiler = GrammarCompiler(
+                    load_tokenizer(self.config.model), vocab_size, sorted(request.eos_token_ids) or None
+                )
+            state = self._grammar_compiler.matcher(*structured)
+            self._grammars[request.request_id] = state
+        state.catch_up(request.output_token_ids)
+        return state
 
     def execute(
         self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -328,6 +352,7 @@ class ModelRunner:
                     output_token_ids=c.request.output_token_ids,
                     generator=self._generator(c.request.request_id, c.request.sampling_params.seed),
                     eos_token_ids=c.request.eos_token_ids,
+                    grammar=self._grammar(c.request, logits.shape[1]),
                 )
                 for c in sampling_chunks
             ]

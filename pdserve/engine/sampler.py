@@ -29,6 +29,7 @@ from pdserve import kernels
 from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import GrammarState, apply_masks
 
 
 @dataclass
@@ -42,6 +43,8 @@ class SamplerInput:
     # for the request's lifetime. None: the default generator.
     generator: torch.Generator | None
     eos_token_ids: frozenset[int]
+    # Structured outputs: the request's matcher, caught up with output_token_ids. None: free.
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -121,6 +124,7 @@ def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
         and params.logprobs is None
         and not params.has_penalties
         and num_output_tokens >= params.min_tokens
+        and params.structured is None
     )
 
 
@@ -158,11 +162,14 @@ class Sampler:
         min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
+        grammars = [(i, x.grammar) for i, x in enumerate(inputs) if x.grammar is not None]
 
         put = self._to_device(logits.device)
 
-        if penalised or min_tokens:
+        if penalised or min_tokens or grammars:
             logits = logits.clone()
+            if grammars:
+                apply_masks(logits, grammars)
             if penalised:
                 _apply_penalties(logits, [inputs[i] for i in penalised], penalised, put)
             if min_tokens:

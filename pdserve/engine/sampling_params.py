@@ -37,6 +37,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: (kind, spec), kind one of structured.KINDS (json_schema: the schema as
+    # JSON text; choice: a JSON list of strings). None: unconstrained.
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,11 @@ class SamplingParams:
             "stop_token_ids",
             "must be non-negative token ids",
         )
+        if self.structured is not None:
+            from pdserve.engine import structured  # lazy: xgrammar only for constrained requests
+
+            kind, spec = self.structured
+            structured.check(kind, spec)
         if self.seed is not None:
             _check(
                 isinstance(self.seed, int) and 0 <= self.seed < 2**63,

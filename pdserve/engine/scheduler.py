@@ -186,7 +186,7 @@ class Scheduler:
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled while the last one's tokens are still in flight.
 
-        No: a request with a token in flight samples from its token history (penalties, or
+        No: a request with a token in flight samples from its token history (penalties, a grammar, or
         min_tokens not yet reached: the host's history lacks the in-flight token), or the free
         blocks might not cover every running request's next chunk (a preemption would have to
         wait for the in-flight step). The engine then completes the in-flight step first.
@@ -198,7 +198,7 @@ class Scheduler:
             ph = req.num_output_placeholders
             if ph:
                 sp = req.sampling_params
-                if sp.has_penalties or len(req.output_token_ids) < sp.min_tokens:
+                if sp.has_penalties or sp.structured is not None or len(req.output_token_ids) < sp.min_tokens:
                     return False
             gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
             if gap > 0:

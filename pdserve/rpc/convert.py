@@ -38,6 +38,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
         m.max_tokens = p.max_tokens
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.structured is not None:
+        m.structured_kind, m.structured_spec = p.structured
     return m
 
 
@@ -60,6 +62,7 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
         frequency_penalty=m.frequency_penalty,
         include_stop_str_in_output=m.include_stop_str_in_output,
         skip_special_tokens=m.skip_special_tokens,
+        structured=(m.structured_kind, m.structured_spec) if m.structured_kind else None,
     )
 
 

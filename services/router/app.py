@@ -3,7 +3,8 @@
     create_app(backend, tokenizer, ["my-model"], max_model_len=4096) -> FastAPI
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (behind the
-optional API key); ``GET /health``, ``GET /metrics`` (always open, for probes and scrapers).
+optional API key); ``POST /tokenize``, ``POST /detokenize``;
+``GET /openapi.json``, ``GET /docs``, ``GET /health``, ``GET /metrics`` (always open, for probes and scrapers).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.router.prompt_embeds import max_prompt_embeds_bytes
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.serving import ServingContext
 from services.router.streams import ClientDisconnected
+from services.router.tokenize import install_tokenize_routes
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
 _STATUS_CLIENT_CLOSED = 499
@@ -85,7 +87,8 @@ def create_app(
                 code="invalid_api_key",
             )
 
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json documents the request bodies, extras included (structured_outputs, top_k, ...).
+    app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.serving = ctx
     install_error_handlers(app)
 
@@ -104,6 +107,8 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request.receive)
+
+    install_tokenize_routes(app, ctx, guarded)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:

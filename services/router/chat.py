@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -10,7 +12,8 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from pdserve.engine.outputs import GenerationDelta
-from services.router.errors import bad_request
+from pdserve.engine.sampling_params import SamplingParams
+from services.router.errors import APIError, bad_request
 from services.router.logprobs import chat_logprobs
 from services.router.protocol import ChatCompletionRequest
 from services.router.serving import (
@@ -26,6 +29,7 @@ from services.router.serving import (
     usage,
 )
 from services.router.streams import SSEResponse, until_disconnect
+from services.router.tools import ToolMode, tool_message, tool_mode
 
 
 def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prompt:
@@ -33,7 +37,8 @@ def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prom
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     # Render to text, then tokenize without special tokens: the template already wrote them.
-    text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tool_kw = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
+    text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kw)
     token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     check_token_ids(ctx, token_ids, "messages")
     return Prompt(token_ids)
@@ -50,6 +55,7 @@ async def create_chat_completion(
     num_top = body.top_logprobs or 0
     params = sampling_params(body, requested, num_top if body.logprobs else None)
     ctx.limits.check_sequences(1, body.n)
+    mode, params = _with_tools(body, params)
     prompt = render_chat_prompt(ctx, body)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
@@ -94,11 +100,20 @@ async def create_chat_completion(
 
         return SSEResponse(
             stream_events(
-                ctx, reqs, arrival_s, header, first, make_chunk, prompt.num_tokens, body.include_usage
+                ctx,
+                reqs,
+                arrival_s,
+                header,
+                first,
+                _tool_chunks(mode) if mode is not None else make_chunk,
+                prompt.num_tokens,
+                body.include_usage,
             )
         )
 
     results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))
+    if mode is not None:
+        return _tool_response(mode, request_id, created, body.model, results, prompt.num_tokens)
     choices = [
         {
             "index": i,
@@ -112,3 +127,57 @@ async def create_chat_completion(
     completion_tokens = sum(r.num_tokens for r in results)
     header = {"id": request_id, "object": "chat.completion", "created": created, "model": body.model}
     return JSONResponse({**header, "choices": choices, "usage": usage(prompt.num_tokens, completion_tokens)})
+
+
+def _with_tools(
+    body: ChatCompletionRequest, params: SamplingParams
+) -> tuple[ToolMode | None, SamplingParams]:
+    """The request's tool mode, and its params with a forced call's constraint."""
+    mode = tool_mode(body.tools, body.tool_choice)
+    if mode is None or mode.structured is None:
+        return mode, params
+    if params.structured is not None:
+        raise APIError(
+            400, "a forced tool_choice cannot be combined with response_format", param="tool_choice"
+        )
+    return mode, dataclasses.replace(params, structured=mode.structured)
+
+
+def _tool_choice(mode: ToolMode, i: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    content, calls = tool_message(mode, text)
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"index": i, "message": msg, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _tool_response(
+    mode: ToolMode, request_id: str, created: int, model: str, results: list[Any], num_prompt: int
+) -> JSONResponse:
+    choices = [_tool_choice(mode, i, r.text, r.finish_reason) for i, r in enumerate(results)]
+    header = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
+    completion_tokens = sum(r.num_tokens for r in results)
+    return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt, completion_tokens)})
+
+
+def _tool_chunks(mode: ToolMode) -> Callable[[int, GenerationDelta], dict[str, Any]]:
+    """Stream chunks for tool mode: the output is held until it finishes, then its content and
+    tool calls go out in one delta, so the reassembled stream equals the non-streaming answer."""
+    texts: dict[int, str] = {}
+
+    def make_chunk(i: int, delta: GenerationDelta) -> dict[str, Any]:
+        texts[i] = texts.get(i, "") + delta.text
+        if delta.finish_reason is None:
+            return {"choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": None}]}
+        full = _tool_choice(mode, i, texts.pop(i), delta.finish_reason)
+        d: dict[str, Any] = {}
+        if full["message"]["content"]:
+            d["content"] = full["message"]["content"]
+        if "tool_calls" in full["message"]:
+            d["tool_calls"] = full["message"]["tool_calls"]
+        return {
+            "choices": [{"index": i, "delta": d, "logprobs": None, "finish_reason": full["finish_reason"]}]
+        }
+
+    return make_chunk

@@ -85,6 +85,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     request_id = new_request_id("cmpl")
     reqs = fan_out(request_id, prompts, params, max_tokens)
     num_prompt_tokens = sum(p.num_tokens for p in prompts)
+    echo = _echo_texts(ctx, body, prompts, len(reqs))
     header: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",
@@ -105,7 +106,16 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
             return {"choices": [choice]}
 
         return SSEResponse(
-            stream_events(ctx, reqs, arrival_s, header, [], make_chunk, num_prompt_tokens, body.include_usage)
+            stream_events(
+                ctx,
+                reqs,
+                arrival_s,
+                header,
+                _echo_chunks(echo),
+                make_chunk,
+                num_prompt_tokens,
+                body.include_usage,
+            )
         )
 
     results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))
@@ -115,7 +125,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
         choices.append(
             {
                 "index": i,
-                "text": r.text,
+                "text": (echo[i] if echo else "") + r.text,
                 "logprobs": lp,
                 "finish_reason": r.finish_reason,
                 "stop_reason": r.stop_reason,
@@ -123,3 +133,34 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
         )
     completion_tokens = sum(r.num_tokens for r in results)
     return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt_tokens, completion_tokens)})
+
+
+def _echo_texts(
+    ctx: ServingContext, body: CompletionRequest, prompts: list[Prompt], num_choices: int
+) -> list[str]:
+    """Per choice, the prompt text that ``echo`` puts before the completion ([] when off)."""
+    if not body.echo:
+        return []
+    n = num_choices // len(prompts)
+    given = (
+        body.prompt
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
+        else None
+    )
+    texts = [
+        given[p]
+        if given is not None
+        else body.prompt
+        if isinstance(body.prompt, str)
+        else ctx.tokenizer.decode(pr.token_ids)
+        for p, pr in enumerate(prompts)
+    ]
+    return [texts[i // n] for i in range(num_choices)]
+
+
+def _echo_chunks(echo: list[str]) -> list[dict[str, Any]]:
+    """Streaming echo: each choice opens with its prompt text."""
+    return [
+        {"choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": None}]}
+        for i, t in enumerate(echo)
+    ]

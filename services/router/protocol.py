@@ -41,6 +41,10 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # Structured outputs: OpenAI's response_format and vLLM's extra
+    # {"json": schema | "regex": str | "choice": [str] | "grammar": EBNF} (services/router/structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # OpenAI fields we do not implement: present here only to reject them by name.
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -69,8 +73,11 @@ class CompletionRequest(SamplingFields):
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.echo and self.logprobs is not None:
+            # Prompt logprobs (computed where the prompt is prefilled) are not implemented yet.
+            raise APIError(400, "echo with logprobs is not supported yet", param="echo", code="unsupported")
+        if self.echo and self.prompt_embeds is not None:
+            raise APIError(400, "echo is not supported with prompt_embeds", param="echo", code="unsupported")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if self.best_of is not None and self.best_of != self.n:
@@ -115,19 +122,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(
-                400,
-                "only response_format type 'text' is supported",
-                param="response_format",
-                code="unsupported",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 

@@ -24,6 +24,7 @@ from services.router.logprobs import TokenTexts
 from services.router.metrics import RouterMetrics
 from services.router.protocol import SamplingFields
 from services.router.streams import run_sequences, sse_event
+from services.router.structured import structured_of
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +106,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "seed": body.seed,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
+        "structured": structured_of(body.response_format, body.structured_outputs),
     }
     for name in (
         "temperature",

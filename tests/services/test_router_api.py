@@ -424,7 +424,7 @@ _BAD_EMBEDS = {
         ),
         ("/v1/completions", _cmpl(n=0), "n", None),
         ("/v1/completions", _cmpl(logprobs=21), "logprobs", None),
-        ("/v1/completions", _cmpl(echo=True), "echo", "unsupported"),
+        ("/v1/completions", _cmpl(echo=True, logprobs=1), "echo", "unsupported"),
         ("/v1/completions", _cmpl(stream_options={"include_usage": True}), "stream_options", None),
         ("/v1/completions", {"prompt": "x"}, "model", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", None),

@@ -1,0 +1,130 @@
+"""Structured outputs: grammar-constrained sampling with xgrammar.
+
+A request's constraint is a ``(kind, spec)`` pair on its SamplingParams (kinds below). The
+grammar is checked where the params are built (the router, or a node reading the proto), so a
+bad schema or regex is a 400 / INVALID_ARGUMENT naming the problem before anything runs.
+
+The sampler masks each constrained row with the matcher's token bitmask before sampling. The
+matcher is rebuilt from the request's output tokens so far whenever the runner first sees the
+request: on the P/D path prefill samples the first token under the grammar, and decode replays
+that token into a fresh matcher before its first step. Compiled grammars are cached per
+(tokenizer, kind, spec).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+def _grammar(kind: str, spec: str) -> Any:  # -> xgrammar.Grammar
+    import xgrammar as xgr  # lazy: the scheduler's import path stays free of torch
+
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec)
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec)
+    if kind == "choice":
+        choices = json.loads(spec)
+        # EBNF string literals take JSON's escapes.
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
+    raise AssertionError(kind)
+
+
+@functools.lru_cache(maxsize=256)
+def check(kind: str, spec: str) -> None:
+    """Raise InvalidRequestError naming the problem when the constraint does not parse."""
+    if kind not in KINDS:
+        raise InvalidRequestError(f"structured_outputs: unknown kind {kind!r}; one of {KINDS}", field=kind)
+    if kind == "choice":
+        try:
+            choices = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"choice: not a JSON list: {e}", field="choice") from e
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise InvalidRequestError("choice: must be a non-empty list of non-empty strings", field="choice")
+    try:
+        _grammar(kind, spec)
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise InvalidRequestError(f"invalid {kind}: {msg}", field=kind) from e
+
+
+class GrammarCompiler:
+    """One per model runner: compiles constraints for a tokenizer, cached by (kind, spec)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._cache: dict[tuple[str, str], Any] = {}
+
+    def compile(self, kind: str, spec: str) -> Any:  # -> xgrammar.CompiledGrammar
+        key = (kind, spec)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compiler.compile_grammar(_grammar(kind, spec))
+            self._cache[key] = compiled
+        return compiled
+
+    def matcher(self, kind: str, spec: str) -> GrammarState:
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self.compile(kind, spec)))
+
+
+@dataclass
+class GrammarState:
+    """A request's matcher and how many of its output tokens it has consumed."""
+
+    matcher: Any  # xgrammar.GrammarMatcher
+    num_accepted: int = 0
+    failed: bool = field(default=False)
+
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        """Feed the tokens generated since the last call (all of them for a fresh matcher)."""
+        for t in output_token_ids[self.num_accepted :]:
+            if self.matcher.is_terminated():
+                break
+            # A token the mask allowed is always accepted; a rejection means the history came
+            # from outside the mask (e.g. replayed) and the row is left unconstrained from then on.
+            if not self.matcher.accept_token(t):
+                self.failed = True
+                break
+        self.num_accepted = len(output_token_ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _batch_matcher() -> Any:  # -> xgrammar.BatchGrammarMatcher
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+
+def apply_masks(logits: Any, states: list[tuple[int, GrammarState]]) -> None:
+    """Mask ``logits`` [rows, V] in place: row i keeps only the tokens its grammar allows.
+
+    One batched fill (xgrammar's thread pool) for all constrained rows, one masked write."""
+    import xgrammar as xgr
+
+    live = [(row, s) for row, s in states if not s.failed and not s.matcher.is_terminated()]
+    if not live:
+        return
+    rows = [row for row, _ in live]
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [rows, ceil(V/32)] int32, CPU
+    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)

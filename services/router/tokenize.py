@@ -1,0 +1,83 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's request and response shapes.
+
+/tokenize   {"model", "prompt", "add_special_tokens"=true}              -> {"count", "max_model_len", "tokens"}
+            {"model", "messages", "add_generation_prompt"=true}        -> the chat template's tokens
+/detokenize {"model", "tokens"}                                          -> {"prompt"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.params import Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.router.errors import bad_request
+from services.router.protocol import ChatMessage
+from services.router.serving import ServingContext
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: the chat template writes its own
+    add_generation_prompt: bool = True  # messages only
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    tokens: list[int] = Field(min_length=0)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        if getattr(ctx.tokenizer, "chat_template", None) is None:
+            raise bad_request("this model's tokenizer has no chat template; tokenize a prompt", "messages")
+        msgs: list[dict[str, Any]] = [m.template_dict(j) for j, m in enumerate(body.messages)]
+        text = ctx.tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt
+        )
+        ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        assert body.prompt is not None
+        ids = (
+            ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            if body.prompt
+            else []
+        )
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids))
+
+
+def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
+    ctx.check_model(body.model)
+    bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
+
+def install_tokenize_routes(app: FastAPI, ctx: ServingContext, guarded: list[Depends]) -> None:
+    @app.post("/tokenize", dependencies=guarded)
+    async def _tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenize(ctx, body)
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def _detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(ctx, body)

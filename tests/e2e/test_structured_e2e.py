@@ -1,0 +1,169 @@
+"""Structured outputs through real router / prefill / decode processes with the openai client:
+``chat.completions.parse`` with pydantic models, on the local path and through P→D."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytest.importorskip("xgrammar")
+
+from tests.e2e.cluster import make_cluster_config, running_cluster
+
+pytestmark = pytest.mark.slow
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+
+
+class Point(BaseModel):
+    x: int = Field(ge=-5, le=5)
+    y: int = Field(ge=0, le=3)
+
+
+class Nested(BaseModel):
+    origin: Point
+    tip: Point
+
+
+class WithEnum(BaseModel):
+    color: Color
+    ok: bool
+
+
+class WithArray(BaseModel):
+    tags: list[Color] = Field(max_length=3)
+
+
+class Bounded(BaseModel):
+    score: float = Field(ge=0.0, le=1.0)
+    count: int = Field(ge=1, le=9)
+
+
+SCHEMAS = [Nested, WithEnum, WithArray, Bounded]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 48})
+    with running_cluster(cfg, tmp_path_factory.mktemp("structured-e2e")) as rc:
+        yield rc
+
+
+def _path_count(rc, path: str) -> float:
+    text = httpx.get(rc.cluster.router_url + "/metrics").text
+    key = f'pdserve:router_requests_by_path_total{{path="{path}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def _messages(pd: bool, salt: int = 0) -> list[dict[str, str]]:
+    # Short prompts prefill on decode (local); long ones go through prefill -> decode, each with
+    # its own first block (a prefix decode has seen would be prefilled there).
+    text = f"{salt} give me json" + " and more" * (40 if pd else 0)
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("pd", [False, True], ids=["local", "pd"])
+def test_parse_returns_valid_objects(cluster, pd) -> None:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    path = "disaggregated" if pd else "local"
+    before = _path_count(cluster, path)
+    for j, model in enumerate(SCHEMAS):
+        kw = dict(model=cluster.model_name, messages=_messages(pd, j), max_tokens=200, temperature=0.0)
+        resp = client.chat.completions.parse(response_format=model, **kw)
+        parsed = resp.choices[0].message.parsed
+        assert isinstance(parsed, model), resp.choices[0].message.content
+        model.model_validate_json(resp.choices[0].message.content)
+        with client.chat.completions.stream(response_format=model, **kw) as stream:
+            final = stream.get_final_completion()
+        assert isinstance(final.choices[0].message.parsed, model)
+        assert final.choices[0].message.content == resp.choices[0].message.content  # greedy: same
+    # Every request took that path (the stream repeats its prompt: decode has seen it then).
+    expected = 2 * len(SCHEMAS) if not pd else len(SCHEMAS)
+    assert _path_count(cluster, path) - before >= expected, httpx.get(
+        cluster.cluster.router_url + "/metrics"
+    ).text
+
+
+def test_invalid_regex_is_a_400_naming_it(cluster) -> None:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(
+            model=cluster.model_name,
+            prompt="hi",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "[a-"}},
+        )
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["utc", "cet"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _reassemble(stream) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                cur = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                cur["name"] += tc.function.name or ""
+                cur["arguments"] += tc.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "clock"}}, "required"])
+def test_forced_tool_calls_through_pd(cluster, tool_choice) -> None:
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    kw = dict(
+        model=cluster.model_name,
+        messages=_messages(pd=True, salt=7 if tool_choice == "required" else 8),
+        tools=[WEATHER, CLOCK],
+        tool_choice=tool_choice,
+        max_tokens=120,
+        temperature=0.0,
+    )
+    resp = client.chat.completions.create(**kw)
+    calls = resp.choices[0].message.tool_calls
+    assert calls and resp.choices[0].finish_reason == "tool_calls", resp
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in calls] == ["clock"]
+    streamed = _reassemble(client.chat.completions.create(stream=True, **kw))
+    assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
