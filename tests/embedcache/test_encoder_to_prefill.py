@@ -19,41 +19,6 @@ pytestmark = pytest.mark.slow
 LEASE_S = 1.5
 
 
-def _encoder_proc(conn, model_dir: str, redis_url: str) -> None:
-    from pdserve.embedcache.connector import EmbeddingProducer
-    from pdserve.embedcache.index import EmbeddingIndex
-    from pdserve.errors import InvalidRequestError
-    from pdserve.kvtransfer.backend import MooncakeBackend
-    from pdserve.models.image_processor import ClipImageProcessor, ImageLimits
-    from pdserve.models.loader import load_model
-    from services.encoder.core import EncoderCore, ImageInput
-
-    model, _ = load_model(model_dir, torch.float32, "cpu")
-    backend = MooncakeBackend(host="127.0.0.1")
-    producer = EmbeddingProducer("encoder-0", backend, EmbeddingIndex.from_url(redis_url), 1 << 20, LEASE_S)
-    core = EncoderCore(
-        model, ClipImageProcessor.from_model_dir(model_dir), producer, ImageLimits(max_image_pixels=256 * 256)
-    )
-    conn.send("ready")
-    while (cmd := conn.recv())[0] != "quit":
-        try:
-            if cmd[0] == "encode":
-                conn.send(
-                    [(e.key, e.length, e.cache_hit) for e in core.encode([ImageInput(b) for b in cmd[1]])]
-                )
-            elif cmd[0] == "push":
-                producer.push(*cmd[1:])
-                conn.send("ok")
-            elif cmd[0] == "metrics":
-                m = core.metrics
-                conn.send(
-                    {n: c._value.get() for n, c in [("encoded", m.images_encoded), ("hits", m.cache_hits)]}
-                )
-        except InvalidRequestError as e:
-            conn.send(("400", str(e)))
-    backend.close()
-
-
 def _png(seed: int, size: int = 24, fmt: str = "PNG") -> bytes:
     from PIL import Image
 
@@ -83,7 +48,11 @@ def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> No
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_encoder_proc, args=(child, str(llava_dir), redis_url), daemon=True)
+    from services.encoder.pipe_worker import run_encoder_worker
+
+    proc = ctx.Process(
+        target=run_encoder_worker, args=(child, str(llava_dir), redis_url, LEASE_S, 256 * 256), daemon=True
+    )
     proc.start()
     backend = MooncakeBackend(host="127.0.0.1")
     try:
@@ -95,11 +64,13 @@ def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> No
         items = parent.recv()
         assert items[0][0] == items[3][0] and len({k for k, _, _ in items}) == 3
         parent.send(("metrics",))
-        assert parent.recv() == {"encoded": 3.0, "hits": 0.0}, "the repeated image is encoded once"
+        assert parent.recv() == {"encoded": 3.0, "hits": 0.0, "misses": 3.0}, (
+            "the repeated image is encoded once"
+        )
         parent.send(("encode", [imgs[0]]))
         assert parent.recv()[0][2] is True, "a later request with the same image is a cache hit"
         parent.send(("metrics",))
-        assert parent.recv() == {"encoded": 3.0, "hits": 1.0}
+        assert parent.recv() == {"encoded": 3.0, "hits": 1.0, "misses": 3.0}
 
         received = []
         for key, length, _hit in items[:3]:
