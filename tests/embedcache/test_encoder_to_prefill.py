@@ -133,3 +133,43 @@ def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> No
             parent.send(("quit",))
         proc.join(timeout=30)
         backend.close()
+
+
+def test_killing_the_encoder_mid_request_leaves_nothing_reserved(llava_dir, redis_url) -> None:
+    from pdserve.embedcache.connector import EmbeddingConsumer
+    from pdserve.embedcache.index import EmbeddingIndex
+    from pdserve.kvtransfer.backend import MooncakeBackend
+    from services.encoder.pipe_worker import run_encoder_worker
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=run_encoder_worker, args=(child, str(llava_dir), redis_url, LEASE_S, 256 * 256), daemon=True
+    )
+    proc.start()
+    backend = MooncakeBackend(host="127.0.0.1")
+    try:
+        assert parent.poll(120) and parent.recv() == "ready"
+        consumer = EmbeddingConsumer(backend, 1 << 20, lease_s=LEASE_S)
+        parent.send(("encode", [_png(42)]))
+        ((key, _length, _hit),) = parent.recv()
+        entry = EmbeddingIndex.from_url(redis_url).lookup(key)
+        assert entry is not None
+        r, _dst = consumer.reserve(entry)
+        consumer.start_write(r)
+        proc.kill()  # the encoder dies before it pushes
+        proc.join(timeout=10)
+        t0 = time.monotonic()
+        try:
+            alive = parent.poll(2.0) and parent.recv() == "ok"
+        except (EOFError, ConnectionResetError):
+            alive = False
+        assert not alive and time.monotonic() - t0 < 3.0, "a clean error within the wait's timeout"
+        assert consumer.complete(r, entry, ok=False) is None
+        assert consumer.table.num_reserved == 0, "nothing stays reserved on prefill"
+        time.sleep(LEASE_S + 0.5)
+        assert EmbeddingIndex.from_url(redis_url).lookup(key) is None, "the dead encoder's entry expired"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        backend.close()
