@@ -179,7 +179,9 @@ def main() -> None:
             f"{r['encoder']:10} {r['cache']:5} {r['requests']:>4} {r['ttft_p50_ms']:>12.2f} "
             f"{r['ttft_p99_ms']:>12.2f} {r['req_per_s']:>7.1f} {r['out_tok_per_s']:>7.1f}"
         )
-    print(f"encoder metrics (separate): {metrics}; bytes received by prefill: {consumer.bytes_received}")
+    print(
+        f"encoder metrics (separate): {metrics}; bytes received by prefill: {consumer.bytes_received._value.get():.0f}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "encoder_metrics": metrics}, indent=2))

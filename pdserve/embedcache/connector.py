@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 
 import torch
+from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.embedcache.index import DTYPE_BYTES, EmbeddingEntry, EmbeddingIndex
 from pdserve.embedcache.reservation import Reservation, ReservationTable
@@ -39,7 +40,13 @@ class EmbeddingProducer:
     """Owns a registered byte buffer of embeddings; thread-safe."""
 
     def __init__(
-        self, node: str, backend: TransferBackend, index: EmbeddingIndex, capacity_bytes: int, lease_s: float
+        self,
+        node: str,
+        backend: TransferBackend,
+        index: EmbeddingIndex,
+        capacity_bytes: int,
+        lease_s: float,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.node, self.backend, self.index, self.lease_s = node, backend, index, lease_s
         self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)
@@ -47,7 +54,11 @@ class EmbeddingProducer:
         backend.register(self.base, capacity_bytes)
         self._lock = threading.Lock()
         self._slots: OrderedDict[str, tuple[int, EmbeddingEntry]] = OrderedDict()  # key -> (offset, entry)
-        self.bytes_pushed = 0
+        self.bytes_pushed = Counter(
+            "pdserve:ec_bytes_pushed",
+            "Embedding bytes pushed to consumers",
+            registry=registry or CollectorRegistry(),
+        )
 
     def has(self, key: str) -> bool:
         with self._lock:
@@ -107,7 +118,7 @@ class EmbeddingProducer:
                 f"push of {key!r}: consumer reserved {nbytes} bytes, entry has {entry.nbytes}"
             )
         self.backend.write(peer_session, [(entry.base, dst_addr, entry.nbytes)], transfer_id=transfer_id)
-        self.bytes_pushed += entry.nbytes
+        self.bytes_pushed.inc(entry.nbytes)
 
     def close(self) -> None:
         with self._lock:
@@ -119,13 +130,29 @@ class EmbeddingProducer:
 class EmbeddingConsumer:
     """Reserves room for pushed embeddings in a registered buffer and hands them out as tensors."""
 
-    def __init__(self, backend: TransferBackend, capacity_bytes: int, lease_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        backend: TransferBackend,
+        capacity_bytes: int,
+        lease_s: float = 30.0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.backend = backend
         self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)
         self.base = self.buffer.data_ptr()
         backend.register(self.base, capacity_bytes)
         self.table = ReservationTable(capacity_bytes, lease_s)
-        self.bytes_received = 0
+        reg = registry or CollectorRegistry()
+        self.bytes_received = Counter("pdserve:ec_bytes_received", "Embedding bytes received", registry=reg)
+        self.reservation_expiries = Counter(
+            "pdserve:ec_reservation_expiries", "Embedding reservations ended by their lease", registry=reg
+        )
+
+    def expire(self) -> int:
+        """Free reservations past their lease (call periodically); counts them in the metric."""
+        n = self.table.expire()
+        self.reservation_expiries.inc(n)
+        return n
 
     def reserve(self, entry: EmbeddingEntry) -> tuple[Reservation, int]:
         """(reservation, destination address) for ``entry``; the producer writes there."""
@@ -145,7 +172,7 @@ class EmbeddingConsumer:
             if not self.table.finish_write(r.rid, ok) or self.table.take(r.rid) is None:
                 return None
             raw = self.buffer[r.offset : r.offset + r.nbytes].clone()
-            self.bytes_received += r.nbytes
+            self.bytes_received.inc(r.nbytes)
             return raw.view(_TORCH_DTYPES[entry.dtype]).view(entry.shape)
         finally:
             self.table.release(r.rid)

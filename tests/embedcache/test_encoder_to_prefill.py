@@ -84,6 +84,7 @@ def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> No
             assert got is not None
             received.append((key, got))
         assert consumer.table.num_reserved == 0, "nothing stays reserved on prefill"
+        assert consumer.bytes_received._value.get() == sum(e.numel() * e.element_size() for _, e in received)
 
         # The pushed bytes are the vision tower's output for the decoded image.
         from transformers import LlavaForConditionalGeneration

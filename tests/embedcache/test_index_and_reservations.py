@@ -80,3 +80,15 @@ def test_release_during_write_frees_after_writer() -> None:
     tab.release(r.rid)  # the request died mid-write
     assert tab.num_reserved == 1
     assert tab.finish_write(r.rid, ok=True) is False and tab.num_reserved == 0
+
+
+def test_consumer_counts_reservation_expiries() -> None:
+    from pdserve.embedcache.connector import EmbeddingConsumer
+    from pdserve.kvtransfer.backend import LoopbackBackend
+
+    consumer = EmbeddingConsumer(LoopbackBackend(), 1 << 12, lease_s=0.05)
+    r, dst = consumer.reserve(EmbeddingEntry("k", "e", "a", 0, 64, "float32", (4, 4)))
+    assert dst == consumer.base + r.offset
+    time.sleep(0.1)
+    assert consumer.expire() == 1 and consumer.reservation_expiries._value.get() == 1
+    assert consumer.table.num_reserved == 0
