@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.config.cluster import KV_ROLE_OF_ROLE, ClusterConfig, EcRole, KvRole, NodeConfig, Role
 from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +178,31 @@ def resolve_node_settings(
         is_multimodal=multimodal,
         overridden=tuple(overridden),
     )
+
+
+def check_mm_items_allowed(
+    node: ResolvedNode, items_have_tensor: list[bool], field: str = "mm_items"
+) -> None:
+    """How a node acts on its derived flags, for a request's image items (True: the item carries
+    its embedding tensor; False: only its cache key and placeholder length).
+
+    - an item without its tensor needs ``allow_missing_mm_embeds`` (EC consumers fetch it from the
+      embedding cache; decode never needs it, its KV already holds the image);
+    - any embedding-only item needs ``accept_mm_embeds``.
+    Raises InvalidRequestError (HTTP 400 at the router, INVALID_ARGUMENT between nodes)."""
+    if not items_have_tensor:
+        return
+    if not node.accept_mm_embeds:
+        raise InvalidRequestError(
+            f"node {node.name!r} ({node.role}, kv_role={node.kv_role}, ec_role={node.ec_role}) does not "
+            "accept embedding-only image inputs (accept_mm_embeds is false: it is derived true for EC "
+            "consumers and KV consumers of a multimodal model)",
+            field=field,
+        )
+    missing = [i for i, has in enumerate(items_have_tensor) if not has]
+    if missing and not node.allow_missing_mm_embeds:
+        raise InvalidRequestError(
+            f"node {node.name!r}: image items {missing} carry no embedding tensor, and this node "
+            "does not allow missing tensors (allow_missing_mm_embeds is false); send the embeddings",
+            field=field,
+        )

@@ -98,7 +98,9 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(
-                hash_block_tokens(parent, req.token_ids_slice(i * bs, (i + 1) * bs), req.cache_salt)
+                hash_block_tokens(
+                    parent, req.token_ids_slice(i * bs, (i + 1) * bs), req.block_salt(i * bs, (i + 1) * bs)
+                )
             )
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:

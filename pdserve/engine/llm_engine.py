@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +33,10 @@ from pdserve.distributed.pp_stage import PipelineRunner
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
+from pdserve.engine.mm_inputs import check_mm_items
 from pdserve.engine.model_runner import ModelRunner, PendingStep
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
-from pdserve.engine.request import FINISH_REASON, Request, RequestStatus
+from pdserve.engine.request import FINISH_REASON, MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
@@ -230,6 +231,7 @@ class LLMEngine:
         kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: list[int] | None = None,
         prompt_embeds: Any | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> Request:
         """Admit a request. ``prompt_embeds`` ([n, hidden] tensor) replaces the prompt: ``prompt``
         is then ignored and n placeholder ids stand in for it."""
@@ -243,6 +245,7 @@ class LLMEngine:
             raise InvalidRequestError("n: the engine takes n=1 per request; fan out above it", field="n")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids, params)
+        items = check_mm_items(mm_items, len(ids), self.arch.hidden_size)
         rid = request_id or uuid.uuid4().hex
         if rid in self._tracked:
             raise InvalidRequestError(f"request_id: {rid!r} is already running", field="request_id")
@@ -255,6 +258,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             prompt_embeds=prompt_embeds,
             cache_salt=salt,
+            mm_items=items,
         )
         if output_token_ids:
             req.output_token_ids.extend(output_token_ids)
@@ -281,6 +285,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             output_token_ids=output_token_ids,
             prompt_embeds=prompt_embeds,
+            mm_items=items,
         )
         return req
 

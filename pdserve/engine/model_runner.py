@@ -27,6 +27,7 @@ from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
+from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
@@ -312,12 +313,19 @@ class ModelRunner:
         )
         batch = build_host_batch(sched, self.block_size, self._prev_rows, width)
         out: torch.Tensor | IntermediateTensors
-        if graphs is not None and intermediate is None and graphs.can_run(batch):
+        if (
+            graphs is not None
+            and intermediate is None
+            and graphs.can_run(batch)
+            and not needs_mm_embeds(sched)
+        ):
             out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
             apply_feed(input_ids, batch, self._prev_sampled, self.staging)
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
+            if intermediate is None:  # image embeddings enter the first stage only
+                embeds = substitute_mm_embeds(sched, input_ids, embeds, self.model.model.embed_tokens)
             out = self.model(
                 input_ids, positions, self.layer_caches, meta, intermediate=intermediate, inputs_embeds=embeds
             )

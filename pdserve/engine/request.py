@@ -43,6 +43,21 @@ FINISH_REASON = {
 }
 
 
+@dataclass(frozen=True, eq=False)
+class MultiModalItem:
+    """One image of a prompt: its placeholder run and its identity (ints and bytes; the tensor is
+    opaque here). ``content_hash`` salts the hash of every block the run overlaps."""
+
+    offset: int  # first placeholder position in the prompt
+    length: int  # number of placeholder positions (= rows of ``embeds``)
+    content_hash: bytes  # digest of the image bytes, or of a client uuid
+    embeds: Any | None = None  # [length, hidden] tensor; None on nodes that never compute the run
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -59,6 +74,8 @@ class Request:
     # blocks apart in the prefix cache.
     prompt_embeds: Any | None = None
     cache_salt: bytes = b""
+    # Images (or other items) whose embeddings replace placeholder runs of the prompt, in order.
+    mm_items: tuple[MultiModalItem, ...] = ()
 
     output_token_ids: list[int] = field(default_factory=list)
     # Counts positions scheduled so far: computed, or being computed by a step in flight (the
@@ -107,6 +124,18 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def block_salt(self, start: int, end: int) -> bytes:
+        """Extra bytes of the hash of the block over positions [start, end): the cache salt, then
+        the content hash of each item the block overlaps (the same text with another image, or
+        with the image elsewhere, never shares the block)."""
+        if not self.mm_items:
+            return self.cache_salt
+        parts = [self.cache_salt]
+        for item in self.mm_items:
+            if item.offset < end and start < item.end:
+                parts.append(item.content_hash + (item.offset - start).to_bytes(8, "little", signed=True))
+        return b"".join(parts)
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,7 @@ unknown RoPE scaling, partial rotary) raises ``UnsupportedError`` here, at load 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,9 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]  # generation_config.json first, then config.json
     bos_token_id: int | None
     torch_dtype: str | None  # checkpoint dtype as written ("bfloat16"), None if absent
+    # Multimodal checkpoints (LLaVA): the top-level config.json without its text_config (the
+    # decoder fields above come from text_config). None for text-only models.
+    mm_config: dict[str, Any] | None = None
 
     @property
     def architecture(self) -> str:
@@ -153,9 +157,15 @@ class ModelArchConfig:
         if not config_path.is_file():
             raise ConfigError(f"{config_path} not found; pass a Hugging Face checkpoint folder")
         hf = json.loads(config_path.read_text())
+        mm: dict[str, Any] | None = None
+        if isinstance(hf.get("text_config"), dict):  # LLaVA-style: decoder fields live in text_config
+            mm = {k: v for k, v in hf.items() if k != "text_config"}
+            hf = {**hf["text_config"], "architectures": hf.get("architectures")}
+            hf.setdefault("dtype", mm.get("dtype") or mm.get("torch_dtype"))
         gen_path = model_dir / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-        return cls.from_hf(hf, generation)
+        cfg = cls.from_hf(hf, generation)
+        return cfg if mm is None else dataclasses.replace(cfg, mm_config=mm)
 
 
 @dataclass

@@ -297,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into this stage; skips what it does not hold. Raises ConfigError on
         unknown names, wrong shapes, or parameters left unloaded."""
         self.tie_weights()
-        params = dict(self.named_parameters())  # tied weights appear once, under embed_tokens
+        params = self.decoder_parameters()
         loaded: set[tuple[str, str]] = set()  # (parameter name, shard id or "")
         for hf_name, tensor in weights:
             if not self.needs_weight(hf_name):
@@ -310,6 +310,11 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:
             raise ConfigError(f"checkpoint lacks {len(missing)} weights this stage needs, e.g. {missing[:3]}")
+
+    def decoder_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters ``load_weights`` fills (tied weights once, under embed_tokens); a
+        multimodal subclass leaves out its vision parts, which it loads itself."""
+        return dict(self.named_parameters())
 
     @staticmethod
     def _shard_ids(param_name: str) -> tuple[str, ...]:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "llava")
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+IMAGE_TOKEN = "<image>"  # LLaVA's placeholder; one per image patch in the prompt
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -37,7 +38,7 @@ _CORPUS = [
 ]
 
 
-def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+def _train_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()):  # -> PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,7 +47,7 @@ def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFas
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
         show_progress=False,
     )
@@ -69,6 +70,8 @@ def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfi
     )
     if arch == "llama":
         return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
+    if arch == "llava":  # the decoder of the tiny LLaVA; make_tiny_model wraps it
+        return LlamaConfig(**common)
     if arch == "qwen2":
         return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
     return Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)
@@ -104,7 +107,7 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = _train_tokenizer(vocab_size, (IMAGE_TOKEN,) if arch == "llava" else ())
     assert len(tokenizer) <= vocab_size, f"tokenizer has {len(tokenizer)} tokens > vocab_size {vocab_size}"
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
 
@@ -125,7 +128,10 @@ def make_tiny_model(
         rms_norm_eps=1e-6,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch == "llava":
+        model = _tiny_llava(cfg, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), out)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -139,6 +145,52 @@ def make_tiny_model(
     tokenizer.save_pretrained(out)
     _ensure_chat_template_in_tokenizer_config(out)
     return out
+
+
+# The tiny CLIP tower: 16x16 images in 4x4 patches -> 16 image tokens per image.
+TINY_IMAGE_SIZE = 16
+TINY_PATCH_SIZE = 4
+TINY_PREPROCESSOR = {  # CLIPImageProcessor's keys and OpenAI CLIP's statistics
+    "image_processor_type": "CLIPImageProcessor",
+    "do_resize": True,
+    "size": {"shortest_edge": TINY_IMAGE_SIZE},
+    "resample": 3,  # bicubic
+    "do_center_crop": True,
+    "crop_size": {"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True,
+}
+
+
+def _tiny_llava(text_cfg, image_token_id: int, out: Path):  # -> LlavaForConditionalGeneration
+    """A random LLaVA around ``text_cfg`` (CLIP tower, as transformers' LlavaConfig default), and
+    its image processor config (CLIPImageProcessor, saved offline as preprocessor_config.json)."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=TINY_IMAGE_SIZE,
+        patch_size=TINY_PATCH_SIZE,
+        initializer_range=INITIALIZER_RANGE,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text_cfg,
+        image_token_index=image_token_id,
+        image_seq_length=(TINY_IMAGE_SIZE // TINY_PATCH_SIZE) ** 2,
+        tie_word_embeddings=text_cfg.tie_word_embeddings,
+        architectures=["LlavaForConditionalGeneration"],
+    )
+    # Written by hand: CLIPImageProcessor needs torchvision to be built, which would pull another torch.
+    (out / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
+    return LlavaForConditionalGeneration(cfg).float()
 
 
 def _ensure_chat_template_in_tokenizer_config(out: Path) -> None:

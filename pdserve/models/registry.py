@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from pdserve.errors import UnsupportedError
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.llava import LlavaForConditionalGeneration
 from pdserve.models.qwen2 import Qwen2ForCausalLM
 from pdserve.models.qwen3 import Qwen3ForCausalLM
 
@@ -13,6 +14,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -88,6 +88,11 @@ class TextContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    # image parts (services/router/multimodal.py): {"url": "data:image/png;base64,..."}, or
+    # precomputed embeddings (base64 safetensors, [placeholder tokens, hidden]); uuid as vLLM's
+    image_url: dict[str, Any] | None = None
+    image_embeds: str | None = None
+    uuid: str | None = None
 
 
 class ChatMessage(BaseModel):
