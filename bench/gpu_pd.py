@@ -194,7 +194,7 @@ def main() -> None:
             "held_after": held,
             "long_prompt_kv_bytes": nbytes,
             "write_s": write_s,
-            "write_GBps": nbytes / write_s / 1e9 if write_s else None,
+            "write_GBps": nbytes / write_s / 1e9 if write_s else 0.0,
             "d2d_copy_s": copy_s,
             "d2d_copy_GBps": nbytes / copy_s / 1e9,
         }
@@ -205,6 +205,7 @@ def main() -> None:
             p.wait(timeout=30)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_pd.json").write_text(json.dumps(result, indent=1))
+    assert result["long_prompt_kv_bytes"] > 0, "no KV was transferred (decode recomputed?): see the node logs"
     print(
         f"\nP/D on one GPU: {result['identical_to_colocated']}/{result['requests']} requests token-identical "
         f"to colocated; held after: {result['held_after']}"

@@ -124,6 +124,7 @@ class _CudaRuntime:
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
+            self._rt.cudaGetLastError()  # clear it: torch's next launch check would report it as its own
             msg = self._rt.cudaGetErrorString(code).decode()
             raise OSError(f"{what} failed: CUDA error {code} ({msg})")
 
@@ -158,9 +159,12 @@ class _CudaRuntime:
         self._check(
             self._rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base)), "cudaIpcGetMemHandle"
         )
-        return bytes(h.reserved)
+        # string_at, not h.reserved: a c_char array field reads as a C string and stops at a NUL
+        return ctypes.string_at(ctypes.addressof(h), _IPC_HANDLE_BYTES)
 
     def open_handle(self, handle: bytes, device: int) -> int:
+        if len(handle) != _IPC_HANDLE_BYTES:
+            raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, expected {_IPC_HANDLE_BYTES}")
         self._use(device)
         h = _IpcHandle()
         ctypes.memmove(ctypes.addressof(h), handle, _IPC_HANDLE_BYTES)

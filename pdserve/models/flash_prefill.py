@@ -1,9 +1,13 @@
 """Prefill attention through torch's varlen FlashAttention-2 kernel (CUDA, fp16 / bf16).
 
-The paged Triton kernel (kernels/triton_attention.py) reaches ~220-250 TFLOP/s on 2k-token
-prompts on the H200; torch's flash kernel on the same data ~370 (docs/benchmarks.md, section
-"Prefill near the peak"). For a step whose context is mostly this step's own tokens (fresh
-prompts, long chunks) the keys and values are gathered from the paged cache into contiguous
+Measured on the H200 (docs/benchmarks.md, 2026-12-02 "Prefill" section), Llama-1B shape, 32
+prompts of 2,000 tokens: at the default token budget of 2,048 (every step one chunk of a long
+prompt, few query tiles of very unequal work) the whole prefill ran at 0.46 of the bf16 peak
+with this path against 0.32 with the paged Triton kernel; at 16,384 tokens per step the Triton
+kernel wins (0.555 against 0.529: FA2's Ampere-style kernel reaches ~180 TFLOP/s at head_dim 64
+here, and the key gather costs ~7 ms of 260). So flash takes steps of at most
+``MAX_FLASH_TOKENS`` query tokens. For such a step whose context is mostly its own tokens
+(fresh prompts, long chunks) the keys and values are gathered from the paged cache into contiguous
 [total_keys, Hkv, D] tensors once per layer (their bytes are small next to the attention's
 arithmetic) and handed to ``aten._flash_attention_forward`` with cumulative lengths; causal
 masking is bottom-right aligned, so chunks with earlier context and single-token rows in the
@@ -32,6 +36,7 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 # Gathering costs bytes per context key; flash pays off when the keys are mostly this step's.
 MAX_CONTEXT_PER_QUERY = 2
+MAX_FLASH_TOKENS = 4096  # above it the Triton kernel's many tiles win (module docstring)
 
 
 def applicable(q: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -44,6 +49,7 @@ def applicable(q: torch.Tensor, meta: AttentionMetadata) -> bool:
         and q.is_cuda
         and q.dtype in FLASH_DTYPES
         and q.shape[-1] <= MAX_HEAD_DIM
+        and q.shape[0] <= MAX_FLASH_TOKENS
         and sum(meta.query_lens_cpu) == q.shape[0]
         and sum(meta.seq_lens_cpu) <= MAX_CONTEXT_PER_QUERY * q.shape[0]
     )

@@ -83,3 +83,5 @@ def test_flash_prefill_stays_off_for_decode_graphs_fp32_and_old_context():
     assert not flash_prefill.applicable(q, meta)  # fp32: the Triton kernel's IEEE path
     q, _, meta = _batch([16, 16], [900, 900], torch.bfloat16)
     assert not flash_prefill.applicable(q, meta)  # mostly old context: gathering would dominate
+    q, _, meta = _batch([3000, 2000], [3000, 2000], torch.bfloat16)
+    assert not flash_prefill.applicable(q, meta)  # over MAX_FLASH_TOKENS: the Triton tiles win
