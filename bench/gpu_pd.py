@@ -1,6 +1,8 @@
-"""Prefill -> decode on one GPU: two processes, KV moved GPU memory to GPU memory by Mooncake.
+"""Prefill -> decode on one GPU: two processes, KV moved GPU memory to GPU memory by Mooncake TCP
+or (``--transport cuda_ipc``) by CUDA IPC device copies.
 
-    PYTHONPATH=. python3 bench/gpu_pd.py --out DIR     (needs CUDA and mooncake-transfer-engine-cuda13)
+    PYTHONPATH=. python3 bench/gpu_pd.py --out DIR [--transport tcp|cuda_ipc]
+    (needs CUDA; tcp needs mooncake-transfer-engine-cuda13)
 
 Starts a prefill and a decode node (``services.launch.run_node``, CUDA graphs and asynchronous
 scheduling as by default) on the same GPU, runs 16 requests of mixed lengths through the
@@ -30,11 +32,12 @@ import sys
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from services.launch import run_node
 from services.node import NodeOptions
-role, port, mport, model, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+role, port, mport, model, dtype, transport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
 cfg = EngineConfig(model=model, device="cuda", dtype=dtype, max_model_len=4096,
                    cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
                    scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096))
-run_node(NodeOptions(name=role + "-0", role=role, engine=cfg, grpc_port=port, metrics_port=mport))
+run_node(NodeOptions(name=role + "-0", role=role, engine=cfg, grpc_port=port, metrics_port=mport,
+                     kv_transport=transport))
 """
 
 
@@ -63,16 +66,21 @@ def metric(port: int, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-async def run_pd(p_addr: str, d_addr: str, prompts, params) -> list[list[int]]:
+async def run_pd(
+    p_addr: str, d_addr: str, prompts, params, ttfts: list[float] | None = None
+) -> list[list[int]]:
     from services.router.backend import BackendRequest
     from services.router.pd_backend import PDBackend, RouterPolicy
 
     be = PDBackend([("prefill-0", p_addr)], [("decode-0", d_addr)], RouterPolicy(local_prefill_max_tokens=0))
 
     async def one(i, ids):
-        toks = []
+        toks: list[int] = []
+        t0 = time.perf_counter()
         async for d in be.generate(BackendRequest(f"r{i}", ids, params)):
             assert d.finish_reason != "error", d.error
+            if not toks and d.token_ids and ttfts is not None:
+                ttfts.append(time.perf_counter() - t0)
             toks += d.token_ids
         return toks
 
@@ -89,6 +97,7 @@ def main() -> None:
     # fp32 by default: greedy parity with the colocated engine must not hinge on bf16 rounding,
     # which differs with the batch a request runs in (P/D and colocated batch differently).
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--transport", default="tcp", choices=("tcp", "cuda_ipc"), help="the nodes' kv_transport")
     args = ap.parse_args()
     import torch
 
@@ -118,7 +127,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs = {
         r: subprocess.Popen(
-            [sys.executable, "-c", NODE, r, str(g), str(m), str(model), args.dtype],
+            [sys.executable, "-c", NODE, r, str(g), str(m), str(model), args.dtype, args.transport],
             env=env,
             stdout=open(Path(args.out) / f"gpu_pd_{r}.log", "w"),
             stderr=subprocess.STDOUT,
@@ -152,7 +161,8 @@ def main() -> None:
         w_bytes0 = metric(ports["prefill"][1], "pdserve:kv_transfer_bytes_total")
         w_s0 = metric(ports["prefill"][1], "pdserve:kv_transfer_seconds_total")
         long_prompt = [[rng.randrange(4096) for _ in range(3000)]]
-        asyncio.run(run_pd(p_addr, d_addr, long_prompt, SamplingParams(temperature=0.0, max_tokens=2)))
+        ttfts: list[float] = []
+        asyncio.run(run_pd(p_addr, d_addr, long_prompt, SamplingParams(temperature=0.0, max_tokens=2), ttfts))
         nbytes = metric(ports["prefill"][1], "pdserve:kv_transfer_bytes_total") - w_bytes0
         write_s = metric(ports["prefill"][1], "pdserve:kv_transfer_seconds_total") - w_s0
         src = torch.randn(int(nbytes) // 2, dtype=torch.bfloat16, device="cuda")
@@ -175,13 +185,16 @@ def main() -> None:
                     (rep.node, rep.num_blocks_used, rep.num_held_requests, rep.num_blocks_held_for_transfer)
                 )
         result = {
+            "transport": args.transport,
+            "long_prompt_ttft_s": ttfts[0],
+            "transfer_share_of_ttft": write_s / ttfts[0],
             "requests": len(prompts),
             "identical_to_colocated": same,
             "pd_seconds": pd_s,
             "held_after": held,
             "long_prompt_kv_bytes": nbytes,
             "write_s": write_s,
-            "write_GBps": nbytes / write_s / 1e9 if write_s else None,
+            "write_GBps": nbytes / write_s / 1e9 if write_s else 0.0,
             "d2d_copy_s": copy_s,
             "d2d_copy_GBps": nbytes / copy_s / 1e9,
         }
@@ -192,6 +205,7 @@ def main() -> None:
             p.wait(timeout=30)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_pd.json").write_text(json.dumps(result, indent=1))
+    assert result["long_prompt_kv_bytes"] > 0, "no KV was transferred (decode recomputed?): see the node logs"
     print(
         f"\nP/D on one GPU: {result['identical_to_colocated']}/{result['requests']} requests token-identical "
         f"to colocated; held after: {result['held_after']}"
@@ -200,7 +214,8 @@ def main() -> None:
         f"KV of a 3000-token prompt: {result['long_prompt_kv_bytes'] / 2**20:.1f} MiB written in "
         f"{result['write_s'] * 1e3:.2f} ms = {result['write_GBps']:.2f} GB/s; plain device copy of the same "
         f"bytes {result['d2d_copy_s'] * 1e3:.3f} ms = {result['d2d_copy_GBps']:.1f} GB/s "
-        f"(ratio {result['write_GBps'] / result['d2d_copy_GBps']:.4f})"
+        f"(ratio {result['write_GBps'] / result['d2d_copy_GBps']:.4f}); transport {args.transport}, TTFT "
+        f"{result['long_prompt_ttft_s'] * 1e3:.1f} ms, write = {result['transfer_share_of_ttft']:.4f} of TTFT"
     )
     assert result["identical_to_colocated"] == result["requests"]
     assert all(h[1:] == (0, 0, 0) for h in result["held_after"]), result["held_after"]

@@ -2,7 +2,7 @@
 # Everything the GPU issue measures, in one call on the lent H200 (its time is short):
 #
 #   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest pytest-files
-#                                         kernels attn decode-quick startup
+#                                         kernels attn decode-quick startup prefill ipc pd-ipc
 #                                   (pytest-files: the tests named in $PYTEST_FILES)
 #                                   (default: decode pd pytest)
 #
@@ -58,6 +58,9 @@ for p in "${parts[@]}"; do
     pytest-files) part pytest_files "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
       $PYTEST_FILES -rfE --tb=short ;;
     startup) part startup 120 python3 bench/startup.py ;;
+    prefill) part gpu_prefill "${PREFILL_LIMIT:-330}" python3 bench/gpu_prefill.py --out "$OUT" ${PREFILL_ARGS:-} ;;
+    ipc) part gpu_ipc "${IPC_LIMIT:-90}" python3 bench/gpu_ipc.py --out "$OUT" ;;
+    pd-ipc) part gpu_pd_ipc "${PD_LIMIT:-150}" python3 bench/gpu_pd.py --out "$OUT" --transport cuda_ipc ;;
     kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac

@@ -20,8 +20,9 @@ from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import EngineDeadError, UnsupportedError
-from pdserve.kvtransfer.backend import MooncakeBackend, TransferBackend
+from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
+from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc import channel
 from pdserve.rpc.malformed import MalformedRequestInterceptor
@@ -42,7 +43,7 @@ class NodeOptions:
     grpc_port: int = 50061
     metrics_port: int | None = None
     kv_host: str = "127.0.0.1"  # address peers reach our transfer engine at
-    kv_transport: str = "tcp"
+    kv_transport: str = "tcp"  # tcp | rdma (Mooncake) | cuda_ipc (same-host GPUs)
     kv_lease_s: float = 30.0
     kv_keepalive_s: float = 5.0  # decode: KeepAlive period for transfers queued here (< the lease)
     kv_checksum: bool = False  # decode: ask prefill for a digest of each push and verify it
@@ -75,7 +76,7 @@ class NodeBase:
         self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
         self.backend: TransferBackend | None = None
         if opts.role in ("prefill", "decode"):
-            self.backend = MooncakeBackend(host=opts.kv_host, protocol=opts.kv_transport)
+            self.backend = make_backend(opts.kv_transport, opts.kv_host, str(self.engine.runner.device))
             cache = self.engine.runner.kv_cache
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())

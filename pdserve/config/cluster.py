@@ -106,7 +106,7 @@ class NodeConfig(_Frozen):
     pp_layer_split: tuple[int, ...] | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_transport: Literal["tcp", "rdma"] = "tcp"  # Mooncake Transfer Engine protocol
+    kv_transport: Literal["tcp", "rdma", "cuda_ipc"] = "tcp"  # Mooncake TCP / RDMA, or same-host CUDA IPC
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)

@@ -313,13 +313,15 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    block_q: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged context (already written).
 
     q: [num_tokens, H, D]; kv_cache: [num_blocks, 2, block_size, Hkv, D]; block_tables:
     [num_seqs, width] int32; seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32.
     ``max_query_len`` is an upper bound used only to pick the tile shape (1: decode tiles).
-    ``block_n``, ``num_warps``, ``num_stages`` override the launch heuristics (benchmarks).
+    ``block_n``, ``num_warps``, ``num_stages`` and (prefill tiles only) ``block_q``, the query
+    tokens per tile, override the launch heuristics (benchmarks).
     Returns [num_tokens, H, D] in q.dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -346,7 +348,7 @@ def paged_attention(
         block_q, num_tiles = 1, num_tokens
         block_m = max(16, g_pad)
     else:
-        block_q = max(1, 64 // g_pad)
+        block_q = block_q or max(1, 64 // g_pad)
         block_m = max(16, block_q * g_pad)
         num_tiles = num_tokens // block_q + num_seqs
         num_splits = 1  # prefill tiles have enough programs; partials would cost more than they save
@@ -390,7 +392,8 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or 4,
-        num_stages=num_stages or 3,
+        # 2 stages for prefill tiles: 0.53 vs 0.59 ms on 8 x 2k-token prompts (H200 sweep).
+        num_stages=num_stages or (3 if max_query_len == 1 else 2),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import UnsupportedError
+from pdserve.models import flash_prefill
 
 AttentionBackend = Literal["torch", "triton"]
 TRITON_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -68,6 +69,8 @@ class AttentionMetadata:
     # Torch path: the context gather index, built by the first layer of a step, reused by the rest.
     # Whoever refills a metadata's tensors in place (static CUDA-graph buffers) calls refilled().
     _ctx_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # Flash prefill path (flash_prefill.py): each key's block and offset, cumulative key counts.
+    _flash_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -76,6 +79,7 @@ class AttentionMetadata:
     def refilled(self) -> None:
         """The device tensors were overwritten in place for a new step: drop derived caches."""
         self._ctx_index = None
+        self._flash_index = None
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -251,7 +255,8 @@ def attend_cached(
     """Causal attention of each request's query tokens over its paged context, this step's K/V
     already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``."""
     if meta.backend == "triton":
-        return _attend_triton(q, kv_cache, meta, scale)
+        out = flash_prefill.attend(q, kv_cache, meta, scale)  # None: not a step for flash
+        return out if out is not None else _attend_triton(q, kv_cache, meta, scale)
     assert meta.backend == "torch", f"attention backend {meta.backend!r}"
     num_tokens, num_heads, head_dim = q.shape
     _, two, _, num_kv_heads, cache_head_dim = kv_cache.shape

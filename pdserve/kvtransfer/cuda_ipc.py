@@ -1,0 +1,435 @@
+"""Same-host GPU KV transport: CUDA IPC handles of the peer's KV tensor, device-to-device copies.
+
+``kv_transport: cuda_ipc``. Each backend runs a tiny JSON-over-TCP directory on ``host`` that
+answers one question, "which ranges are registered here and under which CUDA IPC handle", plus
+this process's epoch. ``session_id`` is ``"host:port/epoch"``: a peer that restarted on the same
+port has a new epoch and every write addressed to the old session is refused (the bytes it held
+for earlier transfers are gone), exactly as the KV handshake refuses it one level up.
+
+A write looks the target up in the peer's directory reply, cached per session: the first write
+to a session asks (and checks the epoch), a target outside the cached ranges or a failed copy
+asks again, and so does any write ``refresh_s`` after the last answer (a loopback round trip
+costs ~100 us of Python, more than the copy of a 2k-token prompt's KV). It opens the peer's
+allocation once per (session, handle) with
+``cudaIpcOpenMemHandle`` and issues one ``cudaMemcpyAsync`` per descriptor on a private stream,
+then waits for that stream: when ``write`` returns the bytes are in the peer's tensor. The
+descriptors are already merged block runs (regions.build_descriptors), so a fresh 2k-token
+prompt is a handful of copies. Between GPUs of one host the same copy goes over NVLink / PCIe
+peer access (``cudaIpcMemLazyEnablePeerAccess``). Writes into our own process (one process
+holding both ends, tests) skip the IPC open: the peer's address is ours.
+
+The CUDA runtime is reached through ctypes (``_CudaRuntime``); unit tests on hosts without CUDA
+pass a fake runtime with the same four calls. Nothing from the network is unpickled: the
+directory speaks JSON, and handles travel as hex.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
+from pdserve.kvtransfer.regions import Descriptor
+
+_MAX_REPLY_BYTES = 1 << 20
+_IPC_HANDLE_BYTES = 64
+
+
+class CudaApi(Protocol):
+    """The CUDA calls the backend needs; ``_CudaRuntime`` is the real one."""
+
+    def current_device(self) -> int: ...
+
+    def allocation_of(self, addr: int) -> tuple[int, int]:
+        """(base, size) of the device allocation holding ``addr``; raises ValueError for host memory."""
+        ...
+
+    def ipc_handle(self, base: int) -> bytes: ...
+
+    def open_handle(self, handle: bytes, device: int) -> int: ...
+
+    def close_handle(self, addr: int, device: int) -> None: ...
+
+    def copy(self, copies: Sequence[Descriptor], device: int) -> None:
+        """Device-to-device copies, in order; returns once all landed."""
+        ...
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
+
+
+def _load_cudart() -> ctypes.CDLL:
+    """The libcudart torch already loaded (same version as the caching allocator's), else any."""
+    import torch  # the engine's process already has it; initialising CUDA maps libcudart
+
+    torch.cuda.init()
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    for path in sorted(paths) + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise OSError("kv_transport cuda_ipc: no libcudart found (torch with CUDA is required)")
+
+
+class _CudaRuntime:
+    """ctypes over libcudart (runtime API: the primary context torch uses, on any thread)."""
+
+    _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing picks D2D or peer
+    _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
+    _CU_POINTER_MEMORY_TYPE = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE -> unsigned int
+    _CU_POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL -> int
+    _CU_MEMORYTYPE_DEVICE = 2
+
+    def __init__(self) -> None:
+        self._rt = _load_cudart()
+        self._cu = ctypes.CDLL("libcuda.so.1")
+        self._streams: dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+        rt = self._rt
+        rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
+        rt.cudaMemcpyAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        rt.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
+        rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        rt.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        rt.cudaSetDevice.argtypes = [ctypes.c_int]
+        rt.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        rt.cudaGetErrorString.argtypes = [ctypes.c_int]
+        rt.cudaGetErrorString.restype = ctypes.c_char_p
+        # Driver calls for pointer facts: one scalar each, no struct whose size changes between
+        # CUDA releases (cudaPointerAttributes grew in 13.0; a short struct corrupts memory).
+        self._cu.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self._cu.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            self._rt.cudaGetLastError()  # clear it: torch's next launch check would report it as its own
+            msg = self._rt.cudaGetErrorString(code).decode()
+            raise OSError(f"{what} failed: CUDA error {code} ({msg})")
+
+    def _use(self, device: int) -> None:
+        self._check(self._rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+
+    def current_device(self) -> int:
+        dev = ctypes.c_int()
+        self._check(self._rt.cudaGetDevice(ctypes.byref(dev)), "cudaGetDevice")
+        return dev.value
+
+    def allocation_of(self, addr: int) -> tuple[int, int]:
+        self._use(self.current_device())  # a current context for the driver calls below
+        mem_type, ordinal = ctypes.c_uint(), ctypes.c_int()
+        code = self._cu.cuPointerGetAttribute(ctypes.byref(mem_type), self._CU_POINTER_MEMORY_TYPE, addr)
+        if code != 0 or mem_type.value != self._CU_MEMORYTYPE_DEVICE:
+            raise ValueError(
+                f"address {addr:#x} is not device memory (CUresult {code}, type {mem_type.value})"
+            )
+        code = self._cu.cuPointerGetAttribute(ctypes.byref(ordinal), self._CU_POINTER_DEVICE_ORDINAL, addr)
+        if code != 0:
+            raise OSError(f"cuPointerGetAttribute(DEVICE_ORDINAL, {addr:#x}) failed: CUresult {code}")
+        self._use(ordinal.value)
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        code = self._cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), addr)
+        if code != 0:
+            raise OSError(f"cuMemGetAddressRange({addr:#x}) failed: CUresult {code}")
+        return base.value, size.value
+
+    def ipc_handle(self, base: int) -> bytes:
+        h = _IpcHandle()
+        self._check(
+            self._rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base)), "cudaIpcGetMemHandle"
+        )
+        # string_at, not h.reserved: a c_char array field reads as a C string and stops at a NUL
+        return ctypes.string_at(ctypes.addressof(h), _IPC_HANDLE_BYTES)
+
+    def open_handle(self, handle: bytes, device: int) -> int:
+        if len(handle) != _IPC_HANDLE_BYTES:
+            raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, expected {_IPC_HANDLE_BYTES}")
+        self._use(device)
+        h = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(h), handle, _IPC_HANDLE_BYTES)
+        ptr = ctypes.c_void_p()
+        self._check(
+            self._rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, self._IPC_LAZY_PEER), "cudaIpcOpenMemHandle"
+        )
+        assert ptr.value is not None
+        return ptr.value
+
+    def close_handle(self, addr: int, device: int) -> None:
+        self._use(device)
+        self._check(self._rt.cudaIpcCloseMemHandle(ctypes.c_void_p(addr)), "cudaIpcCloseMemHandle")
+
+    def _stream(self, device: int) -> ctypes.c_void_p:
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = ctypes.c_void_p()
+                self._check(self._rt.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreate")
+                self._streams[device] = s
+            return s
+
+    def copy(self, copies: Sequence[Descriptor], device: int) -> None:
+        self._use(device)
+        stream = self._stream(device)
+        memcpy = self._rt.cudaMemcpyAsync
+        for src, dst, n in copies:
+            self._check(memcpy(dst, src, n, self._MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+        self._check(self._rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+class _Directory(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _ask(host: str, port: int, timeout_s: float) -> dict[str, Any]:
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s.sendall(b'{"op": "ranges"}\n')
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > _MAX_REPLY_BYTES:
+                raise ValueError("directory reply too large")
+    reply = json.loads(buf)
+    if not isinstance(reply, dict):
+        raise ValueError("directory reply is not an object")
+    return reply
+
+
+def parse_session(session: str) -> tuple[str, int, str]:
+    """``"host:port/epoch"`` -> (host, port, epoch); ValueError names the bad value."""
+    addr, sep, epoch = session.partition("/")
+    host, _, port = addr.rpartition(":")
+    if not sep or not epoch or not host or not port.isdigit():
+        raise ValueError(f"not a cuda_ipc session {session!r}: expected 'host:port/epoch'")
+    return host, int(port), epoch
+
+
+class CudaIpcBackend(TransferBackend):
+    """Writes into a same-host peer's GPU memory through CUDA IPC (module docstring)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        cuda: CudaApi | None = None,
+        timeout_s: float = 10.0,
+        refresh_s: float = 5.0,
+    ) -> None:
+        self._cuda: CudaApi = cuda if cuda is not None else _CudaRuntime()
+        self._host = host
+        self._timeout_s = timeout_s
+        self._refresh_s = refresh_s
+        self._peers: dict[str, tuple[float, dict[str, Any], list[dict[str, Any]]]] = {}  # session -> answer
+        self._epoch = secrets.token_hex(8)
+        self._pid = os.getpid()
+        self._device = self._cuda.current_device()
+        self._lock = threading.Lock()
+        self._ranges = _RangeSet()
+        self._handles: dict[int, dict[str, Any]] = {}  # registered addr -> advertised entry
+        self._opened: dict[tuple[str, str], int] = {}  # (session, handle hex) -> mapped base here
+        self._closed = False
+        backend = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                line = self.rfile.readline(4096)
+                try:
+                    op = json.loads(line).get("op")
+                except (ValueError, AttributeError):
+                    op = None
+                reply = (
+                    backend._directory() if op == "ranges" else {"error": f"unknown request {line[:64]!r}"}
+                )
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+        self._server = _Directory((host, 0), Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="cuda-ipc-directory", daemon=True
+        )
+        self._thread.start()
+        self._session_id = f"{host}:{self._server.server_address[1]}/{self._epoch}"
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    @property
+    def epoch(self) -> str:
+        return self._epoch
+
+    def _directory(self) -> dict[str, Any]:
+        with self._lock:
+            entries = list(self._handles.values())
+        return {"epoch": self._epoch, "pid": self._pid, "device": self._device, "ranges": entries}
+
+    def register(self, addr: int, length: int) -> None:
+        if self._closed:
+            raise TransferError(self._session_id, "-", "register", None, "backend is closed")
+        try:
+            base, size = self._cuda.allocation_of(addr)
+            handle = self._cuda.ipc_handle(base)
+        except (OSError, ValueError) as e:
+            raise TransferError(
+                self._session_id,
+                "-",
+                f"register({addr:#x}, {length})",
+                None,
+                f"kv_transport cuda_ipc needs the KV cache in CUDA device memory: {e}",
+            ) from e
+        if addr + length > base + size:
+            raise TransferError(
+                self._session_id,
+                "-",
+                f"register({addr:#x}, {length})",
+                None,
+                f"range ends past its allocation {base:#x}+{size}",
+            )
+        with self._lock:
+            self._ranges.add(addr, length)
+            self._handles[addr] = {
+                "addr": addr,
+                "length": length,
+                "offset": addr - base,
+                "handle": handle.hex(),
+            }
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            try:
+                self._ranges.remove(addr)
+            except KeyError:
+                raise TransferError(
+                    self._session_id, "-", f"unregister({addr:#x})", None, "not registered"
+                ) from None
+            del self._handles[addr]
+
+    def _peer_ranges(
+        self, peer_session: str, transfer_id: str, *, fresh: bool = False
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._peers.get(peer_session)
+        if cached is not None and not fresh and now - cached[0] < self._refresh_s:
+            return cached[1], cached[2]
+        try:
+            host, port, epoch = parse_session(peer_session)
+            reply = _ask(host, port, self._timeout_s)
+        except (OSError, ValueError) as e:
+            self._forget_peer(peer_session)
+            raise TransferError(
+                peer_session, transfer_id, "write", None, f"peer directory unreachable: {e}"
+            ) from e
+        if reply.get("epoch") != epoch:
+            self._forget_peer(peer_session)
+            raise TransferError(
+                peer_session,
+                transfer_id,
+                "write",
+                None,
+                f"peer epoch is {reply.get('epoch')!r}, not {epoch!r}: the peer restarted and its KV is gone",
+            )
+        ranges = reply.get("ranges")
+        if not isinstance(ranges, list):
+            raise TransferError(peer_session, transfer_id, "write", None, "malformed directory reply")
+        with self._lock:
+            self._peers[peer_session] = (now, reply, ranges)
+        return reply, ranges
+
+    def _forget_peer(self, peer_session: str) -> None:
+        with self._lock:
+            self._peers.pop(peer_session, None)
+
+    @staticmethod
+    def _find(ranges: list[dict[str, Any]], dst: int, n: int) -> dict[str, Any] | None:
+        for r in ranges:
+            if int(r["addr"]) <= dst and dst + n <= int(r["addr"]) + int(r["length"]):
+                return r
+        return None
+
+    def _mapped_base(self, peer_session: str, reply: dict[str, Any], entry: dict[str, Any]) -> int:
+        """This process's address of the peer range's allocation base."""
+        if reply.get("pid") == self._pid:  # our own memory: no IPC (CUDA refuses to open it anyway)
+            return int(entry["addr"]) - int(entry["offset"])
+        key = (peer_session, str(entry["handle"]))
+        with self._lock:
+            base = self._opened.get(key)
+        if base is None:
+            base = self._cuda.open_handle(bytes.fromhex(str(entry["handle"])), self._device)
+            with self._lock:
+                self._opened[key] = base
+        return base
+
+    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+        if self._closed:
+            raise TransferError(peer_session, transfer_id, "write", None, "backend is closed")
+        with self._lock:
+            bad = self._ranges.first_outside([(s, n) for s, _, n in descs])
+        if bad is not None:
+            raise TransferError(
+                peer_session,
+                transfer_id,
+                "write",
+                None,
+                f"source {bad[0]:#x}+{bad[1]} is not registered memory",
+            )
+        reply, ranges = self._peer_ranges(peer_session, transfer_id)
+        if any(self._find(ranges, d, n) is None for _, d, n in descs):
+            reply, ranges = self._peer_ranges(peer_session, transfer_id, fresh=True)  # registered since?
+        copies: list[Descriptor] = []
+        try:
+            for src, dst, n in descs:
+                entry = self._find(ranges, dst, n)
+                if entry is None:
+                    raise TransferError(
+                        peer_session,
+                        transfer_id,
+                        "write",
+                        -1,
+                        f"target {dst:#x}+{n} is not registered on the peer",
+                    )
+                base = self._mapped_base(peer_session, reply, entry)
+                copies.append((src, base + int(entry["offset"]) + dst - int(entry["addr"]), n))
+            self._cuda.copy(copies, self._device)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            self._forget_peer(peer_session)  # the next write asks the peer again
+            raise TransferError(peer_session, transfer_id, "write", -1, f"device copy failed: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            opened, self._opened = self._opened, {}
+            self._ranges = _RangeSet()
+            self._handles.clear()
+        self._server.shutdown()
+        self._server.server_close()
+        for base in opened.values():
+            try:
+                self._cuda.close_handle(base, self._device)
+            except OSError:  # at shutdown the peer may be gone first; the driver reclaims the mapping
+                continue

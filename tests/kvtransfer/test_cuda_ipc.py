@@ -1,0 +1,198 @@
+"""CudaIpcBackend's directory, epoch, range checks and copy plan, on host memory.
+
+The CUDA calls go through a fake ``CudaApi`` over ctypes buffers (this module's unit tests only);
+the real runtime is covered by tests/gpu/test_cuda_ipc_gpu.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from pdserve.errors import ConfigError
+from pdserve.kvtransfer.backend import TransferError
+from pdserve.kvtransfer.connector import KVProducer
+from pdserve.kvtransfer.cuda_ipc import CudaIpcBackend, parse_session
+from pdserve.kvtransfer.factory import make_backend
+from pdserve.kvtransfer.regions import align_regions, build_descriptors, regions_for_kv_cache
+
+SIZE = 4096
+
+
+class FakeCuda:
+    """Host buffers stand in for device allocations; a handle is the base address in hex."""
+
+    def __init__(self) -> None:
+        self.allocations: dict[int, int] = {}
+        self.opened: list[int] = []
+        self.closed: list[int] = []
+        self.copies: list[tuple[int, int, int]] = []
+
+    def alloc(self, fill: int = 0):
+        buf = ctypes.create_string_buffer(bytes([fill]) * SIZE, SIZE)
+        self.allocations[ctypes.addressof(buf)] = SIZE
+        return buf, ctypes.addressof(buf)
+
+    def current_device(self) -> int:
+        return 0
+
+    def allocation_of(self, addr: int) -> tuple[int, int]:
+        for base, size in self.allocations.items():
+            if base <= addr < base + size:
+                return base, size
+        raise ValueError(f"{addr:#x} is host memory")
+
+    def ipc_handle(self, base: int) -> bytes:
+        return base.to_bytes(64, "little")
+
+    def open_handle(self, handle: bytes, device: int) -> int:
+        base = int.from_bytes(handle, "little")
+        self.opened.append(base)
+        return base  # one address space: the "mapping" is the allocation itself
+
+    def close_handle(self, addr: int, device: int) -> None:
+        self.closed.append(addr)
+
+    def copy(self, copies, device: int) -> None:
+        for src, dst, n in copies:
+            self.copies.append((src, dst, n))
+            ctypes.memmove(dst, src, n)
+
+
+@pytest.fixture
+def cuda():
+    return FakeCuda()
+
+
+@pytest.fixture
+def pair(cuda):
+    p, d = CudaIpcBackend(cuda=cuda), CudaIpcBackend(cuda=cuda)
+    yield p, d
+    p.close()
+    d.close()
+
+
+def test_session_names_host_port_and_epoch(pair):
+    p, d = pair
+    host, port, epoch = parse_session(d.session_id)
+    assert host == "127.0.0.1" and port > 0 and epoch == d.epoch != p.epoch
+    with pytest.raises(ValueError, match="host:port/epoch"):
+        parse_session("127.0.0.1:5000")
+
+
+def test_write_copies_bytes_in_own_process_without_ipc(cuda, pair):
+    p, d = pair
+    _src_buf, src = cuda.alloc(7)
+    dst_buf, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst + 1024, 2048)  # an interior range: offset inside its allocation travels
+    p.write(d.session_id, [(src + 10, dst + 1024, 100), (src, dst + 3000, 72)], transfer_id="t")
+    assert dst_buf.raw[1024:1124] == b"\x07" * 100 and dst_buf.raw[3000:3072] == b"\x07" * 72
+    assert dst_buf.raw[:1024] == b"\x00" * 1024 and cuda.opened == []
+
+
+def test_peer_in_another_process_is_opened_once_and_closed(cuda, pair):
+    p, d = pair
+    _src_buf, src = cuda.alloc(3)
+    dst_buf, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, SIZE)
+    d._pid = -1  # the directory now says "another process": the IPC path is taken
+    for i in range(3):
+        p.write(d.session_id, [(src, dst + 64 * i, 64)], transfer_id=f"t{i}")
+    assert cuda.opened == [dst] and dst_buf.raw[:192] == b"\x03" * 192
+    p.close()
+    assert cuda.closed == [dst]
+
+
+def test_unregistered_target_or_source_is_refused_before_any_copy(cuda, pair):
+    p, d = pair
+    _, src = cuda.alloc(1)
+    _, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, 1024)
+    with pytest.raises(TransferError, match="not registered on the peer") as e:
+        p.write(d.session_id, [(src, dst, 64), (src, dst + 1000, 64)], transfer_id="t")
+    assert e.value.code == -1 and cuda.copies == []
+    with pytest.raises(TransferError, match=r"source .* not registered") as e:
+        p.write(d.session_id, [(src + SIZE - 8, dst, 64)], transfer_id="t")
+    assert e.value.code is None
+
+
+def test_restarted_or_gone_peer_is_refused(cuda, pair):
+    p, d = pair
+    _, src = cuda.alloc(1)
+    _, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, SIZE)
+    host, port, _ = parse_session(d.session_id)
+    with pytest.raises(TransferError, match="peer restarted"):
+        p.write(f"{host}:{port}/0123456789abcdef", [(src, dst, 8)], transfer_id="t")
+    session = d.session_id
+    d.close()
+    with pytest.raises(TransferError, match="unreachable"):
+        p.write(session, [(src, dst, 8)], transfer_id="t")
+    assert cuda.copies == []
+
+
+def test_host_memory_is_refused_at_register(cuda, pair):
+    p, _ = pair
+    buf = ctypes.create_string_buffer(64)
+    with pytest.raises(TransferError, match="CUDA device memory"):
+        p.register(ctypes.addressof(buf), 64)
+
+
+def test_a_failed_copy_is_a_counted_failed_push(cuda, pair):
+    p, d = pair
+    geom = dict(block_size=4, num_kv_heads=1, head_dim=8, elem_bytes=2)  # 128 B per layer block
+    layers = ["l0", "l1"]
+    _, src = cuda.alloc(5)
+    _, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, SIZE)
+    src_regions = regions_for_kv_cache(src, 16, layers, **geom)
+    dst_regions = regions_for_kv_cache(dst, 16, layers, **geom)
+    released: list[str] = []
+    prod = KVProducer(p, src_regions, 4, released.append)
+    prod.on_hold("t", [0, 1], need_send=1)
+
+    def broken(copies, device):
+        raise OSError("cudaMemcpyAsync failed: CUDA error 1")
+
+    cuda.copy = broken
+    res = prod.push("t", [3, 4], 8, dst_regions, d.session_id)
+    assert not res.ok and "device copy failed" in res.error and prod.failures_total == 1
+    assert released == ["t"]  # need_send=1 reached: the blocks are freed, not leaked
+    pairs = align_regions(src_regions, dst_regions)
+    assert build_descriptors(pairs, [0, 1], [3, 4])  # the plan itself was valid
+
+
+def test_factory_refuses_cuda_ipc_on_cpu_and_unknown_transports():
+    with pytest.raises(ConfigError, match=r"cuda_ipc.*'cpu'"):
+        make_backend("cuda_ipc", "127.0.0.1", "cpu")
+    with pytest.raises(ConfigError, match="unknown kv_transport 'nvlink'"):
+        make_backend("nvlink", "127.0.0.1", "cuda")
+
+
+def test_directory_is_cached_and_asked_again_for_a_new_range(cuda, monkeypatch):
+    import pdserve.kvtransfer.cuda_ipc as mod
+
+    p, d = CudaIpcBackend(cuda=cuda), CudaIpcBackend(cuda=cuda)
+    asks: list[int] = []
+    real_ask = mod._ask
+    monkeypatch.setattr(mod, "_ask", lambda h, port, t: asks.append(port) or real_ask(h, port, t))
+    try:
+        src_buf, src = cuda.alloc(9)
+        dst_buf, dst = cuda.alloc(0)
+        p.register(src, SIZE)
+        d.register(dst, 1024)
+        for _ in range(3):
+            p.write(d.session_id, [(src, dst, 16)], transfer_id="t")
+        assert len(asks) == 1  # one round trip for three writes
+        d.register(dst + 2048, 1024)  # registered after p cached the answer
+        p.write(d.session_id, [(src, dst + 2048, 16)], transfer_id="t")
+        assert len(asks) == 2 and dst_buf.raw[2048:2064] == src_buf.raw[:16] == b"\x09" * 16
+    finally:
+        p.close()
+        d.close()
