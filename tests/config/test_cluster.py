@@ -269,7 +269,8 @@ def test_local_example_is_the_default_local_cluster() -> None:
 def test_k8s_example_loads() -> None:
     env = {"PDSERVE_API_KEY": "k", "PDSERVE_SHARED_TOKEN": "t"}
     c = load_cluster_config(REPO / "deploy/configs/1p1d-k8s.yaml", env=env)
-    assert c.node("decode-0").grpc_address == "pdserve-decode-0.pdserve-decode:50061"
+    assert c.node("decode-0").grpc_address == "pdserve-decode:50061"
+    assert c.redis_url == "redis://pdserve-redis.pdserve:6379/0" and c.registry_ttl_s == 10
     assert c.shared_token == "t" and c.router.api_key == "k"
 
 
