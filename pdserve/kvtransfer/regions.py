@@ -181,9 +181,21 @@ def build_descriptors(
         )
     if len(set(dst_block_ids)) != len(dst_block_ids):
         raise BlockIdError(f"receiver block ids repeat (two writes to one block): {list(dst_block_ids)}")
-    for s, d in pairs:
-        check_block_ids(src_block_ids, s.num_blocks, what=f"sender layer {s.layer_name!r}")
-        check_block_ids(dst_block_ids, d.num_blocks, what=f"receiver layer {d.layer_name!r}")
+    # Bounds: the id lists are the same for every layer, so their extremes decide; the full scan
+    # (which names the offending id) runs only for a list that fails (a per-layer scan of every
+    # id cost more than the rest of a 2k-token push together).
+    if src_block_ids:
+        s_lo, s_hi, d_lo, d_hi = (
+            min(src_block_ids),
+            max(src_block_ids),
+            min(dst_block_ids),
+            max(dst_block_ids),
+        )
+        for s, d in pairs:
+            if s_lo < 0 or (s.num_blocks is not None and s_hi >= s.num_blocks):
+                check_block_ids(src_block_ids, s.num_blocks, what=f"sender layer {s.layer_name!r}")
+            if d_lo < 0 or (d.num_blocks is not None and d_hi >= d.num_blocks):
+                check_block_ids(dst_block_ids, d.num_blocks, what=f"receiver layer {d.layer_name!r}")
 
     # Fuse layers that sit side by side on both ends (same strides): per block they are one range.
     groups: list[tuple[int, int, int, int, int]] = []  # (src_base, dst_base, src_stride, dst_stride, nbytes)
