@@ -8,8 +8,9 @@ for earlier transfers are gone), exactly as the KV handshake refuses it one leve
 
 A write looks the target up in the peer's directory reply, cached per session: the first write
 to a session asks (and checks the epoch), a target outside the cached ranges or a failed copy
-asks again, and so does any write ``refresh_s`` after the last answer (a loopback round trip
-costs ~100 us of Python, more than the copy of a 2k-token prompt's KV). It opens the peer's
+asks again; a write ``refresh_s`` after the last answer uses it and has a background thread ask
+again (a loopback round trip costs ~100 us of Python and more, over the copy of a 2k-token
+prompt's KV), which retires the peer if its epoch changed or it stopped answering. It opens the peer's
 allocation once per (session, handle) with
 ``cudaIpcOpenMemHandle`` and issues one ``cudaMemcpyAsync`` per descriptor on a private stream,
 then waits for that stream: when ``write`` returns the bytes are in the peer's tensor. The
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import secrets
 import socket
@@ -42,6 +44,7 @@ from typing import Any, Protocol
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
 from pdserve.kvtransfer.regions import Descriptor
 
+logger = logging.getLogger(__name__)
 _MAX_REPLY_BYTES = 1 << 20
 _IPC_HANDLE_BYTES = 64
 # Who "this process" is in a directory reply. A pid alone is not enough: two containers on one
@@ -264,6 +267,7 @@ class CudaIpcBackend(TransferBackend):
         # decode's old KV cache is not kept alive by our mapping.
         self._opened: dict[tuple[str, str], list[Any]] = {}
         self._closed = False
+        self._rechecking: set[str] = set()  # sessions whose directory is being asked in the background
         backend = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -345,7 +349,9 @@ class CudaIpcBackend(TransferBackend):
         now = time.monotonic()
         with self._lock:
             cached = self._peers.get(peer_session)
-        if cached is not None and not fresh and now - cached[0] < self._refresh_s:
+        if cached is not None and not fresh:
+            if now - cached[0] >= self._refresh_s:
+                self._recheck_later(peer_session)
             return cached[1], cached[2]
         try:
             host, port, epoch = parse_session(peer_session)
@@ -377,6 +383,26 @@ class CudaIpcBackend(TransferBackend):
         for old in older:
             self._retire(old)
         return reply, ranges
+
+    def _recheck_later(self, peer_session: str) -> None:
+        """Ask a cached peer's directory again off the write path (a loopback round trip costs
+        more than a 2k-token prompt's copy): a changed epoch or a silent peer retires it, and its
+        next write asks synchronously."""
+        with self._lock:
+            if peer_session in self._rechecking or self._closed:
+                return
+            self._rechecking.add(peer_session)
+
+        def run() -> None:
+            try:
+                self._peer_ranges(peer_session, "directory-refresh", fresh=True)
+            except TransferError as e:
+                logger.info("cuda_ipc peer %s let go: %s", peer_session, e.detail)
+            finally:
+                with self._lock:
+                    self._rechecking.discard(peer_session)
+
+        threading.Thread(target=run, name="cuda-ipc-recheck", daemon=True).start()
 
     def _forget_peer(self, peer_session: str) -> None:
         """Drop the cached directory answer: the next write asks the peer again."""

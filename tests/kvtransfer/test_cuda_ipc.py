@@ -231,3 +231,28 @@ def test_own_process_is_told_apart_from_an_equal_pid_elsewhere(cuda, pair):
     d._process = f"{d._process.split('-')[0]}-{'0' * 16}"  # same pid, another pid namespace
     p.write(d.session_id, [(src, dst, 8)], transfer_id="t")
     assert cuda.opened == [dst]  # opened through IPC, not taken for our own address
+
+
+def test_stale_answer_is_used_and_rechecked_off_the_write_path(cuda):
+    import time
+
+    p, d = CudaIpcBackend(cuda=cuda, refresh_s=0.0), CudaIpcBackend(cuda=cuda)
+    try:
+        _, src = cuda.alloc(6)
+        dst_buf, dst = cuda.alloc(0)
+        p.register(src, SIZE)
+        d.register(dst, SIZE)
+        d._process = "another"
+        p.write(d.session_id, [(src, dst, 16)], transfer_id="t1")  # asks, opens
+        d._epoch = "fedcba9876543210"  # restarted behind the cached answer
+        p.write(d.session_id, [(src, dst + 16, 16)], transfer_id="t2")  # cached answer, no round trip
+        assert dst_buf.raw[:32] == b"\x06" * 32
+        deadline = time.monotonic() + 5
+        while cuda.closed != [dst] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cuda.closed == [dst]  # the background ask saw the new epoch and let the mapping go
+        with pytest.raises(TransferError, match="peer restarted"):
+            p.write(d.session_id, [(src, dst, 16)], transfer_id="t3")
+    finally:
+        p.close()
+        d.close()
