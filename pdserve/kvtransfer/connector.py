@@ -55,7 +55,9 @@ def kv_regions_of(runner: Any) -> list[Region]:
     )
 
 
-def handshake_info_of(runner: Any, model_dir: str | Path, epoch: str) -> HandshakeInfo:
+def handshake_info_of(
+    runner: Any, model_dir: str | Path, epoch: str, kv_transport: str = ""
+) -> HandshakeInfo:
     a = runner.arch
     return HandshakeInfo(
         model_id=model_identity(model_dir),
@@ -65,6 +67,7 @@ def handshake_info_of(runner: Any, model_dir: str | Path, epoch: str) -> Handsha
         num_kv_heads=a.num_key_value_heads,
         head_dim=a.head_dim,
         epoch=epoch,
+        kv_transport=kv_transport,
     )
 
 
