@@ -89,3 +89,19 @@ def test_kv_transport_mismatch_is_refused_and_unknown_is_not_checked():
     check_compat(tcp, old)  # a peer that does not send it
     check_compat(ipc, HandshakeInfo.from_dict(ipc.to_dict()))  # travels
     assert tcp.compat_hash == ipc.compat_hash  # not part of what the KV bytes mean
+
+
+def test_kv_transport_travels_through_the_proto():
+    from services.prefill.server import handshake_from_pb, handshake_to_pb
+
+    h = HandshakeInfo(
+        model_id="m",
+        dtype="float32",
+        block_size=16,
+        layer_names=("a",),
+        num_kv_heads=1,
+        head_dim=8,
+        epoch="e",
+        kv_transport="cuda_ipc",
+    )
+    assert handshake_from_pb(handshake_to_pb(h)) == h
