@@ -286,7 +286,10 @@ def main() -> None:
         tokens_ref = tokens_ref or toks
         row = {
             "budget": budget,
-            "attention": "flash" if flash and flash_prefill._broken is None else "triton",
+            # what ran: the flash path takes only steps of at most MAX_FLASH_TOKENS tokens
+            "attention": "flash"
+            if flash and flash_prefill._broken is None and budget <= flash_prefill.MAX_FLASH_TOKENS
+            else "triton",
             "flash_error": flash_prefill._broken,
             "seconds": dt,
             "steps": steps,

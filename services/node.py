@@ -81,7 +81,9 @@ class NodeBase:
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
         self.regions = kv_regions_of(self.engine.runner)
-        self.handshake = handshake_info_of(self.engine.runner, opts.engine.model, self.epoch)
+        self.handshake = handshake_info_of(
+            self.engine.runner, opts.engine.model, self.epoch, opts.kv_transport
+        )
         self.exit_code = 0  # non-zero: the node stopped because a part of it failed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_on_stop = False  # SIGTERM / SIGINT drain; request_stop() stops at once

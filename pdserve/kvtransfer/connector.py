@@ -25,7 +25,7 @@ from typing import Any
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.handshake import HandshakeInfo
-from pdserve.kvtransfer.regions import Region, align_regions, build_descriptors, regions_for_kv_cache
+from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, regions_for_kv_cache
 from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,9 @@ def kv_regions_of(runner: Any) -> list[Region]:
     )
 
 
-def handshake_info_of(runner: Any, model_dir: str | Path, epoch: str) -> HandshakeInfo:
+def handshake_info_of(
+    runner: Any, model_dir: str | Path, epoch: str, kv_transport: str = ""
+) -> HandshakeInfo:
     a = runner.arch
     return HandshakeInfo(
         model_id=model_identity(model_dir),
@@ -65,6 +67,7 @@ def handshake_info_of(runner: Any, model_dir: str | Path, epoch: str) -> Handsha
         num_kv_heads=a.num_key_value_heads,
         head_dim=a.head_dim,
         epoch=epoch,
+        kv_transport=kv_transport,
     )
 
 
@@ -108,6 +111,9 @@ class KVProducer:
         self.stage = stage
         self.num_stages = num_stages
         self.tracker = tracker if tracker is not None else KVSendTracker(self._free_transfer, lease_s)
+        # receiver regions -> aligned + fused plan: a decode's layout is the same on every push,
+        # and aligning 16 layers cost more host time than a 2k-token prompt's device copy
+        self._plans: dict[tuple[Region, ...], DescriptorPlan] = {}
         # Counters for metrics.
         self.bytes_total = 0
         self.seconds_total = 0.0
@@ -185,8 +191,7 @@ class KVProducer:
             raise InvalidRequestError(
                 f"{len(dst_block_ids)} destination blocks for {num_tokens} tokens; expected {need_blocks}"
             )
-        pairs = align_regions(self.regions, dst_regions)
-        descs = build_descriptors(pairs, list(entry.block_ids[:need_blocks]), list(dst_block_ids))
+        descs = self._plan(dst_regions).descriptors(entry.block_ids[:need_blocks], list(dst_block_ids))
         nbytes = sum(d[2] for d in descs)
         t0 = time.perf_counter()
         ok, err = False, ""
@@ -208,6 +213,18 @@ class KVProducer:
         else:
             self.failures_total += 1
         return PushResult(ok, nbytes if ok else 0, len(descs), dt, err)
+
+    def _plan(self, dst_regions: Sequence[Region]) -> DescriptorPlan:
+        key = tuple(dst_regions)
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = DescriptorPlan(align_regions(self.regions, dst_regions))  # RegionMismatchError: not cached
+            with self._lock:
+                if len(self._plans) >= 64:  # decode layouts seen; bounded against a churning fleet
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
 
     def keep_alive(self, transfer_ids: Sequence[str]) -> list[str]:
         """A consumer still wants these: extend their leases; returns the ids not held here."""

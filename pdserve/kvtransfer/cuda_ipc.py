@@ -8,15 +8,19 @@ for earlier transfers are gone), exactly as the KV handshake refuses it one leve
 
 A write looks the target up in the peer's directory reply, cached per session: the first write
 to a session asks (and checks the epoch), a target outside the cached ranges or a failed copy
-asks again, and so does any write ``refresh_s`` after the last answer (a loopback round trip
-costs ~100 us of Python, more than the copy of a 2k-token prompt's KV). It opens the peer's
+asks again; a write ``refresh_s`` after the last answer uses it and has a background thread ask
+again (a loopback round trip costs ~100 us of Python and more, over the copy of a 2k-token
+prompt's KV), which retires the peer if its epoch changed or it stopped answering. It opens the peer's
 allocation once per (session, handle) with
 ``cudaIpcOpenMemHandle`` and issues one ``cudaMemcpyAsync`` per descriptor on a private stream,
 then waits for that stream: when ``write`` returns the bytes are in the peer's tensor. The
 descriptors are already merged block runs (regions.build_descriptors), so a fresh 2k-token
 prompt is a handful of copies. Between GPUs of one host the same copy goes over NVLink / PCIe
 peer access (``cudaIpcMemLazyEnablePeerAccess``). Writes into our own process (one process
-holding both ends, tests) skip the IPC open: the peer's address is ours.
+holding both ends, tests) skip the IPC open: the peer's address is ours ("our own" is a pid plus
+a random token, so containers with their own pid namespaces are told apart). A mapping of a peer
+that restarted (same address, new epoch) or stopped answering is closed once no write uses it:
+an open mapping would keep a dead decode's whole KV cache allocated.
 
 The CUDA runtime is reached through ctypes (``_CudaRuntime``); unit tests on hosts without CUDA
 pass a fake runtime with the same four calls. Nothing from the network is unpickled: the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import secrets
 import socket
@@ -39,8 +44,12 @@ from typing import Any, Protocol
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
 from pdserve.kvtransfer.regions import Descriptor
 
+logger = logging.getLogger(__name__)
 _MAX_REPLY_BYTES = 1 << 20
 _IPC_HANDLE_BYTES = 64
+# Who "this process" is in a directory reply. A pid alone is not enough: two containers on one
+# host (separate pid namespaces, both pid 1) would each take the other's addresses for their own.
+_PROCESS_ID = f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 class CudaApi(Protocol):
@@ -238,20 +247,27 @@ class CudaIpcBackend(TransferBackend):
         cuda: CudaApi | None = None,
         timeout_s: float = 10.0,
         refresh_s: float = 5.0,
+        device: int | None = None,
     ) -> None:
+        """``device``: the CUDA ordinal whose context opens peers' handles and issues the copies
+        (the KV cache's device); None = the current one."""
         self._cuda: CudaApi = cuda if cuda is not None else _CudaRuntime()
         self._host = host
         self._timeout_s = timeout_s
         self._refresh_s = refresh_s
         self._peers: dict[str, tuple[float, dict[str, Any], list[dict[str, Any]]]] = {}  # session -> answer
         self._epoch = secrets.token_hex(8)
-        self._pid = os.getpid()
-        self._device = self._cuda.current_device()
+        self._process = _PROCESS_ID
+        self._device = self._cuda.current_device() if device is None else device
         self._lock = threading.Lock()
         self._ranges = _RangeSet()
         self._handles: dict[int, dict[str, Any]] = {}  # registered addr -> advertised entry
-        self._opened: dict[tuple[str, str], int] = {}  # (session, handle hex) -> mapped base here
+        # (session, handle hex) -> [mapped base here, writes using it now, retired]; a retired
+        # mapping (its peer restarted or vanished) is closed once no write uses it, so a restarted
+        # decode's old KV cache is not kept alive by our mapping.
+        self._opened: dict[tuple[str, str], list[Any]] = {}
         self._closed = False
+        self._rechecking: set[str] = set()  # sessions whose directory is being asked in the background
         backend = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -284,7 +300,7 @@ class CudaIpcBackend(TransferBackend):
     def _directory(self) -> dict[str, Any]:
         with self._lock:
             entries = list(self._handles.values())
-        return {"epoch": self._epoch, "pid": self._pid, "device": self._device, "ranges": entries}
+        return {"epoch": self._epoch, "process": self._process, "device": self._device, "ranges": entries}
 
     def register(self, addr: int, length: int) -> None:
         if self._closed:
@@ -333,18 +349,20 @@ class CudaIpcBackend(TransferBackend):
         now = time.monotonic()
         with self._lock:
             cached = self._peers.get(peer_session)
-        if cached is not None and not fresh and now - cached[0] < self._refresh_s:
+        if cached is not None and not fresh:
+            if now - cached[0] >= self._refresh_s:
+                self._recheck_later(peer_session)
             return cached[1], cached[2]
         try:
             host, port, epoch = parse_session(peer_session)
             reply = _ask(host, port, self._timeout_s)
         except (OSError, ValueError) as e:
-            self._forget_peer(peer_session)
+            self._retire(peer_session)
             raise TransferError(
                 peer_session, transfer_id, "write", None, f"peer directory unreachable: {e}"
             ) from e
         if reply.get("epoch") != epoch:
-            self._forget_peer(peer_session)
+            self._retire(peer_session)
             raise TransferError(
                 peer_session,
                 transfer_id,
@@ -357,11 +375,59 @@ class CudaIpcBackend(TransferBackend):
             raise TransferError(peer_session, transfer_id, "write", None, "malformed directory reply")
         with self._lock:
             self._peers[peer_session] = (now, reply, ranges)
+            # the same address under another epoch is that peer before a restart: gone for good
+            address = peer_session.rpartition("/")[0]
+            older = {
+                k[0] for k in self._opened if k[0] != peer_session and k[0].rpartition("/")[0] == address
+            }
+        for old in older:
+            self._retire(old)
         return reply, ranges
 
+    def _recheck_later(self, peer_session: str) -> None:
+        """Ask a cached peer's directory again off the write path (a loopback round trip costs
+        more than a 2k-token prompt's copy): a changed epoch or a silent peer retires it, and its
+        next write asks synchronously."""
+        with self._lock:
+            if peer_session in self._rechecking or self._closed:
+                return
+            self._rechecking.add(peer_session)
+
+        def run() -> None:
+            try:
+                self._peer_ranges(peer_session, "directory-refresh", fresh=True)
+            except TransferError as e:
+                logger.info("cuda_ipc peer %s let go: %s", peer_session, e.detail)
+            finally:
+                with self._lock:
+                    self._rechecking.discard(peer_session)
+
+        threading.Thread(target=run, name="cuda-ipc-recheck", daemon=True).start()
+
     def _forget_peer(self, peer_session: str) -> None:
+        """Drop the cached directory answer: the next write asks the peer again."""
         with self._lock:
             self._peers.pop(peer_session, None)
+
+    def _retire(self, peer_session: str) -> None:
+        """The peer restarted or is unreachable: forget its answer, close its mappings (now, or
+        when the last write still using one ends)."""
+        to_close: list[int] = []
+        with self._lock:
+            self._peers.pop(peer_session, None)
+            for key in [k for k in self._opened if k[0] == peer_session]:
+                m = self._opened[key]
+                m[2] = True
+                if m[1] == 0:
+                    to_close.append(self._opened.pop(key)[0])
+        self._close_mappings(to_close)
+
+    def _close_mappings(self, bases: list[int]) -> None:
+        for base in bases:
+            try:
+                self._cuda.close_handle(base, self._device)
+            except OSError:  # the peer may be gone first; the driver reclaims the mapping at exit
+                continue
 
     @staticmethod
     def _find(ranges: list[dict[str, Any]], dst: int, n: int) -> dict[str, Any] | None:
@@ -370,18 +436,36 @@ class CudaIpcBackend(TransferBackend):
                 return r
         return None
 
-    def _mapped_base(self, peer_session: str, reply: dict[str, Any], entry: dict[str, Any]) -> int:
-        """This process's address of the peer range's allocation base."""
-        if reply.get("pid") == self._pid:  # our own memory: no IPC (CUDA refuses to open it anyway)
+    def _acquire(
+        self, peer_session: str, reply: dict[str, Any], entry: dict[str, Any], held: list[tuple[str, str]]
+    ) -> int:
+        """This process's address of the peer range's allocation base; a mapping it uses is
+        appended to ``held`` (``_release`` it after the copy)."""
+        if reply.get("process") == self._process:  # our own memory: no IPC (CUDA refuses it anyway)
             return int(entry["addr"]) - int(entry["offset"])
         key = (peer_session, str(entry["handle"]))
+        with self._lock:  # one open per (session, handle), also with concurrent first writes
+            m = self._opened.get(key)
+            if m is None or m[2]:
+                if m is not None:  # retired, still in use by another write: not ours to reuse
+                    raise OSError(f"peer session {peer_session} was retired (restarted or unreachable)")
+                base = self._cuda.open_handle(bytes.fromhex(str(entry["handle"])), self._device)
+                m = self._opened[key] = [base, 0, False]
+            m[1] += 1
+            held.append(key)
+            return int(m[0])
+
+    def _release(self, held: list[tuple[str, str]]) -> None:
+        to_close: list[int] = []
         with self._lock:
-            base = self._opened.get(key)
-        if base is None:
-            base = self._cuda.open_handle(bytes.fromhex(str(entry["handle"])), self._device)
-            with self._lock:
-                self._opened[key] = base
-        return base
+            for key in held:
+                m = self._opened.get(key)
+                if m is None:
+                    continue
+                m[1] -= 1
+                if m[2] and m[1] == 0:
+                    to_close.append(self._opened.pop(key)[0])
+        self._close_mappings(to_close)
 
     def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
         if self._closed:
@@ -400,6 +484,8 @@ class CudaIpcBackend(TransferBackend):
         if any(self._find(ranges, d, n) is None for _, d, n in descs):
             reply, ranges = self._peer_ranges(peer_session, transfer_id, fresh=True)  # registered since?
         copies: list[Descriptor] = []
+        held: list[tuple[str, str]] = []
+        shift: dict[int, int] = {}  # id(entry) -> (our address - peer's address) inside that range
         try:
             for src, dst, n in descs:
                 entry = self._find(ranges, dst, n)
@@ -411,12 +497,17 @@ class CudaIpcBackend(TransferBackend):
                         -1,
                         f"target {dst:#x}+{n} is not registered on the peer",
                     )
-                base = self._mapped_base(peer_session, reply, entry)
-                copies.append((src, base + int(entry["offset"]) + dst - int(entry["addr"]), n))
+                delta = shift.get(id(entry))
+                if delta is None:
+                    base = self._acquire(peer_session, reply, entry, held)
+                    delta = shift[id(entry)] = base + int(entry["offset"]) - int(entry["addr"])
+                copies.append((src, dst + delta, n))
             self._cuda.copy(copies, self._device)
         except (OSError, KeyError, TypeError, ValueError) as e:
             self._forget_peer(peer_session)  # the next write asks the peer again
             raise TransferError(peer_session, transfer_id, "write", -1, f"device copy failed: {e}") from e
+        finally:
+            self._release(held)
 
     def close(self) -> None:
         with self._lock:
@@ -428,8 +519,4 @@ class CudaIpcBackend(TransferBackend):
             self._handles.clear()
         self._server.shutdown()
         self._server.server_close()
-        for base in opened.values():
-            try:
-                self._cuda.close_handle(base, self._device)
-            except OSError:  # at shutdown the peer may be gone first; the driver reclaims the mapping
-                continue
+        self._close_mappings([m[0] for m in opened.values()])

@@ -24,5 +24,6 @@ def make_backend(kv_transport: str, host: str, device: str) -> TransferBackend:
             )
         from pdserve.kvtransfer.cuda_ipc import CudaIpcBackend  # ctypes over libcudart: CUDA nodes only
 
-        return CudaIpcBackend(host=host)
+        _, _, index = device.partition(":")
+        return CudaIpcBackend(host=host, device=int(index) if index else None)
     raise ConfigError(f"unknown kv_transport {kv_transport!r}; supported: {', '.join(KV_TRANSPORTS)}")

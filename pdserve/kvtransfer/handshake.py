@@ -73,6 +73,9 @@ class HandshakeInfo:
     head_dim: int
     layout_version: int = KV_LAYOUT_VERSION
     epoch: str = ""
+    # the data plane (tcp | rdma | cuda_ipc): both ends must speak the same one. Not part of the
+    # hash (it does not change what the KV bytes mean); "" = unknown (an older peer), not checked.
+    kv_transport: str = ""
     compat_hash: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +104,7 @@ class HandshakeInfo:
             "head_dim": self.head_dim,
             "layout_version": self.layout_version,
             "epoch": self.epoch,
+            "kv_transport": self.kv_transport,
             "compat_hash": self.compat_hash,
         }
 
@@ -115,6 +119,7 @@ class HandshakeInfo:
             head_dim=int(d["head_dim"]),
             layout_version=int(d["layout_version"]),
             epoch=str(d.get("epoch", "")),
+            kv_transport=str(d.get("kv_transport", "")),
         )
         sent = d.get("compat_hash")
         if sent is not None and sent != info.compat_hash:
@@ -155,6 +160,13 @@ def check_compat(
             _layer_names_diff(local.layer_names, remote.layer_names),
         )
     assert local.compat_hash == remote.compat_hash, "equal fields must hash equal"
+    if local.kv_transport and remote.kv_transport and local.kv_transport != remote.kv_transport:
+        raise HandshakeError(
+            "kv_transport",
+            local.kv_transport,
+            remote.kv_transport,
+            "prefill and decode must use the same kv_transport (every push would fail)",
+        )
     if expected_remote_epoch is not None and remote.epoch != expected_remote_epoch:
         raise HandshakeError(
             "epoch",

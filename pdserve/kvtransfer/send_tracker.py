@@ -22,12 +22,13 @@ counts once. A report without a consumer identity counts as a distinct one (sing
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pdserve.errors import PdserveError
 
@@ -110,7 +111,7 @@ class KVSendTracker:
                 raise UnknownTransferError(transfer_id, "aborted")
             entry.sending += 1
             self._extend(entry)
-            return replace(entry)
+            return copy.copy(entry)  # shallow, as dataclasses.replace, at a third of its cost
 
     def end_send(
         self, transfer_id: str, ok: bool, consumer: tuple[int, int] | None = None, stage: int = 0
@@ -197,7 +198,7 @@ class KVSendTracker:
     def get(self, transfer_id: str) -> SendEntry | None:
         with self._lock:
             entry = self._entries.get(transfer_id)
-            return None if entry is None else replace(entry)
+            return None if entry is None else copy.copy(entry)
 
     @property
     def num_held_blocks(self) -> int:

@@ -135,7 +135,7 @@ class Region(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., occurrence: _Optional[int] = ..., base_addr: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
-    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash")
+    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class HandshakeInfo(_message.Message):
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     block_size: int
@@ -154,7 +155,8 @@ class HandshakeInfo(_message.Message):
     layout_version: int
     epoch: str
     compat_hash: str
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    kv_transport: str
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("info",)

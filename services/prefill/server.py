@@ -43,6 +43,7 @@ def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
             "head_dim": m.head_dim,
             "layout_version": m.layout_version,
             "epoch": m.epoch,
+            "kv_transport": m.kv_transport,
             "compat_hash": m.compat_hash,
         }
     )

@@ -98,7 +98,7 @@ def test_peer_in_another_process_is_opened_once_and_closed(cuda, pair):
     dst_buf, dst = cuda.alloc(0)
     p.register(src, SIZE)
     d.register(dst, SIZE)
-    d._pid = -1  # the directory now says "another process": the IPC path is taken
+    d._process = "another"  # the directory now says "another process": the IPC path is taken
     for i in range(3):
         p.write(d.session_id, [(src, dst + 64 * i, 64)], transfer_id=f"t{i}")
     assert cuda.opened == [dst] and dst_buf.raw[:192] == b"\x03" * 192
@@ -193,6 +193,66 @@ def test_directory_is_cached_and_asked_again_for_a_new_range(cuda, monkeypatch):
         d.register(dst + 2048, 1024)  # registered after p cached the answer
         p.write(d.session_id, [(src, dst + 2048, 16)], transfer_id="t")
         assert len(asks) == 2 and dst_buf.raw[2048:2064] == src_buf.raw[:16] == b"\x09" * 16
+    finally:
+        p.close()
+        d.close()
+
+
+def test_mapping_of_a_restarted_peer_is_closed_and_its_old_session_refused(cuda, pair):
+    p, d = pair
+    _, src = cuda.alloc(4)
+    dst_buf, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, SIZE)
+    d._process = "another"
+    old = d.session_id
+    p.write(old, [(src, dst, 32)], transfer_id="t1")
+    assert cuda.opened == [dst] and cuda.closed == []
+    d._epoch = "0123456789abcdef"  # the peer "restarted" on the same address
+    new = f"{old.rpartition('/')[0]}/{d._epoch}"
+    p.write(new, [(src, dst + 32, 32)], transfer_id="t2")
+    assert cuda.closed == [dst] and cuda.opened == [dst, dst]  # old mapping closed, new one opened
+    with pytest.raises(TransferError, match="peer restarted"):
+        p.write(old, [(src, dst, 32)], transfer_id="t3")
+    assert dst_buf.raw[:64] == b"\x04" * 64
+    d.close()
+    with pytest.raises(TransferError, match="unreachable"):
+        p._forget_peer(new)  # as after refresh_s
+        p.write(new, [(src, dst, 32)], transfer_id="t4")
+    assert cuda.closed == [dst, dst]  # a peer that stopped answering is let go too
+
+
+def test_own_process_is_told_apart_from_an_equal_pid_elsewhere(cuda, pair):
+    p, d = pair
+    _, src = cuda.alloc(2)
+    _, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, SIZE)
+    d._process = f"{d._process.split('-')[0]}-{'0' * 16}"  # same pid, another pid namespace
+    p.write(d.session_id, [(src, dst, 8)], transfer_id="t")
+    assert cuda.opened == [dst]  # opened through IPC, not taken for our own address
+
+
+def test_stale_answer_is_used_and_rechecked_off_the_write_path(cuda):
+    import time
+
+    p, d = CudaIpcBackend(cuda=cuda, refresh_s=0.0), CudaIpcBackend(cuda=cuda)
+    try:
+        _, src = cuda.alloc(6)
+        dst_buf, dst = cuda.alloc(0)
+        p.register(src, SIZE)
+        d.register(dst, SIZE)
+        d._process = "another"
+        p.write(d.session_id, [(src, dst, 16)], transfer_id="t1")  # asks, opens
+        d._epoch = "fedcba9876543210"  # restarted behind the cached answer
+        p.write(d.session_id, [(src, dst + 16, 16)], transfer_id="t2")  # cached answer, no round trip
+        assert dst_buf.raw[:32] == b"\x06" * 32
+        deadline = time.monotonic() + 5
+        while cuda.closed != [dst] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cuda.closed == [dst]  # the background ask saw the new epoch and let the mapping go
+        with pytest.raises(TransferError, match="peer restarted"):
+            p.write(d.session_id, [(src, dst, 16)], transfer_id="t3")
     finally:
         p.close()
         d.close()

@@ -74,3 +74,34 @@ def test_tampered_hash_on_wire():
     d["compat_hash"] = "0" * 64
     with pytest.raises(HandshakeError, match="compat_hash"):
         HandshakeInfo.from_dict(d)
+
+
+def test_kv_transport_mismatch_is_refused_and_unknown_is_not_checked():
+    from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+
+    base = dict(
+        model_id="m", dtype="bfloat16", block_size=16, layer_names=("a", "b"), num_kv_heads=2, head_dim=8
+    )
+    tcp, ipc, old = (HandshakeInfo(**base, kv_transport=t) for t in ("tcp", "cuda_ipc", ""))
+    with pytest.raises(HandshakeError, match="kv_transport") as e:
+        check_compat(tcp, ipc)
+    assert (e.value.local, e.value.remote) == ("tcp", "cuda_ipc")
+    check_compat(tcp, old)  # a peer that does not send it
+    check_compat(ipc, HandshakeInfo.from_dict(ipc.to_dict()))  # travels
+    assert tcp.compat_hash == ipc.compat_hash  # not part of what the KV bytes mean
+
+
+def test_kv_transport_travels_through_the_proto():
+    from services.prefill.server import handshake_from_pb, handshake_to_pb
+
+    h = HandshakeInfo(
+        model_id="m",
+        dtype="float32",
+        block_size=16,
+        layer_names=("a",),
+        num_kv_heads=1,
+        head_dim=8,
+        epoch="e",
+        kv_transport="cuda_ipc",
+    )
+    assert handshake_from_pb(handshake_to_pb(h)) == h
