@@ -4,14 +4,16 @@ node process, and clients through the real router over HTTP (official openai cli
 
 Nodes run with test-only fault settings (``faults`` in the cluster config, acted on by the node):
 both prefill nodes wait 1 s in every PushKV before the KV write (a transfer window a fault can
-hit), prefill-1 answers every Prefill 2 s late (a slow prefill), prefill-0 and decode-0 kill their
-engine thread on SIGUSR1. Leases are 60 s: every release asserted here comes from an abort or a
+hit), prefill-1 answers every Prefill 2 s late (a slow prefill), every node kills its engine thread
+on SIGUSR1. Tests run in file order and share the cluster: the prefill nodes killed by the third
+and fourth are restarted together after the fourth (restarts are what costs time here). Leases are 60 s: every release asserted here comes from an abort or a
 death, not from a lease running out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -40,7 +42,13 @@ def cluster(tiny_models, tmp_path_factory):
         all={"kv_lease_s": 60.0},
         **{
             "prefill-0": {"faults": {"push_delay_s": PUSH_DELAY_S, "engine_death_on_sigusr1": True}},
-            "prefill-1": {"faults": {"prefill_reply_delay_s": REPLY_DELAY_S, "push_delay_s": PUSH_DELAY_S}},
+            "prefill-1": {
+                "faults": {
+                    "prefill_reply_delay_s": REPLY_DELAY_S,
+                    "push_delay_s": PUSH_DELAY_S,
+                    "engine_death_on_sigusr1": True,
+                }
+            },
             "decode-0": {
                 "kv_load_failure_policy": "reprefill",
                 "kv_keepalive_s": 0.5,
@@ -75,20 +83,21 @@ async def _run(backend, req: BackendRequest) -> tuple[list[int], str | None, flo
     return toks, err, time.monotonic() - t0
 
 
-def _restart(rc, name: str) -> None:
+def _restart(rc, *names: str) -> None:
     from pdserve.launcher import ports_free, start_child, wait_ready
 
-    child = next(c for c in rc.children if c.name == name)
-    if child.proc.poll() is None:
-        signal_node(rc, name, __import__("signal").SIGKILL)
-    rc.children.remove(child)
-    n = rc.node(name)
-    deadline = time.monotonic() + 10
-    while not ports_free(n.host, [n.grpc_port, n.metrics_port]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    d = rc.run_dir / f"restart-{name}-{time.monotonic_ns()}"
-    d.mkdir()
-    rc.children.append(start_child(rc.run_dir / "cluster.yaml", child.role, name, d))
+    for name in names:
+        child = next(c for c in rc.children if c.name == name)
+        if child.proc.poll() is None:
+            signal_node(rc, name, signal.SIGKILL)
+        rc.children.remove(child)
+        n = rc.node(name)
+        deadline = time.monotonic() + 10
+        while not ports_free(n.host, [n.grpc_port, n.metrics_port]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        d = rc.run_dir / f"restart-{name}-{time.monotonic_ns()}"
+        d.mkdir()
+        rc.children.append(start_child(rc.run_dir / "cluster.yaml", child.role, name, d))
     wait_ready(rc.cluster, rc.children, timeout_s=120, router=True)
 
 
@@ -128,32 +137,6 @@ def test_prefill_deadline_moves_to_the_next_node_and_frees_the_late_kv(cluster, 
     assert cluster.load("prefill-1").num_aborted_total > before  # released by the abort
 
 
-def test_kill9_of_prefill_during_the_transfer_is_reprefilled(cluster, want) -> None:
-    fired: list[float] = []
-
-    async def hook(phase: str, info: dict) -> None:
-        if phase == "during_transfer" and not fired:
-            assert info["node"] == "prefill-0"
-            fired.append(time.monotonic())
-            signal_node(cluster, "prefill-0", __import__("signal").SIGKILL)
-
-    async def main() -> None:
-        b = _backend(cluster, ["prefill-0", "prefill-1"], hook=hook)
-        toks, err, took = await _run(b, BackendRequest("mid-transfer", PROMPT, GREEDY))
-        assert fired, "the fault never fired: no PushKV was seen in flight"
-        assert err is None and toks == want  # the first token kept, KV computed again on prefill-1
-        assert b.path_total.labels("reprefill")._value.get() == 1
-        assert took < 15, took
-        await b.close()
-
-    try:
-        asyncio.run(main())
-        wait_nothing_held(cluster, ["prefill-1", "decode-0"], timeout_s=5)
-    finally:
-        _restart(cluster, "prefill-0")
-    wait_nothing_held(cluster, NODES)
-
-
 def _client(rc) -> openai.OpenAI:
     return openai.OpenAI(base_url=rc.base_url, api_key="unused", max_retries=0, timeout=40)
 
@@ -185,6 +168,60 @@ def test_http_disconnect_during_the_transfer_frees_both_legs(cluster) -> None:
         assert health_status(cluster.node(name).grpc_address) == "SERVING"
     out = c.completions.create(model=cluster.model_name, prompt="after the disconnect " * 8, max_tokens=4)
     assert out.choices[0].finish_reason == "length"
+
+
+def test_kill9_of_prefill_during_the_transfer_is_reprefilled(cluster, want) -> None:
+    fired: list[float] = []
+
+    async def hook(phase: str, info: dict) -> None:
+        if phase == "during_transfer" and not fired:
+            assert info["node"] == "prefill-0"
+            fired.append(time.monotonic())
+            signal_node(cluster, "prefill-0", signal.SIGKILL)
+
+    async def main() -> None:
+        b = _backend(cluster, ["prefill-0", "prefill-1"], hook=hook)
+        toks, err, took = await _run(b, BackendRequest("mid-transfer", PROMPT, GREEDY))
+        assert fired, "the fault never fired: no PushKV was seen in flight"
+        assert err is None and toks == want  # the first token kept, KV computed again on prefill-1
+        assert b.path_total.labels("reprefill")._value.get() == 1
+        assert took < 15, took
+        await b.close()
+
+    asyncio.run(main())
+    # prefill-0 stays down for the next test (restarted after it, with prefill-1).
+    wait_nothing_held(cluster, ["prefill-1", "decode-0"], timeout_s=5)
+
+
+def test_engine_death_of_prefill_is_absorbed(cluster, want) -> None:
+    """prefill-1's engine dies while it holds a request's KV (after its first token; prefill-0
+    is down since the kill above): decode's pull fails, decode recomputes (reprefill with no
+    prefill node left) and the request ends with every token; prefill-1 exits 70 by itself."""
+    fired: list[str] = []
+
+    async def hook(phase: str, info: dict) -> None:
+        if phase == "after_prefill" and not fired:
+            fired.append(info["node"])
+            kill_engine(cluster, info["node"])
+            # the node lingers 1 s NOT_SERVING, then exits: the pull below finds it gone
+            await asyncio.to_thread(exit_code, cluster, info["node"])
+
+    async def main() -> None:
+        b = _backend(cluster, ["prefill-1"], hook=hook)
+        toks, err, took = await _run(b, BackendRequest("p-engine-death", PROMPT, GREEDY))
+        assert fired == ["prefill-1"]
+        assert err is None and toks == want
+        assert b.path_total.labels("reprefill_local")._value.get() == 1
+        assert took < REPLY_DELAY_S + 10
+        await b.close()
+
+    try:
+        asyncio.run(main())
+        assert exit_code(cluster, "prefill-1") == 70
+        wait_nothing_held(cluster, ["decode-0"], timeout_s=5)
+    finally:
+        _restart(cluster, "prefill-0", "prefill-1")
+    wait_nothing_held(cluster, NODES)
 
 
 def test_engine_death_of_decode_through_http_is_a_clean_error_then_out_of_rotation(cluster) -> None:
@@ -222,31 +259,4 @@ def test_engine_death_of_decode_through_http_is_a_clean_error_then_out_of_rotati
     _restart(cluster, "decode-0")
     out = c.completions.create(model=cluster.model_name, prompt="decode is back " * 8, max_tokens=4)
     assert out.choices[0].finish_reason == "length"
-    wait_nothing_held(cluster, NODES)
-
-
-def test_engine_death_of_prefill_is_absorbed(cluster, want) -> None:
-    """prefill-0's engine dies while it holds a request's KV (after its first token): the
-    request is re-prefilled on prefill-1 and ends with every token; prefill-0 exits 70."""
-    fired: list[str] = []
-
-    async def hook(phase: str, info: dict) -> None:
-        if phase == "after_prefill" and not fired:
-            fired.append(info["node"])
-            kill_engine(cluster, info["node"])
-            await asyncio.sleep(0.3)  # the death lands before decode's pull
-
-    async def main() -> None:
-        b = _backend(cluster, ["prefill-0", "prefill-1"], hook=hook)
-        toks, err, took = await _run(b, BackendRequest("p-engine-death", PROMPT, GREEDY))
-        assert fired == ["prefill-0"]
-        assert err is None and toks == want
-        assert took < 15
-        await b.close()
-
-    try:
-        asyncio.run(main())
-        assert exit_code(cluster, "prefill-0") == 70
-    finally:
-        _restart(cluster, "prefill-0")
     wait_nothing_held(cluster, NODES)
