@@ -368,7 +368,9 @@ async def run_http_cell(chaos: Chaos, tok: Any, scenario: str, target: str, phas
     for i, pr in enumerate(prompts):
         st, toks = await one_with(ref, f"ref-{i}", pr)
         assert st == "ok", "the undisturbed reference failed"
-        wants.append(tok.decode(toks))
+        # as the router detokenizes (skip_special_tokens, the default): a random model emits
+        # special tokens now and then, which a plain decode() would spell out
+        wants.append(tok.decode(toks, skip_special_tokens=True))
     await ref.close()
     retried0 = await asyncio.to_thread(router_retries, rc)
     client = openai.AsyncOpenAI(
@@ -420,7 +422,13 @@ async def run_http_cell(chaos: Chaos, tok: Any, scenario: str, target: str, phas
             return f"broken: {type(e).__name__}"
         if finish != "length":
             return f"error: finish_reason {finish}"
-        return "ok" if text == wants[i] else "wrong_tokens"
+        if text == wants[i]:
+            return "ok"
+        k = next(
+            (j for j, (a, b) in enumerate(zip(text, wants[i], strict=False)) if a != b),
+            min(len(text), len(wants[i])),
+        )
+        return f"wrong_tokens: differs at char {k} of {len(wants[i])}: got {text[k : k + 30]!r}, want {wants[i][k : k + 30]!r}"
 
     t0 = time.monotonic()
     tasks += [asyncio.ensure_future(one(i)) for i in range(n)]
@@ -430,6 +438,7 @@ async def run_http_cell(chaos: Chaos, tok: Any, scenario: str, target: str, phas
             await fault(await _wait_transfer(rc))
 
     trig = asyncio.ensure_future(trigger())
+    wrong: list[str] = []
     done, _ = await asyncio.wait(tasks, timeout=REQUEST_DEADLINE_S)
     seconds = time.monotonic() - t0
     trig.cancel()
@@ -442,11 +451,15 @@ async def run_http_cell(chaos: Chaos, tok: Any, scenario: str, target: str, phas
             outcomes.append("cancelled")
         else:
             r = t.result()
+            if r.startswith("wrong_tokens"):
+                wrong.append(r)
+                r = "wrong_tokens"
             outcomes.append("broken" if r.startswith("broken") else r)
     await client.close()
     retried = (await asyncio.to_thread(router_retries, rc)) > retried0
     left, stranded, serves_after, exits = await settle(chaos, chaos.want)
     outcome, note = summarize(outcomes, retried, fired)
+    note = "; ".join([*wrong[:1], note]) if wrong else note
     return Cell(
         "http", scenario, target, phase, outcome, round(seconds, 2), left, stranded, serves_after,
         _note(note, exits),
