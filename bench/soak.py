@@ -12,7 +12,10 @@ the official ``openai`` client: prompts mixed short (local path, < 32 tokens) an
 - KV leases that expired on prefill (``KV lease expired`` in its log: a request still alive lost
   its KV) and decode's failed pulls / keep-alive answers "unknown";
 - free KV blocks at the start and after the run (must be equal: nothing held);
-- RSS of each node process after the warm-up and at the end (growth must stay < 5 %).
+- RSS of each node process after the warm-up and at the end (growth must stay < 5 %), and a
+  timeline of it every ``--rss-every-s`` seconds (a trend, not only two points);
+- the router's failed legs by role and gRPC status, and requests by path (a prefill leg past
+  ``router.prefill_timeout_s`` shows as a DEADLINE_EXCEEDED prefill leg and a local_fallback).
 
 Pass/fail is the exit status (0: every criterion met).
 """
@@ -47,6 +50,11 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def router_samples(rc: Any, prefix: str) -> dict[str, float]:
+    text = httpx.get(rc.cluster.router_url + "/metrics", timeout=5).text
+    return {ln.split()[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix)}
 
 
 def node_metric(rc: Any, node: str, name: str) -> float:
@@ -93,11 +101,22 @@ async def run(args: argparse.Namespace, rc: Any) -> dict[str, Any]:
     t0 = time.monotonic()
     stop_at = t0 + args.seconds
     tasks = [asyncio.ensure_future(client_loop(rc, i, stop_at, stats)) for i in range(args.streams)]
+    timeline: list[dict[str, float]] = []
+
+    async def sample_rss() -> None:
+        while time.monotonic() < stop_at:
+            timeline.append(
+                {"t": round(time.monotonic() - t0), **{n: round(rss_mib(p), 1) for n, p in pids.items()}}
+            )
+            await asyncio.sleep(args.rss_every_s)
+
+    sampler = asyncio.ensure_future(sample_rss())
     await asyncio.sleep(min(args.warmup_s, args.seconds / 2))
     rss_warm = {n: rss_mib(p) for n, p in pids.items()}
     log(f"warm: {stats['requests']} requests, RSS {rss_warm}")
     await asyncio.gather(*tasks)
     took = time.monotonic() - t0
+    sampler.cancel()
     rss_end = {n: rss_mib(p) for n, p in pids.items()}
     wait_nothing_held(rc, ["prefill-0", "decode-0"], timeout_s=30)
     free1 = {n: rc.load(n).num_blocks_total - rc.load(n).num_blocks_used for n in ("prefill-0", "decode-0")}
@@ -119,6 +138,9 @@ async def run(args: argparse.Namespace, rc: Any) -> dict[str, Any]:
         "rss_mib_warm": {n: round(v, 1) for n, v in rss_warm.items()},
         "rss_mib_end": {n: round(v, 1) for n, v in rss_end.items()},
         "rss_growth_pct": growth,
+        "rss_timeline_mib": timeline,
+        "router_leg_failures": router_samples(rc, "pdserve:router_leg_failures_total"),
+        "router_paths": router_samples(rc, "pdserve:router_requests_by_path_total"),
     }
 
 
@@ -127,6 +149,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--warmup-s", type=float, default=30.0)
+    ap.add_argument("--rss-every-s", type=float, default=15.0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the node processes

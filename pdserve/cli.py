@@ -156,6 +156,7 @@ def serve(
             advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
             stages=n.pp,
             drain_timeout_s=n.drain_timeout_s,
+            faults=n.faults,
         )
     )
 

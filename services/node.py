@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.config.cluster import FaultsConfig
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError
 from pdserve.engine.engine_loop import EngineLoop
@@ -57,6 +58,12 @@ class NodeOptions:
     advertise_address: str | None = None  # host:port the router dials (k8s: pod IP); None: host:grpc_port
     stages: int = 1  # pipeline stages behind this node's address (registered, for the router)
     drain_timeout_s: float = 30.0
+    faults: FaultsConfig = field(default_factory=FaultsConfig)  # test-only fault injection; all off
+
+
+class InjectedEngineFault(BaseException):
+    """Raised on the engine thread by ``faults.engine_death_on_sigusr1``: a BaseException, so the
+    thread's command guard (which catches Exception) lets it through and the thread dies."""
 
 
 class NodeBase:
@@ -154,6 +161,8 @@ class NodeBase:
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         self._stop_event = stop
+        if self.opts.faults.engine_death_on_sigusr1:
+            self.loop.add_signal_handler(signal.SIGUSR1, self.inject_engine_death)
         watchdog = None
         if isinstance(self.engine.runner, PipelineRunner):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
@@ -169,6 +178,16 @@ class NodeBase:
         self.engine_loop.stop()
         if self.backend is not None:
             self.backend.close()
+
+    def inject_engine_death(self) -> None:
+        """Test-only (``faults.engine_death_on_sigusr1``): kill the engine thread now."""
+        logger.warning("node %s: injected engine death (faults.engine_death_on_sigusr1)", self.opts.name)
+
+        def die(_engine: LLMEngine) -> None:
+            raise InjectedEngineFault("injected engine death (faults.engine_death_on_sigusr1)")
+
+        assert self.engine_loop is not None
+        self.engine_loop.post(die)
 
     def _on_engine_death(self, e: BaseException) -> None:
         """Event loop, once: the engine thread died (its streams already ended with an error).

@@ -65,7 +65,11 @@ class RouterConfig(_Frozen):
     # KV transfer would cost more than the prefill itself. 0 disaggregates every prompt.
     local_prefill_max_tokens: int = Field(default=32, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0)  # whole request, first byte to last token
-    prefill_timeout_s: float = Field(default=120.0, gt=0)  # P's leg: admitted to first token + KV ready
+    # The prefill leg's deadline: P.Prefill call -> first token with the KV held (P's queue +
+    # the prompt's prefill). Past it the router aborts the leg (P frees the KV at once) and tries
+    # the next prefill node, then prefills on the decode node. Catches a wedged prefill engine
+    # that still answers gRPC keepalive pings (a frozen process is noticed sooner, by keepalive).
+    prefill_timeout_s: float = Field(default=30.0, gt=0)
     # Request lifecycle under failure (issue 13). Bounded input: past these a request is a 400/413.
     max_body_bytes: int | None = Field(default=None, ge=1024)  # None: max(16 MiB, room for prompt_embeds)
     max_prompts_per_request: int = Field(default=256, ge=1)  # entries of a completions batch
@@ -89,6 +93,19 @@ class RouterConfig(_Frozen):
                 f"({self.request_timeout_s}); the prefill leg is part of the request, lower it"
             )
         return self
+
+
+class FaultsConfig(_Frozen):
+    """Test-only fault injection (bench/chaos.py, tests/e2e): every field off by default. Each one
+    is acted on by the node; one that cannot apply to the node's role is refused at start."""
+
+    # SIGUSR1 makes the node's engine thread die (as an uncaught device fault would): the node
+    # turns NOT_SERVING, fails its in-flight requests and exits with 70.
+    engine_death_on_sigusr1: bool = False
+    # prefill: every PushKV waits this long right before its KV write (a slow transfer window)
+    push_delay_s: float = Field(default=0.0, ge=0)
+    # prefill: every Prefill answers this long after its first token is ready (a slow prefill)
+    prefill_reply_delay_s: float = Field(default=0.0, ge=0)
 
 
 class NodeConfig(_Frozen):
@@ -125,6 +142,7 @@ class NodeConfig(_Frozen):
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
     drain_timeout_s: float = Field(default=30.0, gt=0)
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
+    faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
 
     @field_validator("name")
@@ -172,6 +190,16 @@ class NodeConfig(_Frozen):
             raise ConfigError(
                 f"node {self.name!r}: only encoder nodes produce embeddings, but role {self.role} "
                 "has ec_role ec_producer; omit ec_role (it is derived) or make the node role: encoder"
+            )
+        f = self.faults
+        if (f.push_delay_s or f.prefill_reply_delay_s) and self.role != "prefill":
+            raise ConfigError(
+                f"node {self.name!r}: faults.push_delay_s / faults.prefill_reply_delay_s act on "
+                f"prefill nodes only, not on role {self.role}; remove them"
+            )
+        if f.engine_death_on_sigusr1 and self.role == "encoder":
+            raise ConfigError(
+                f"node {self.name!r}: faults.engine_death_on_sigusr1 is not supported on encoder nodes"
             )
         if self.role == "encoder" and self.ec_role == "ec_consumer":
             raise ConfigError(

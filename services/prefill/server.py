@@ -57,6 +57,7 @@ class PrefillNode(NodeBase):
             self.backend, self.regions, self.engine.kv.block_size, self._release, lease_s=opts.kv_lease_s
         )
         self._last_expire = 0.0
+        self.pushes_in_flight = 0  # PushKV calls being served (LoadReport.num_pushes_in_flight)
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
         params = req.kv_transfer_params
@@ -173,6 +174,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             node.producer.forget(tid)
             raise
         assert first is not None
+        if node.opts.faults.prefill_reply_delay_s:  # test-only: a slow prefill (bench/chaos.py)
+            await asyncio.sleep(node.opts.faults.prefill_reply_delay_s)
         if first.finish_reason == "error":
             # A node fault (engine step failed, engine thread died), not the request's: a status
             # the router retries on another prefill node, instead of a "first token" that is an error.
@@ -190,6 +193,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
 
     async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
+        self.node.pushes_in_flight += 1
+        try:
+            return await self._push_kv(request, context)
+        finally:
+            self.node.pushes_in_flight -= 1
+
+    async def _push_kv(
+        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PushKVResponse:
         node = self.node
         tid = request.transfer_id
         if request.expected_src_epoch and request.expected_src_epoch != node.epoch:
@@ -208,6 +220,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
         if not ready:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
+        if node.opts.faults.push_delay_s:  # test-only: a long transfer window (bench/chaos.py)
+            await asyncio.sleep(node.opts.faults.push_delay_s)
         digest = ""
         if request.want_checksum:
             digest = await asyncio.to_thread(node.push_digest, tid, request.num_tokens)
@@ -277,4 +291,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.KeepAliveResponse(unknown_transfer_ids=unknown, epoch=self.node.epoch)
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return await self.node.answer_load(pb, context)
+        report = await self.node.answer_load(pb, context)
+        report.num_pushes_in_flight = self.node.pushes_in_flight
+        return report

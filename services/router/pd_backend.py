@@ -76,7 +76,7 @@ class RouterPolicy:
     policy: str = "least_loaded"  # least_loaded | prefix_affinity | round_robin
     local_prefill_max_tokens: int = 32
     local_prefill_min_hit_frac: float = 0.9  # decode node already saw this much of the prompt
-    prefill_timeout_s: float = 120.0
+    prefill_timeout_s: float = 30.0  # P.Prefill call -> first token with the KV held
     request_timeout_s: float = 600.0
     decode_first_token_timeout_s: float = 30.0  # D.Decode call -> first delta (queue + KV pull)
     inter_token_timeout_s: float = 15.0  # between two deltas of a decode stream
@@ -350,6 +350,18 @@ class PDBackend:
             except asyncio.CancelledError:
                 call.cancel()
                 await self._abort_prefill(p, transfer_id)
+                raise
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Past prefill_timeout_s: P may still finish and hold the KV for nobody (it
+                    # frees it when it sees the cancelled call; the Abort makes sure, at once).
+                    logger.warning(
+                        "prefill leg of %s on %s: no first token within prefill_timeout_s (%g s)",
+                        req.request_id,
+                        p.name,
+                        self.policy.prefill_timeout_s,
+                    )
+                    self._background(self._abort_prefill(p, transfer_id))
                 raise
         finally:
             p.in_flight -= 1

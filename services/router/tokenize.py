@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.params import Depends
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.router.errors import bad_request
@@ -22,7 +23,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # [] is a 400, as in chat
     add_special_tokens: bool = True  # prompt only: the chat template writes its own
     add_generation_prompt: bool = True  # messages only
 
@@ -51,9 +52,12 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
         if getattr(ctx.tokenizer, "chat_template", None) is None:
             raise bad_request("this model's tokenizer has no chat template; tokenize a prompt", "messages")
         msgs: list[dict[str, Any]] = [m.template_dict(j) for j, m in enumerate(body.messages)]
-        text = ctx.tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt
-        )
+        try:
+            text = ctx.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            )
+        except (TemplateError, ValueError, TypeError) as e:  # the template refused these messages
+            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
         ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     else:
         assert body.prompt is not None

@@ -239,6 +239,24 @@ def test_prefill_timeout_within_request_timeout() -> None:
     assert "exceeds router.request_timeout_s" in _load_error(data)
 
 
+def test_prefill_timeout_default_is_the_prefill_first_token_deadline() -> None:
+    c = ClusterConfig.from_dict(_1p1d())
+    assert c.router.prefill_timeout_s == 30.0  # not 120: a wedged prefill must not cost 2 minutes
+    assert c.router.prefill_timeout_s <= c.router.decode_first_token_timeout_s
+
+
+def test_test_only_faults_are_off_by_default_and_refused_where_they_cannot_act() -> None:
+    c = ClusterConfig.from_dict(_1p1d(faults={"push_delay_s": 1.5, "engine_death_on_sigusr1": True}))
+    p = c.node("p0")
+    assert p.faults.push_delay_s == 1.5 and p.faults.engine_death_on_sigusr1
+    assert c.node("d0").faults.push_delay_s == 0 and not c.node("d0").faults.engine_death_on_sigusr1
+    data = _1p1d()
+    data["nodes"][1]["faults"] = {"prefill_reply_delay_s": 2.0}
+    msg = _load_error(data)
+    assert "d0" in msg and "prefill nodes only" in msg and "decode" in msg
+    assert "faults" in _load_error(_1p1d(faults={"no_such_fault": 1}))
+
+
 def test_unknown_node_names_the_known_ones() -> None:
     c = ClusterConfig.from_dict(_1p1d())
     with pytest.raises(UnknownNodeError) as ei:

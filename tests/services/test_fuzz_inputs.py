@@ -16,6 +16,7 @@ from collections.abc import Callable
 import grpc
 import httpx
 import torch
+from safetensors.torch import save as save_safetensors
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
@@ -135,6 +136,17 @@ def test_malformed_tensors_over_http_are_400(server_factory: Callable[..., Serve
         "pickle": base64.b64encode(pickle.dumps(torch.zeros(4, HIDDEN))).decode(),
         "oversized": embeds_b64(torch.zeros(4096, HIDDEN)),  # more rows than the context
         "bf16_nan": embeds_b64(torch.full((2, HIDDEN), float("nan"), dtype=torch.bfloat16)),
+        "f32_nan_one": embeds_b64(torch.zeros(3, HIDDEN).index_fill_(1, torch.tensor([5]), float("nan"))),
+        "f16_neg_inf": embeds_b64(torch.full((2, HIDDEN), float("-inf"), dtype=torch.float16)),
+        "int8": embeds_b64(torch.zeros(2, HIDDEN, dtype=torch.int8)),
+        "bool": embeds_b64(torch.zeros(2, HIDDEN, dtype=torch.bool)),
+        "1d": embeds_b64(torch.zeros(HIDDEN)),
+        "wrong_width": embeds_b64(torch.zeros(2, HIDDEN - 1)),
+        "no_rows": embeds_b64(torch.zeros(0, HIDDEN)),
+        "two_tensors": base64.b64encode(
+            save_safetensors({"a": torch.zeros(2, HIDDEN), "b": torch.zeros(2, HIDDEN)})
+        ).decode(),
+        "truncated_by_one": base64.b64encode(good[:-1]).decode(),
     }
     for i in range(20):
         cases[f"random{i}"] = base64.b64encode(

@@ -48,6 +48,9 @@ def test_tokenize_errors_are_openai_400s(url: str) -> None:
     r = httpx.post(url + "/tokenize", json={"model": MODEL})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert httpx.post(url + "/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    # Found by bench/fuzz.py: an empty conversation made the chat template raise (a 500).
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages"), r.text
 
 
 def test_openapi_documents_the_extras(url: str) -> None:
