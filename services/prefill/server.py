@@ -76,6 +76,7 @@ class PrefillNode(NodeBase):
                 )
             )
         self._last_expire = 0.0
+        self.leases_expired_total = 0  # holds freed by their lease, not by their consumers' pulls
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
         params = req.kv_transfer_params
@@ -97,6 +98,7 @@ class PrefillNode(NodeBase):
         if now - self._last_expire >= EXPIRE_EVERY_S:
             self._last_expire = now
             expired = self.producer.tracker.expire()
+            self.leases_expired_total += len(expired)
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
 
@@ -132,6 +134,7 @@ class PrefillNode(NodeBase):
             ("kv_transfer_seconds", "Seconds spent in KV pushes", sum(p.seconds_total for p in ps)),
             ("kv_transfer_failures", "KV pushes that failed", sum(p.failures_total for p in ps)),
             ("kv_transfers", "KV pushes attempted (one per stage asked)", sum(p.pushes_total for p in ps)),
+            ("kv_leases_expired", "KV holds freed by lease expiry", self.leases_expired_total),
         ]
 
     def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
