@@ -20,6 +20,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
@@ -44,14 +45,19 @@ def expected(llama4):
     from pdserve.engine.llm import LLM
 
     llm = LLM(str(llama4))
-    rng = random.Random(11)
+    rng = random.Random(13)  # a prompt set without near-ties (checked below)
     prompts = [[rng.randrange(3, llm.engine.arch.vocab_size) for _ in range(n)] for n in LENGTHS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     llm.engine.kv.process_deferred_frees()
     assert llm.engine.kv.pool.num_used_blocks == 0
     llm.engine.close()
     tokens = [o.token_ids for o in outs]
-    assert compare_greedy(tokens, _reference(llama4, prompts)) <= 2  # the engine vs transformers
+    ref = _reference(llama4, prompts)
+    assert compare_greedy(tokens, ref) == 0  # the engine equals transformers
+    # Exact equality across nodes is meaningful only away from near-ties: a different batch
+    # composition legitimately moves logits by ~1e-6 (seed 11 had a 2e-6 tie at one step).
+    gap = min(float(v[0] - v[1]) for _, logits in ref for lg in logits for v in [torch.topk(lg, 2).values])
+    assert gap > 1e-4, gap
     return prompts, tokens, [o.text for o in outs]
 
 
@@ -128,7 +134,13 @@ def _check_pair(rc: RunningCluster, p_pp: int, d_pp: int, expected) -> None:
     with ThreadPoolExecutor(len(prompts)) as ex:
         got = list(ex.map(lambda p: _complete(rc, p), prompts))
     assert [n for _, n in got] == [len(t) for t in want_tokens]
-    assert [t for t, _ in got] == want_text
+    for i, ((text, _), want) in enumerate(zip(got, want_text, strict=True)):
+        at = next(
+            (k for k, (a, b) in enumerate(zip(text, want, strict=False)) if a != b), min(len(text), len(want))
+        )
+        assert text == want, (
+            f"prompt {i} ({len(prompts[i])} tokens) differs at char {at}: {text!r} vs {want!r}\n{rc.logs()}"
+        )
     _assert_nothing_held(rc)
     # Every stage of both nodes moved KV (each prefill stage's layers live on some decode stage);
     # none failed.
