@@ -17,10 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.config.cluster import FaultsConfig
 from pdserve.config.engine import EngineConfig
-from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError
+from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError, StageEndpoint
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.errors import EngineDeadError, UnsupportedError
+from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.factory import make_backend
@@ -74,23 +74,43 @@ class NodeBase:
         self.epoch = new_epoch()
         pp = opts.engine.parallel.pipeline_parallel_size
         if pp > 1 and opts.role in ("prefill", "decode"):
-            # Each stage would need its own regions and Mooncake endpoint with PushKV routed to
-            # it (issue 11, not finished): refuse rather than move only stage 0's layers.
-            raise UnsupportedError(
-                f"pp={pp} on a {opts.role} node is not supported yet (KV transfer moves one stage's "
-                "layers only); use pp: 1 on prefill/decode nodes, pp > 1 on colocated nodes"
-            )
+            # Every stage process opens its own endpoint (pp_stage.start_kv_endpoints); only the
+            # Mooncake transports are wired and tested for that.
+            if opts.kv_transport not in ("tcp", "rdma"):
+                raise ConfigError(
+                    f"kv_transport {opts.kv_transport!r} with pp={pp} on a {opts.role} node is not "
+                    "supported; use kv_transport 'tcp' or 'rdma' (or pp: 1)"
+                )
+            if opts.kv_checksum:
+                raise ConfigError(
+                    f"kv_checksum with pp={pp} on a {opts.role} node is not supported (the digest "
+                    "covers one stage's KV); set kv_checksum: false or pp: 1"
+                )
         self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
         self.backend: TransferBackend | None = None
+        runner = self.engine.runner
         if opts.role in ("prefill", "decode"):
-            self.backend = make_backend(opts.kv_transport, opts.kv_host, str(self.engine.runner.device))
-            cache = self.engine.runner.kv_cache
+            self.backend = make_backend(opts.kv_transport, opts.kv_host, str(runner.device))
+            cache = runner.kv_cache
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
-        self.regions = kv_regions_of(self.engine.runner)
-        self.handshake = handshake_info_of(
-            self.engine.runner, opts.engine.model, self.epoch, opts.kv_transport
+        self.regions = kv_regions_of(runner)  # stage 0's layers
+        self.handshake = handshake_info_of(runner, opts.engine.model, self.epoch, opts.kv_transport)
+        # The node's pipeline stages (one when pp = 1): each its layers, session, regions.
+        ranges = (
+            runner.ranges if isinstance(runner, PipelineRunner) else [(0, self.engine.arch.num_hidden_layers)]
         )
+        session = self.backend.session_id if self.backend is not None else ""
+        self.stages: list[StageEndpoint] = [
+            StageEndpoint(0, len(ranges), ranges[0][0], ranges[0][1], session, tuple(self.regions))
+        ]
+        if isinstance(runner, PipelineRunner):
+            if self.backend is not None:
+                self.stages += runner.start_kv_endpoints(opts.kv_transport, opts.kv_host)
+            else:
+                self.stages += [
+                    StageEndpoint(i, len(ranges), lo, hi, "", ()) for i, (lo, hi) in enumerate(ranges)
+                ][1:]
         self.exit_code = 0  # non-zero: the node stopped because a part of it failed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_on_stop = False  # SIGTERM / SIGINT drain; request_stop() stops at once
@@ -123,6 +143,39 @@ class NodeBase:
     def aborted_holds_total(self) -> int:
         """Prefill: KV holds released by an abort (their request had already finished here)."""
         return 0
+
+    def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
+        """(bytes, failures, transfers) of one stage's endpoint."""
+        return (0, 0, 0)
+
+    def stage_info(self, pb: Any, st: StageEndpoint) -> Any:
+        return pb.StageInfo(
+            pp_rank=st.pp_rank,
+            tp_rank=0,  # TP with KV transfer is refused at start (LLMEngine): one rank per stage
+            pp_size=st.pp_size,
+            layer_start=st.layer_start,
+            layer_end=st.layer_end,
+            session=st.session,
+        )
+
+    def stage_loads(self, pb: Any) -> list[Any]:
+        used = self.engine.kv.pool.num_used_blocks
+        held, stranded = self.held_transfer_blocks(), self.stranded_kv_blocks()
+        out = []
+        for st in self.stages:
+            nbytes, failures, transfers = self.stage_transfer_counters(st.pp_rank)
+            out.append(
+                pb.StageLoad(
+                    stage=self.stage_info(pb, st),
+                    blocks_used=used,
+                    blocks_held_for_transfer=held,
+                    stranded_kv_blocks=stranded,
+                    transfer_bytes=nbytes,
+                    transfer_failures=failures,
+                    transfers=transfers,
+                )
+            )
+        return out
 
     # lifecycle -----------------------------------------------------------------------------------
     async def serve(self, ready: asyncio.Event | None = None) -> None:
@@ -254,6 +307,7 @@ class NodeBase:
             stranded_kv_blocks=self.stranded_kv_blocks(),
             num_aborted_total=eng.num_aborted_total + self.aborted_holds_total(),
             block_size=eng.kv.block_size,
+            stages=self.stage_loads(pb),
         )
 
 
@@ -298,6 +352,27 @@ class _NodeCollector:
         )
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
+        # Per pipeline stage (issue 11). One block table per node: used / held / stranded are the
+        # node's numbers on every stage; bytes and failures are each stage endpoint's own.
+        slabels = [*labels, "stage"]
+        used, held, stranded = pool.num_used_blocks, n.held_transfer_blocks(), n.stranded_kv_blocks()
+        families = {
+            "stage_kv_blocks_used": (GaugeMetricFamily, "KV blocks in use, per pipeline stage"),
+            "stage_kv_blocks_held_for_transfer": (GaugeMetricFamily, "Blocks held for a pull, per stage"),
+            "stage_stranded_kv_blocks": (GaugeMetricFamily, "Stranded KV blocks, per stage"),
+            "stage_kv_transfer_bytes": (CounterMetricFamily, "KV bytes moved by this stage's endpoint"),
+            "stage_kv_transfer_failures": (CounterMetricFamily, "KV transfers of this stage that failed"),
+        }
+        fams = {k: cls(f"pdserve:{k}", doc, labels=slabels) for k, (cls, doc) in families.items()}
+        for st in n.stages:
+            sv = [*lv, str(st.pp_rank)]
+            nbytes, failures, _ = n.stage_transfer_counters(st.pp_rank)
+            fams["stage_kv_blocks_used"].add_metric(sv, used)
+            fams["stage_kv_blocks_held_for_transfer"].add_metric(sv, held)
+            fams["stage_stranded_kv_blocks"].add_metric(sv, stranded)
+            fams["stage_kv_transfer_bytes"].add_metric(sv, nbytes)
+            fams["stage_kv_transfer_failures"].add_metric(sv, failures)
+        yield from fams.values()
 
     def describe(self):  # type: ignore[no-untyped-def]
         return []

@@ -16,6 +16,15 @@ CPU, NCCL on CUDA), shape first so a stage need not re-derive token counts. The 
 own pickled dataclasses (SchedulerOutput, RunnerOutput) between processes of one node only.
 A stage that dies or fails raises ``PipelineStageError`` at the next call: the engine fails its
 requests and the node turns NOT_SERVING (``services.node``).
+
+KV transfer (prefill / decode nodes, issue 11): ``start_kv_endpoints`` makes every stage process
+open its own transfer engine (Mooncake) and register its own KV cache there; it answers with its
+session address and regions (``StageEndpoint``). Decode stages then only receive (peers write
+into their registered memory). Prefill stages write on command: a second pipe per stage (the
+"transfer pipe", separate from the step pipe the engine thread owns) carries
+``("write", peer_session, descriptors, transfer_id)`` to a thread in the stage process, which
+runs the write with the stage's own engine and answers ``ok`` or the error. ``StageWriteBackend``
+is that pipe seen as a ``TransferBackend``, so one ``KVProducer`` per stage works unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +34,11 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -40,6 +52,8 @@ from pdserve.distributed.tp_worker import NCCL_ENV, tp_backend
 from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import PdserveError
+from pdserve.kvtransfer.backend import TransferBackend, TransferError
+from pdserve.kvtransfer.regions import Descriptor, Region
 from pdserve.kvtransfer.topology import split_layers
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 
@@ -48,6 +62,21 @@ logger = logging.getLogger(__name__)
 
 class PipelineStageError(PdserveError):
     """A pipeline stage process failed or exited; the node cannot continue."""
+
+
+STAGE_WRITE_TIMEOUT_S = 120.0  # one write a stage process runs for the node's PushKV
+
+
+@dataclass(frozen=True)
+class StageEndpoint:
+    """One stage's KV transfer endpoint: its layers, its engine's session, its KV regions."""
+
+    pp_rank: int
+    pp_size: int
+    layer_start: int
+    layer_end: int
+    session: str
+    regions: tuple[Region, ...]
 
 
 def stage_ranges(config: EngineConfig) -> list[tuple[int, int]]:
@@ -100,21 +129,27 @@ class PipelineRunner:
         init_method = f"file://{self._dir}/rendezvous"
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
+        self._xconns: list[Connection] = []  # transfer pipes (KV writes), one per stage process
+        self._xlocks: list[threading.Lock] = []
         self._procs: list[BaseProcess] = []
         self._closed = False
         self._timeout_s = config.step_timeout_s
         try:
             for rank in range(1, world):
                 parent, child = ctx.Pipe()
+                xparent, xchild = ctx.Pipe()
                 proc = ctx.Process(
                     target=stage_main,
-                    args=(config, rank, self.ranges, init_method, backend, child, timeout_s),
+                    args=(config, rank, self.ranges, init_method, backend, child, timeout_s, xchild),
                     name=f"pdserve-pp{rank}",
                     daemon=True,
                 )
                 proc.start()
                 child.close()
+                xchild.close()
                 self._conns.append(parent)
+                self._xconns.append(xparent)
+                self._xlocks.append(threading.Lock())
                 self._procs.append(proc)
             dist.init_process_group(
                 backend,
@@ -152,6 +187,49 @@ class PipelineRunner:
         self._call_all("init_kv", num_blocks)
         for rank in range(1, self.num_stages):
             self._wait_reply(rank)
+
+    def start_kv_endpoints(self, kv_transport: str, kv_host: str) -> list[StageEndpoint]:
+        """Stages 1..N-1 open their own transfer engine and register their KV cache (after
+        ``init_kv_cache``, before the engine thread starts); returns their endpoints."""
+        self._call_all("kv_endpoint", kv_transport, kv_host)
+        out = []
+        for rank in range(1, self.num_stages):
+            session, regions = self._wait_reply(rank)
+            lo, hi = self.ranges[rank]
+            out.append(
+                StageEndpoint(
+                    rank, self.num_stages, lo, hi, session, tuple(Region.from_dict(r) for r in regions)
+                )
+            )
+        return out
+
+    def stage_write(
+        self, rank: int, peer_session: str, descs: Sequence[Descriptor], transfer_id: str
+    ) -> None:
+        """Stage ``rank`` (>= 1) writes ``descs`` (its own memory -> the peer's) with its engine.
+        Raises TransferError if the write failed, PipelineStageError if the stage is gone."""
+        conn = self._xconns[rank - 1]
+        with self._xlocks[rank - 1]:
+            try:
+                conn.send(("write", peer_session, list(descs), transfer_id))
+            except (BrokenPipeError, OSError) as e:
+                raise PipelineStageError(f"pipeline stage {rank} is gone: {e}") from e
+            deadline = time.monotonic() + STAGE_WRITE_TIMEOUT_S
+            while not conn.poll(0.05):
+                if not self._procs[rank - 1].is_alive():
+                    raise PipelineStageError(
+                        f"pipeline stage {rank} exited ({self._exit_code(rank)}) during a KV write"
+                    )
+                if time.monotonic() > deadline:
+                    raise PipelineStageError(
+                        f"pipeline stage {rank} did not finish a KV write in {STAGE_WRITE_TIMEOUT_S:.0f} s"
+                    )
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                raise PipelineStageError(f"pipeline stage {rank} exited ({self._exit_code(rank)})") from None
+        if kind != "ok":
+            raise TransferError(peer_session, transfer_id, f"write from pipeline stage {rank}", None, payload)
 
     def launch(self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> _DoneStep:
         assert intermediate is None
@@ -246,7 +324,7 @@ class PipelineRunner:
                 logger.warning("pipeline stage %d did not exit in %.0f s; terminating it", rank, timeout_s)
                 proc.terminate()
                 proc.join(timeout_s)
-        for conn in self._conns:
+        for conn in (*self._conns, *self._xconns):
             conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -261,9 +339,11 @@ def stage_main(
     backend: str,
     conn: Connection,
     timeout_s: float,
+    xconn: Connection | None = None,
 ) -> None:
     """Stage ``rank``: its layer slice and KV cache; runs every step the engine core sends."""
     world = len(ranges)
+    kv_backend: TransferBackend | None = None
     last = rank == world - 1
     if backend == "gloo":  # CPU stages share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
@@ -283,6 +363,20 @@ def stage_main(
             if method == "init_kv":
                 runner.init_kv_cache(args[0])
                 conn.send(("ok", None))
+            elif method == "kv_endpoint":
+                from pdserve.kvtransfer.connector import kv_regions_of
+                from pdserve.kvtransfer.factory import make_backend
+
+                cache = runner.kv_cache
+                assert cache is not None, "kv_endpoint before init_kv"
+                kv_backend = make_backend(args[0], args[1], str(runner.device))
+                kv_backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
+                regions = [r.to_dict() for r in kv_regions_of(runner)]
+                if xconn is not None:
+                    threading.Thread(
+                        target=_serve_writes, args=(kv_backend, xconn), name=f"pp{rank}-kv", daemon=True
+                    ).start()
+                conn.send(("ok", (kv_backend.session_id, regions)))
             elif method == "drop":
                 runner.drop_finished(args[0])
             elif method == "step":
@@ -305,6 +399,53 @@ def stage_main(
             pass
         raise
     finally:
+        if kv_backend is not None:
+            kv_backend.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+
+
+def _serve_writes(backend: TransferBackend, xconn: Connection) -> None:
+    """Stage process thread: run the KV writes the node's process asks for, one at a time."""
+    while True:
+        try:
+            msg = xconn.recv()
+        except (EOFError, OSError):
+            return  # the node's process went away
+        op, peer, descs, tid = msg
+        assert op == "write", op
+        try:
+            backend.write(peer, descs, transfer_id=tid)
+            reply: tuple[str, Any] = ("ok", None)
+        except Exception as e:  # reported to the node, which counts the push as failed
+            reply = ("error", str(e))
+        try:
+            xconn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+class StageWriteBackend(TransferBackend):
+    """Stage ``rank``'s transfer engine as seen from the node's process: writes go through the
+    transfer pipe (``PipelineRunner.stage_write``); memory is registered in the stage process."""
+
+    def __init__(self, runner: PipelineRunner, endpoint: StageEndpoint) -> None:
+        self._runner = runner
+        self._endpoint = endpoint
+
+    @property
+    def session_id(self) -> str:
+        return self._endpoint.session
+
+    def register(self, addr: int, length: int) -> None:
+        raise NotImplementedError("a stage's KV is registered in its own process")
+
+    def unregister(self, addr: int) -> None:
+        raise NotImplementedError("a stage's KV is registered in its own process")
+
+    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+        self._runner.stage_write(self._endpoint.pp_rank, peer_session, descs, transfer_id)
+
+    def close(self) -> None:
+        pass  # the stage process closes its engine when it exits

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from pdserve.distributed.pp_stage import PipelineStageError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
@@ -236,6 +237,10 @@ class EngineLoop:
                 continue
             try:
                 deltas = eng.step()
+            except PipelineStageError as e:  # a stage process died: say so (first line only)
+                logger.exception("engine step failed; failing every request in flight")
+                reason = str(e).splitlines()[0]
+                deltas = eng.fail_all(f"engine step failed, node out of service: {reason}")
             except Exception:
                 logger.exception("engine step failed; failing every request in flight")
                 deltas = eng.fail_all("engine step failed (see the node's log)")

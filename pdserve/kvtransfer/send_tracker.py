@@ -150,6 +150,14 @@ class KVSendTracker:
         finally:
             self.end_send(transfer_id, ok)
 
+    def require(self, transfer_id: str, need_send: int) -> None:
+        """Raise the entry's ``need_send`` to at least this (a consumer node with more stages than
+        the count the entry was added with); unknown ids are left to the caller's push to report."""
+        with self._lock:
+            entry = self._entries.get(transfer_id)
+            if entry is not None:
+                entry.need_send = max(entry.need_send, need_send)
+
     def heartbeat(self, transfer_id: str) -> None:
         """The consumer is alive: extend the lease (raises UnknownTransferError if not held)."""
         with self._lock:

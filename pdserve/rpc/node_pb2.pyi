@@ -135,7 +135,7 @@ class Region(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., occurrence: _Optional[int] = ..., base_addr: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
-    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport")
+    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport", "stages")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class HandshakeInfo(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     block_size: int
@@ -156,7 +157,42 @@ class HandshakeInfo(_message.Message):
     epoch: str
     compat_hash: str
     kv_transport: str
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("pp_rank", "tp_rank", "pp_size", "layer_start", "layer_end", "session")
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    pp_rank: int
+    tp_rank: int
+    pp_size: int
+    layer_start: int
+    layer_end: int
+    session: str
+    def __init__(self, pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+
+class StageLoad(_message.Message):
+    __slots__ = ("stage", "blocks_used", "blocks_held_for_transfer", "stranded_kv_blocks", "transfer_bytes", "transfer_failures", "transfers")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_HELD_FOR_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    STRANDED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    stage: StageInfo
+    blocks_used: int
+    blocks_held_for_transfer: int
+    stranded_kv_blocks: int
+    transfer_bytes: int
+    transfer_failures: int
+    transfers: int
+    def __init__(self, stage: _Optional[_Union[StageInfo, _Mapping]] = ..., blocks_used: _Optional[int] = ..., blocks_held_for_transfer: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., transfers: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("info",)
@@ -201,20 +237,22 @@ class PushKVRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
-    __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "checksum")
+    __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "stages", "checksum")
     OK_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ok: _containers.RepeatedScalarFieldContainer[str]
     failed: _containers.RepeatedScalarFieldContainer[str]
     bytes: int
     num_descriptors: int
     seconds: float
+    stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     checksum: str
-    def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum: _Optional[str] = ...) -> None: ...
+    def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch")
@@ -257,7 +295,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight")
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +309,7 @@ class LoadReport(_message.Message):
     NUM_ABORTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     node: str
     role: str
     epoch: str
@@ -284,7 +323,8 @@ class LoadReport(_message.Message):
     num_aborted_total: int
     block_size: int
     num_pushes_in_flight: int
-    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("transfer_ids",)

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.distributed.pp_stage import StageEndpoint
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
@@ -41,6 +42,13 @@ class DecodeNode(NodeBase):
         self.reprefill_ids: set[str] = set()  # failed pulls the router should re-prefill
         self.checksums_verified_total = 0
         self.checksum_mismatches_total = 0
+        self._last_checksum: dict[str, str] = {}  # transfer_id -> prefill's digest (kv_checksum)
+        self.stage_pull_bytes = [0] * len(self.stages)  # per decode stage (metrics, GetLoad)
+        self.stage_pull_failures = [0] * len(self.stages)
+        self.stage_pulls = [0] * len(self.stages)
+
+    def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
+        return (self.stage_pull_bytes[pp_rank], self.stage_pull_failures[pp_rank], self.stage_pulls[pp_rank])
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), server)
@@ -95,6 +103,39 @@ class DecodeNode(NodeBase):
         self._peers[address] = remote
         return remote
 
+    def _push_request(self, spec: KVLoadSpec, peer: HandshakeInfo, st: StageEndpoint) -> pb.PushKVRequest:
+        p = spec.params
+        return pb.PushKVRequest(
+            transfer_id=p.transfer_id,
+            dst_block_ids=spec.block_ids[: -(-spec.num_tokens // self.engine.kv.block_size)],
+            num_tokens=spec.num_tokens,
+            dst_regions=[pb.Region(**r.to_dict()) for r in st.regions],
+            dst_session=st.session,
+            dst_compat_hash=self.handshake.compat_hash,
+            expected_src_epoch=peer.epoch,
+            want_checksum=self.opts.kv_checksum,
+            dst_pp_rank=st.pp_rank,
+            dst_tp_rank=0,  # TP with KV transfer is refused at start
+            dst_pp_size=st.pp_size,
+            dst_layer_start=st.layer_start,
+            dst_layer_end=st.layer_end,
+        )
+
+    async def _pull_stage(self, addr: str, req: pb.PushKVRequest) -> int:
+        """One decode stage's PushKV: the bytes written, or _PushFailed / AioRpcError."""
+        resp = await self._stub(addr).PushKV(
+            req,
+            timeout=self.opts.kv_pull_timeout_s,
+            metadata=channel.auth_metadata(self.opts.shared_token),
+        )
+        if req.transfer_id not in resp.ok:
+            raise _PushFailed(
+                f"prefill {addr} reported the write into decode stage {req.dst_pp_rank} as failed"
+            )
+        if resp.checksum:
+            self._last_checksum[req.transfer_id] = resp.checksum
+        return int(resp.bytes)
+
     # engine thread -> event loop: start the pulls a step asked for
     def _on_kv_loads(self, loads: list[KVLoadSpec]) -> None:
         assert self.loop is not None
@@ -114,40 +155,37 @@ class DecodeNode(NodeBase):
         t0 = loop.time()
         try:
             peer = self._peers.get(addr) or await self.ensure_handshake(addr)
-            req = pb.PushKVRequest(
-                transfer_id=p.transfer_id,
-                dst_block_ids=spec.block_ids[: -(-spec.num_tokens // self.engine.kv.block_size)],
-                num_tokens=spec.num_tokens,
-                dst_regions=[pb.Region(**r.to_dict()) for r in self.regions],
-                dst_session=self.backend.session_id if self.backend else "",
-                dst_compat_hash=self.handshake.compat_hash,
-                expected_src_epoch=peer.epoch,
-                want_checksum=self.opts.kv_checksum,
-                # this node is one stage (pp > 1 on decode nodes is refused at start)
-                dst_pp_rank=0,
-                dst_tp_rank=0,
-                dst_pp_size=1,
-                dst_layer_start=0,
-                dst_layer_end=self.engine.arch.num_hidden_layers,
-            )
-            resp = await self._stub(addr).PushKV(
-                req,
-                timeout=self.opts.kv_pull_timeout_s,
-                metadata=channel.auth_metadata(self.opts.shared_token),
-            )
-            ok = p.transfer_id in resp.ok
-            if ok:
-                self.pull_bytes_total += resp.bytes
-                if self.opts.kv_checksum:
-                    ok, err = await asyncio.to_thread(self._verify, req, resp.checksum)
-            else:
-                err = f"prefill {addr} reported the write as failed"
+            # One PushKV per decode stage, into that stage's regions and session (issue 11); the
+            # prefill node fans each out to its stages (kvtransfer.topology). The request runs only
+            # when every stage has its KV; all pulls end before the blocks can be reused.
+            reqs = [self._push_request(spec, peer, st) for st in self.stages]
+            results = await asyncio.gather(*(self._pull_stage(addr, r) for r in reqs), return_exceptions=True)
+            errors = []
+            for st, r in zip(self.stages, results, strict=True):
+                self.stage_pulls[st.pp_rank] += 1
+                if isinstance(r, BaseException):
+                    self.stage_pull_failures[st.pp_rank] += 1
+                    errors.append(r)
+                else:
+                    self.stage_pull_bytes[st.pp_rank] += r
+            if errors:
+                raise errors[0]
+            ok = True
+            self.pull_bytes_total += sum(r for r in results if isinstance(r, int))
+            if self.opts.kv_checksum:  # pp = 1 (kv_checksum with pp > 1 is refused at start)
+                digest = self._last_checksum.get(p.transfer_id, "")
+                ok, err = await asyncio.to_thread(self._verify, reqs[0], digest)
         except grpc.aio.AioRpcError as e:
             err = f"{e.code().name} from prefill {addr}: {e.details()}"
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self._peers.pop(addr, None)  # re-handshake next time (restart / mismatch)
         except (HandshakeError, PdserveError) as e:
             err = str(e)
+        except Exception as e:  # never leave the request waiting for KV: the policy applies
+            logger.exception("KV pull %s: unexpected error", p.transfer_id)
+            err = f"KV pull failed: {e!r}"
+        finally:
+            self._last_checksum.pop(p.transfer_id, None)
         self.pull_seconds_total += loop.time() - t0
         if not ok:
             self.pull_failures_total += 1
@@ -159,6 +197,10 @@ class DecodeNode(NodeBase):
             self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
         self.engine_loop.post_and_dispatch(lambda e: e.finish_kv_load(spec.request_id, ok, policy, err))
+
+
+class _PushFailed(PdserveError):
+    """Prefill answered a stage's PushKV with the transfer in ``failed``."""
 
 
 def _verify_digest(node: DecodeNode, req: pb.PushKVRequest, checksum: str) -> tuple[bool, str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.distributed.pp_stage import PipelineRunner, StageWriteBackend
 from pdserve.engine.request import Request
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
@@ -19,6 +20,7 @@ from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_co
 from pdserve.kvtransfer.params import RemoteDecodeParams
 from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
+from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
@@ -28,8 +30,8 @@ logger = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 0.5
 
 
-def handshake_to_pb(h: HandshakeInfo) -> pb.HandshakeInfo:
-    return pb.HandshakeInfo(**h.to_dict())
+def handshake_to_pb(h: HandshakeInfo, stages: list[pb.StageInfo] | None = None) -> pb.HandshakeInfo:
+    return pb.HandshakeInfo(**h.to_dict(), stages=stages or [])
 
 
 def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
@@ -53,11 +55,30 @@ class PrefillNode(NodeBase):
     def __init__(self, opts: NodeOptions) -> None:
         super().__init__(opts)
         assert isinstance(self.backend, TransferBackend)
+        bs, pp = self.engine.kv.block_size, len(self.stages)
+        # One producer per stage, one tracker for the node (one block table): a request is freed
+        # once every stage counted its consumers. Stage 0 writes here; the others in their process.
         self.producer = KVProducer(
-            self.backend, self.regions, self.engine.kv.block_size, self._release, lease_s=opts.kv_lease_s
+            self.backend, self.regions, bs, self._release, lease_s=opts.kv_lease_s, num_stages=pp
         )
+        self.producers = [self.producer]
+        runner = self.engine.runner
+        for st in self.stages[1:]:
+            assert isinstance(runner, PipelineRunner)
+            self.producers.append(
+                KVProducer(
+                    StageWriteBackend(runner, st),
+                    st.regions,
+                    bs,
+                    self._release,
+                    stage=st.pp_rank,
+                    num_stages=pp,
+                    tracker=self.producer.tracker,
+                )
+            )
         self._last_expire = 0.0
         self.pushes_in_flight = 0  # PushKV calls being served (LoadReport.num_pushes_in_flight)
+        self.leases_expired_total = 0  # holds freed by their lease, not by their consumers' pulls
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
         params = req.kv_transfer_params
@@ -79,6 +100,7 @@ class PrefillNode(NodeBase):
         if now - self._last_expire >= EXPIRE_EVERY_S:
             self._last_expire = now
             expired = self.producer.tracker.expire()
+            self.leases_expired_total += len(expired)
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
 
@@ -108,13 +130,18 @@ class PrefillNode(NodeBase):
         return self.producer.tracker.stranded_blocks()
 
     def transfer_counters(self) -> list[tuple[str, str, float]]:
-        p = self.producer
+        ps = self.producers
         return [
-            ("kv_transfer_bytes", "KV bytes pushed to decode nodes", p.bytes_total),
-            ("kv_transfer_seconds", "Seconds spent in KV pushes", p.seconds_total),
-            ("kv_transfer_failures", "KV pushes that failed", p.failures_total),
-            ("kv_transfers", "KV pushes attempted", p.pushes_total),
+            ("kv_transfer_bytes", "KV bytes pushed to decode nodes", sum(p.bytes_total for p in ps)),
+            ("kv_transfer_seconds", "Seconds spent in KV pushes", sum(p.seconds_total for p in ps)),
+            ("kv_transfer_failures", "KV pushes that failed", sum(p.failures_total for p in ps)),
+            ("kv_transfers", "KV pushes attempted (one per stage asked)", sum(p.pushes_total for p in ps)),
+            ("kv_leases_expired", "KV holds freed by lease expiry", self.leases_expired_total),
         ]
+
+    def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
+        p = self.producers[pp_rank]
+        return (p.bytes_total, p.failures_total, p.pushes_total)
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), server)
@@ -222,9 +249,26 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
         if node.opts.faults.push_delay_s:  # test-only: a long transfer window (bench/chaos.py)
             await asyncio.sleep(node.opts.faults.push_delay_s)
+        d_pp = request.dst_pp_size or 1
+        if not 0 <= request.dst_pp_rank < d_pp:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"dst_pp_rank {request.dst_pp_rank} is outside the decode node's {d_pp} stages",
+            )
+        p_pp = len(node.producers)
         digest = ""
         if request.want_checksum:
+            if p_pp > 1:
+                await context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"kv_checksum is not supported from a prefill node with pp={p_pp}",
+                )
             digest = await asyncio.to_thread(node.push_digest, tid, request.num_tokens)
+        # The asking decode stage's consumers: every stage of ours counts it (sizes differ) or
+        # only the same index (equal sizes). A router that told us fewer pulls than this decode
+        # node's stages make is corrected here, before any of them is counted.
+        node.producer.tracker.require(tid, need_send(1, p_pp, 1, d_pp))
+        ask = prefill_stages_to_ask(request.dst_pp_rank, p_pp, d_pp)
         try:
             regions = [
                 Region(
@@ -237,29 +281,49 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 )
                 for r in request.dst_regions
             ]
-            res = await asyncio.to_thread(
-                node.producer.push,
-                tid,
-                list(request.dst_block_ids),
-                request.num_tokens,
-                regions,
-                request.dst_session,
-                # the asking decode stage: a retried pull from it is counted once
-                (request.dst_pp_rank, request.dst_tp_rank),
+            consumer = (request.dst_pp_rank, request.dst_tp_rank)  # a retried pull counts once
+            results = await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        node.producers[i].push,
+                        tid,
+                        list(request.dst_block_ids),
+                        request.num_tokens,
+                        regions,
+                        request.dst_session,
+                        consumer,
+                    )
+                    for i in ask
+                ),
+                return_exceptions=True,
             )
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            res = [r for r in results if not isinstance(r, BaseException)]
         except UnknownTransferError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (RegionMismatchError, BlockIdError, InvalidRequestError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not res.ok:
-            logger.warning("push %s failed: %s", tid, res.error)
+        ok = all(r.ok for r in res)
+        if not ok:
+            logger.warning("push %s failed: %s", tid, "; ".join(r.error for r in res if not r.ok))
         return pb.PushKVResponse(
-            ok=[tid] if res.ok else [],
-            failed=[] if res.ok else [tid],
-            bytes=res.bytes,
-            num_descriptors=res.num_descriptors,
-            seconds=res.seconds,
+            ok=[tid] if ok else [],
+            failed=[] if ok else [tid],
+            bytes=sum(r.bytes for r in res) if ok else 0,
+            num_descriptors=sum(r.num_descriptors for r in res),
+            seconds=max(r.seconds for r in res),
             checksum=digest,
+            stages=[
+                pb.StageLoad(
+                    stage=node.stage_info(pb, node.stages[i]),
+                    transfer_bytes=r.bytes,
+                    transfer_failures=0 if r.ok else 1,
+                    transfers=1,
+                )
+                for i, r in zip(ask, res, strict=True)
+            ],
         )
 
     async def Handshake(
@@ -270,7 +334,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             check_compat(self.node.handshake, remote)
         except HandshakeError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return pb.HandshakeResponse(info=handshake_to_pb(self.node.handshake))
+        node = self.node
+        stages = [node.stage_info(pb, st) for st in node.stages]
+        return pb.HandshakeResponse(info=handshake_to_pb(node.handshake, stages))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         node = self.node

@@ -28,6 +28,7 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
+from pdserve.kvtransfer.topology import need_send
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
@@ -54,6 +55,7 @@ class NodeHandle:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
+    pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
 
     @property
     def available(self) -> bool:
@@ -170,6 +172,7 @@ class PDBackend:
             n.healthy = True
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
+            n.pp_size = max(1, len(rep.stages))
             if rep.epoch and rep.epoch != n.epoch:
                 if n.epoch:
                     note_new_epoch(n, rep.epoch)
@@ -258,7 +261,7 @@ class PDBackend:
             p_node = self._pick(self.prefill, key, tried)
             tried.add(p_node.name)
             try:
-                first = await self._prefill_leg(p_node, req, transfer_id)
+                first = await self._prefill_leg(p_node, req, transfer_id, d_node.pp_size)
                 p_node.breaker.record_success()
             except grpc.aio.AioRpcError as e:
                 self.leg_failures.labels("prefill", e.code().name).inc()
@@ -301,7 +304,7 @@ class PDBackend:
                 except KVLoadFailedError:
                     # Decode's pull failed under kv_load_failure_policy reprefill: another prefill
                     # node computes the KV again (or, with none left, decode prefills it itself).
-                    leg = await self._reprefill(req, key, tried)
+                    leg = await self._reprefill(req, key, tried, d_node.pp_size)
         finally:
             p_node.epoch_by_transfer.pop(transfer_id, None)  # when no decode leg read it
             if leg is not None:
@@ -310,7 +313,7 @@ class PDBackend:
             d_node.remember_prefix(h)
 
     async def _reprefill(
-        self, req: BackendRequest, key: bytes | None, tried: set[str]
+        self, req: BackendRequest, key: bytes | None, tried: set[str], d_pp: int = 1
     ) -> tuple[NodeHandle, str] | None:
         """A new prefill leg on a node not tried yet; None: decode recomputes (local path)."""
         while len(tried) < len(self.prefill):
@@ -319,7 +322,7 @@ class PDBackend:
             tid = uuid.uuid4().hex
             try:
                 # Its sampled token is dropped: the client has the first one, decode gets that one.
-                await self._prefill_leg(p, req, tid)
+                await self._prefill_leg(p, req, tid, d_pp)
             except grpc.aio.AioRpcError as e:
                 self.leg_failures.labels("prefill", e.code().name).inc()
                 record_leg_result(p, e.code())
@@ -330,7 +333,9 @@ class PDBackend:
         self.path_total.labels("reprefill_local").inc()
         return None
 
-    async def _prefill_leg(self, p: NodeHandle, req: BackendRequest, transfer_id: str) -> GenerationDelta:
+    async def _prefill_leg(
+        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
+    ) -> GenerationDelta:
         stub = pb_grpc.PrefillServiceStub(p.channel)
         p.in_flight += 1
         try:
@@ -339,7 +344,8 @@ class PDBackend:
                     transfer_id=transfer_id,
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=convert.sampling_to_pb(req.sampling_params),
-                    need_send=1,
+                    # pulls each prefill stage waits for (one TP rank per stage on PD nodes)
+                    need_send=need_send(1, p.pp_size, 1, d_pp),
                     prompt_embeds=_embeds_pb(req),
                 ),
                 timeout=self.policy.prefill_timeout_s,

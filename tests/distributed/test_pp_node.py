@@ -71,3 +71,22 @@ def test_killing_a_stage_fails_requests_and_health(llama4):
     node.engine.kv.process_deferred_frees()
     assert node.engine.kv.pool.num_used_blocks == 0
     node.engine.close()
+
+
+@pytest.mark.parametrize(
+    ("role", "opts", "match"),
+    [
+        ("decode", {"kv_checksum": True}, "kv_checksum with pp=2 on a decode node"),
+        ("prefill", {"kv_transport": "cuda_ipc"}, "kv_transport 'cuda_ipc' with pp=2 on a prefill node"),
+    ],
+)
+def test_pp_transfer_settings_not_wired_are_refused_at_start(llama4, role, opts, match) -> None:
+    from pdserve.errors import ConfigError
+    from services.prefill.server import PrefillNode
+
+    cfg = EngineConfig(
+        model=str(llama4), device="cpu", dtype="float32", parallel=ParallelConfig(pipeline_parallel_size=2)
+    )
+    cls = PrefillNode if role == "prefill" else DecodeNode
+    with pytest.raises(ConfigError, match=match):
+        cls(NodeOptions(name="n0", role=role, engine=cfg, **opts))
