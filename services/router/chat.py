@@ -19,6 +19,7 @@ from services.router.protocol import ChatCompletionRequest
 from services.router.serving import (
     Prompt,
     ServingContext,
+    cached_tokens,
     check_token_ids,
     collect,
     fan_out,
@@ -126,7 +127,8 @@ async def create_chat_completion(
     ]
     completion_tokens = sum(r.num_tokens for r in results)
     header = {"id": request_id, "object": "chat.completion", "created": created, "model": body.model}
-    return JSONResponse({**header, "choices": choices, "usage": usage(prompt.num_tokens, completion_tokens)})
+    u = usage(prompt.num_tokens, completion_tokens, cached_tokens([r.num_cached_tokens for r in results], 1))
+    return JSONResponse({**header, "choices": choices, "usage": u})
 
 
 def _with_tools(
@@ -158,7 +160,8 @@ def _tool_response(
     choices = [_tool_choice(mode, i, r.text, r.finish_reason) for i, r in enumerate(results)]
     header = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
     completion_tokens = sum(r.num_tokens for r in results)
-    return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt, completion_tokens)})
+    u = usage(num_prompt, completion_tokens, cached_tokens([r.num_cached_tokens for r in results], 1))
+    return JSONResponse({**header, "choices": choices, "usage": u})
 
 
 def _tool_chunks(mode: ToolMode) -> Callable[[int, GenerationDelta], dict[str, Any]]:

@@ -48,6 +48,40 @@ def completion_logprobs(
     return body, text_offset
 
 
+def echo_logprobs(
+    texts: TokenTexts, prompt_token_ids: list[int], prompt_lps: list[TokenLogprob] | None
+) -> tuple[dict[str, Any], int]:
+    """The legacy shape for an echoed prompt: the first token has no logprob (``null``); the
+    others come from the prefilling node (``None`` when it sent none: every value null).
+    Returns it and the text offset after the prompt; completion tokens continue from there."""
+    first = prompt_token_ids[:1]
+    tokens = [texts(t) for t in first]
+    body: dict[str, Any] = {
+        "tokens": tokens,
+        "token_logprobs": [None] * len(first),
+        "top_logprobs": [None] * len(first),
+        "text_offset": [0] * len(first),
+    }
+    offset = sum(len(t) for t in tokens)
+    if prompt_lps is None:
+        rest = prompt_token_ids[1:]
+        for tid in rest:
+            tok = texts(tid)
+            body["tokens"].append(tok)
+            body["token_logprobs"].append(None)
+            body["top_logprobs"].append(None)
+            body["text_offset"].append(offset)
+            offset += len(tok)
+        return body, offset
+    more, offset = completion_logprobs(texts, prompt_lps, offset)
+    return merge_logprobs(body, more), offset
+
+
+def merge_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of the legacy shape, one after the other."""
+    return {k: a[k] + b[k] for k in a}
+
+
 def _chat_entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
     tok = texts(token_id)
     return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}

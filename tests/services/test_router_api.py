@@ -54,6 +54,7 @@ class FakeBackend:
         self.requests: list[BackendRequest] = []
         self.cancelled: list[str] = []
         self.cancel_seen = threading.Event()  # set from the server thread
+        self.seen_prompts: set[tuple[int, ...]] = set()  # a repeat reports whole blocks as cached
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
@@ -68,6 +69,9 @@ class FakeBackend:
         assert sp.n == 1 and sp.max_tokens is not None
         num_embeds = 0 if req.prompt_embeds is None else req.prompt_embeds.shape[0]
         token_ids = fake_token_ids(req.prompt_token_ids, num_embeds, sp.seed, sp.max_tokens)
+        key = tuple(req.prompt_token_ids)
+        cached = (len(key) // 16) * 16 if key in self.seen_prompts else 0
+        self.seen_prompts.add(key)
         finished_normally = False
         try:
             for k, tid in enumerate(token_ids):
@@ -84,6 +88,14 @@ class FakeBackend:
                     top = tuple((tid + j, -0.25 * (j + 1)) for j in range(sp.logprobs))
                     lps = [TokenLogprob(tid, -0.25, top)]
                 last = k == len(token_ids) - 1
+                # Prompt logprobs of token j: -0.5 * j, its top-N (t + m, -0.1 * (m + 1)).
+                plp = None
+                if k == 0 and sp.prompt_logprobs is not None:
+                    ks = range(sp.prompt_logprobs)
+                    plp = [
+                        TokenLogprob(t, -0.5 * j, tuple((t + m, -0.1 * (m + 1)) for m in ks))
+                        for j, t in enumerate(req.prompt_token_ids[1:], start=1)
+                    ]
                 yield GenerationDelta(
                     req.request_id,
                     [tid],
@@ -92,6 +104,8 @@ class FakeBackend:
                     finish_reason="length" if last else None,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=k + 1,
+                    num_cached_tokens=cached,
+                    prompt_logprobs=plp,
                 )
                 await asyncio.sleep(0)
             finished_normally = True
@@ -424,7 +438,6 @@ _BAD_EMBEDS = {
         ),
         ("/v1/completions", _cmpl(n=0), "n", None),
         ("/v1/completions", _cmpl(logprobs=21), "logprobs", None),
-        ("/v1/completions", _cmpl(echo=True, logprobs=1), "echo", "unsupported"),
         ("/v1/completions", _cmpl(stream_options={"include_usage": True}), "stream_options", None),
         ("/v1/completions", {"prompt": "x"}, "model", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", None),
