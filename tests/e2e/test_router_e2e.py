@@ -266,15 +266,18 @@ def test_echo_prompt_logprobs_equal_transformers(cluster, tokenizer, ref_logprob
     got = torch.tensor(lp.token_logprobs[1:n])
     want = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    from services.router.logprobs import TokenTexts
+
+    texts = TokenTexts(tokenizer)  # the router's token text (bytes:\\xHH for half a character)
     top_v, top_i = ref.topk(3, dim=-1)
     for j in range(1, n):
         best: dict[str, float] = {}
         for tid, v in zip(top_i[j - 1].tolist(), top_v[j - 1].tolist(), strict=True):
-            best.setdefault(tokenizer.decode([tid]), v)  # the router keys alternatives by text
+            best.setdefault(texts(tid), v)  # the router keys alternatives by text
         assert lp.top_logprobs[j].keys() == best.keys()
         for text, v in best.items():
             assert abs(lp.top_logprobs[j][text] - v) < 1e-4
-    assert lp.tokens[:n] == [tokenizer.decode([t]) for t in ids]
+    assert lp.tokens[:n] == [texts(t) for t in ids]
     # The completion's own logprobs follow, and the text is the prompt's then the completion's.
     assert len(lp.token_logprobs[n:]) == 4 and all(v is not None for v in lp.token_logprobs[n:])
     assert resp.choices[0].text.startswith(tokenizer.decode(ids))

@@ -55,6 +55,7 @@ class FakeBackend:
         self.cancelled: list[str] = []
         self.cancel_seen = threading.Event()  # set from the server thread
         self.seen_prompts: set[tuple[int, ...]] = set()  # a repeat reports whole blocks as cached
+        self.forced_tokens: list[int] | None = None  # emit these token ids instead
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
@@ -69,6 +70,8 @@ class FakeBackend:
         assert sp.n == 1 and sp.max_tokens is not None
         num_embeds = 0 if req.prompt_embeds is None else req.prompt_embeds.shape[0]
         token_ids = fake_token_ids(req.prompt_token_ids, num_embeds, sp.seed, sp.max_tokens)
+        if self.forced_tokens is not None:
+            token_ids = self.forced_tokens[: sp.max_tokens]
         key = tuple(req.prompt_token_ids)
         cached = (len(key) // 16) * 16 if key in self.seen_prompts else 0
         self.seen_prompts.add(key)
@@ -295,8 +298,35 @@ def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
     assert len(content) == 3
     for entry in content:
         assert entry.logprob == -0.25 and isinstance(entry.token, str)
-        assert entry.bytes == list(entry.token.encode())
+        assert entry.bytes == list(entry.token.encode()) or entry.token.startswith("bytes:")
         assert [t.logprob for t in entry.top_logprobs] == [-0.25, -0.5]
+
+
+def test_chat_logprob_bytes_of_split_characters(
+    client: openai.OpenAI, backend: FakeBackend, tokenizer
+) -> None:
+    """Byte-level BPE tokens that each hold part of a multi-byte character: no U+FFFD in
+    ``token`` (``bytes:\\xHH`` instead), and the tokens' bytes join to the text."""
+    text = "é€😊 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    partial = [t for t in ids if "\ufffd" in tokenizer.decode([t])]
+    assert partial, "the tokenizer should split these characters"
+    backend.forced_tokens = ids
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=len(ids),
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = out.choices[0].logprobs.content
+    assert bytes(b for e in content for b in e.bytes) == text.encode()
+    assert not any("\ufffd" in e.token for e in content)
+    for e, tid in zip(content, ids, strict=True):
+        if tid in partial:
+            assert e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+        else:
+            assert e.token == tokenizer.decode([tid]) and e.bytes == list(e.token.encode())
 
 
 async def test_chat_stream_n2_async(aclient: openai.AsyncOpenAI) -> None:
