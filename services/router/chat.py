@@ -56,7 +56,7 @@ async def create_chat_completion(
     num_top = body.top_logprobs or 0
     params = sampling_params(body, requested, num_top if body.logprobs else None)
     ctx.limits.check_sequences(1, body.n)
-    mode, params = _with_tools(body, params)
+    mode, params = _with_tools(body, params, ctx.tool_call_parser)
     prompt = render_chat_prompt(ctx, body)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
@@ -132,10 +132,10 @@ async def create_chat_completion(
 
 
 def _with_tools(
-    body: ChatCompletionRequest, params: SamplingParams
+    body: ChatCompletionRequest, params: SamplingParams, parser: str
 ) -> tuple[ToolMode | None, SamplingParams]:
     """The request's tool mode, and its params with a forced call's constraint."""
-    mode = tool_mode(body.tools, body.tool_choice)
+    mode = tool_mode(body.tools, body.tool_choice, parser)
     if mode is None or mode.structured is None:
         return mode, params
     if params.structured is not None:

@@ -47,6 +47,7 @@ class ServingContext:
     hidden_size: int | None  # prompt_embeds width; None: prompt_embeds refused
     max_prompt_embeds_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_call_parser: str = "hermes"  # checked by create_app (tool_parsers.check_parser)
     token_texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:
