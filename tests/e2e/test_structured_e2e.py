@@ -91,6 +91,39 @@ def test_parse_returns_valid_objects(cluster, pd) -> None:
     ).text
 
 
+@pytest.mark.parametrize("pd", [False, True], ids=["local", "pd"])
+def test_regex_and_choice_hold_for_50_seeded_samples(cluster, pd) -> None:
+    """n=50 seeded samples (seed + i each) at temperature 1, through the router's fan-out."""
+    import json
+    import re
+
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    pattern = r"[a-z]{2,6}-[0-9]{1,3}(\.(ok|no))?"
+    choices = ["alpha", "beta", "gamma delta", "épsilon"]
+    path = "disaggregated" if pd else "local"
+    before = _path_count(cluster, path)
+    for j, extra in enumerate(({"regex": pattern}, {"choice": choices})):
+        prompt = _messages(pd, 40 + 2 * j + pd)[0]["content"]
+        resp = client.completions.create(
+            model=cluster.model_name,
+            prompt=prompt,
+            n=50,
+            seed=1234,
+            temperature=1.0,
+            max_tokens=24,
+            extra_body={"structured_outputs": extra},
+        )
+        texts = [c.text for c in resp.choices]
+        assert len(texts) == 50
+        if "regex" in extra:
+            assert all(re.fullmatch(pattern, t) for t in texts), texts
+        else:
+            assert set(texts) <= set(choices), json.dumps(texts)
+        assert len(set(texts)) > 1  # seeded samples differ (seed + i): the constraint is not one string
+    # The first sequence of each request takes the path; the others may find decode warm.
+    assert _path_count(cluster, path) - before >= 2
+
+
 def test_invalid_regex_is_a_400_naming_it(cluster) -> None:
     client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="regex"):
