@@ -24,7 +24,14 @@ def reference_prompt_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_equal_transformers(tiny_models, make_llm, async_scheduling) -> None:
     model_dir = tiny_models["llama"]
     # 16-token budget: a 70-token prompt prefills in 5 chunks; 16-token blocks make prefix hits.
-    llm = make_llm(model_dir, max_num_batched_tokens=16, block_size=16, async_scheduling=async_scheduling)
+    # float32 also on CUDA (where auto is bf16): the check is to 1e-4
+    llm = make_llm(
+        model_dir,
+        max_num_batched_tokens=16,
+        block_size=16,
+        async_scheduling=async_scheduling,
+        dtype="float32",
+    )
     ids = [(7 * i + 3) % 500 + 1 for i in range(70)]
     warm = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert warm.prompt_logprobs is None
@@ -47,7 +54,7 @@ def test_prompt_logprobs_equal_transformers(tiny_models, make_llm, async_schedul
 
 def test_prompt_logprobs_mixed_batch_and_zero_top(tiny_models, make_llm) -> None:
     model_dir = tiny_models["qwen2"]
-    llm = make_llm(model_dir, max_num_batched_tokens=24)
+    llm = make_llm(model_dir, max_num_batched_tokens=24, dtype="float32")
     a = [5, 9, 33, 2, 41, 8, 17, 250, 3, 3, 77]
     b = [100 + i for i in range(30)]
     outs = llm.generate(
