@@ -95,7 +95,7 @@ class PendingStep:
     staging: tuple[PinnedStaging, int, int] | None = None
 
     timeout_s: float = 300.0  # EngineConfig.step_timeout_s
-    prompt: PromptLogprobTensors | None = None  # on the device; read after the event
+    prompt: PromptLogprobTensors | None = None  # host copies (pinned on CUDA); read after the event
 
     def result(self) -> RunnerOutput:
         if self.event is not None:
@@ -344,6 +344,8 @@ class ModelRunner:
         prompt = (
             compute_prompt_logprobs(out, spans, self.model.compute_logits, self.staging) if spans else None
         )
+        if prompt is not None and self.staging.pinned:
+            prompt = prompt.copy_to_host(self.staging.host_like)  # read after the step's event
         sample_idx = batch.sample_idx
         if not sample_idx:
             self._prev_sampled, self._prev_rows = None, {}

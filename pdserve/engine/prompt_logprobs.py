@@ -68,6 +68,21 @@ class PromptLogprobTensors:
     top_logprobs: torch.Tensor | None  # [R, K] float32, best first (K = largest num_top)
     top_token_ids: torch.Tensor | None  # [R, K] int64
 
+    def copy_to_host(self, host_like: Callable[[torch.Tensor], torch.Tensor]) -> PromptLogprobTensors:
+        """The same values in host tensors made by ``host_like`` (pinned on CUDA: queued behind
+        the step's work, so reading them after the step's event waits for nothing later)."""
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            h = host_like(t)
+            h.copy_(t, non_blocking=True)
+            return h
+
+        chosen = host(self.chosen)
+        assert chosen is not None
+        return PromptLogprobTensors(self.spans, chosen, host(self.top_logprobs), host(self.top_token_ids))
+
     def output(self) -> dict[str, tuple[int, list[TokenLogprob]]]:
         """request id -> (index of its first entry, entries); reads the tensors (call after the
         step's event)."""
