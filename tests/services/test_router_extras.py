@@ -154,3 +154,19 @@ def test_usage_reports_cached_tokens(url: str) -> None:
     assert again["prompt_tokens_details"]["cached_tokens"] == (again["prompt_tokens"] // 16) * 16 > 0
     _, _, streamed = _stream_choice(url, body)
     assert streamed["prompt_tokens_details"] == again["prompt_tokens_details"]
+
+
+def test_echo_logprobs_batch_and_n_pick_each_choices_prompt(url: str, tokenizer: Any) -> None:
+    prompts = ["one two", "three four five six"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 1, "echo": True, "logprobs": 1}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == 4
+    for c in choices:
+        ids = tokenizer.encode(prompts[c["index"] // 2])
+        lp = c["logprobs"]
+        assert c["text"].startswith(prompts[c["index"] // 2])
+        assert lp["tokens"][: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert lp["token_logprobs"][: len(ids)] == [None] + [-0.5 * j for j in range(1, len(ids))]
+        assert len(lp["tokens"]) == len(ids) + 1
