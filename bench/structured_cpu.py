@@ -1,6 +1,9 @@
-"""Grammar masking cost: decode tok/s at batch N, constrained vs unconstrained, same run, CPU.
+"""Grammar masking cost: decode tok/s at batch N, constrained vs unconstrained, same run.
 
     PYTHONPATH=$PWD .venv/bin/python bench/structured_cpu.py [--batch 16] [--tokens 64] [--reps 3]
+    python3 bench/structured_cpu.py --device cuda --batch 64      # the H200 row of the issue
+
+The name is historical: ``--device`` (default cpu) also runs it on a GPU.
 
 One tiny random Llama (``--vocab``: the mask is a vocabulary-wide bitmask, so its cost grows
 with it). Every mode samples (temperature 1, seeded, ignore_eos) so all go through the same
@@ -49,10 +52,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         path = make_tiny_model("llama", d, hidden_size=128, head_dim=32, vocab_size=args.vocab)
-        llm = LLM(str(path), max_model_len=512)
+        llm = LLM(str(path), max_model_len=512, device=args.device)
         for mode in MODES.values():  # warm-up: grammar compile, first allocations
             run(llm, 2, 4, mode)
         results: dict[str, list[float]] = {m: [] for m in MODES}
@@ -63,8 +67,13 @@ def main() -> None:
                 results[name].append(tps)
                 counts[name] = n
     base = statistics.median(results["unconstrained"])
+    where = str(llm.engine.runner.device)
+    if llm.engine.runner.device.type == "cuda":
+        import torch
+
+        where += f" ({torch.cuda.get_device_name()}, {llm.engine.runner.dtype})"
     print(
-        f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), CPU"
+        f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), {where}"
     )
     print(f"{'mode':<24} {'tok/s':>9} {'vs unconstrained':>17} {'tokens':>7}")
     for name, xs in results.items():

@@ -84,6 +84,9 @@ class RouterConfig(_Frozen):
     breaker_failures: int = Field(default=3, ge=1)
     breaker_open_s: float = Field(default=5.0, gt=0)
     http_keepalive_s: float = Field(default=75.0, ge=1)  # idle HTTP keep-alive connections close after this
+    # Parses chat output under tool_choice auto into tool_calls (services/router/tool_parsers);
+    # a name the router does not know is refused when the router starts, naming the known ones.
+    tool_call_parser: str = "hermes"
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:

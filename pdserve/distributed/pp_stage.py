@@ -242,8 +242,8 @@ class PipelineRunner:
             time.sleep(0.2)  # let the dead process be reaped so the error names it
             self.check_alive()
             raise PipelineStageError(f"sending hidden states to pipeline stage 1 failed: {e}") from e
-        sampled, logprobs = self._wait_reply(self.num_stages - 1)
-        return _DoneStep(RunnerOutput(sampled, logprobs))
+        sampled, logprobs, prompt_logprobs = self._wait_reply(self.num_stages - 1)
+        return _DoneStep(RunnerOutput(sampled, logprobs, prompt_logprobs=prompt_logprobs))
 
     def drop_finished(self, request_ids: list[str]) -> None:
         self.stage0.drop_finished(request_ids)
@@ -384,7 +384,7 @@ def stage_main(
                 inter = _recv_tensors(rank - 1, runner.dtype, runner.device)
                 out = runner.launch(sched, inter).result()
                 if last:
-                    conn.send(("ok", (out.sampled, out.logprobs)))
+                    conn.send(("ok", (out.sampled, out.logprobs, out.prompt_logprobs)))
                 else:
                     assert out.intermediate is not None
                     _send_tensors(out.intermediate, rank + 1)

@@ -129,6 +129,8 @@ class LLM:
                 if d.logprobs and r.logprobs is not None:
                     r.logprobs.extend(d.logprobs)
                 r.num_cached_tokens = d.num_cached_tokens
+                if d.prompt_logprobs is not None:
+                    r.prompt_logprobs = d.prompt_logprobs
                 if d.finish_reason is not None:
                     r.finish_reason = d.finish_reason
                     if bar is not None:

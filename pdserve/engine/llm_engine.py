@@ -41,7 +41,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError, UnsupportedError
-from pdserve.kvtransfer.params import KVTransferParams, RemoteDecodeParams
+from pdserve.kvtransfer.params import KVTransferParams, RemoteDecodeParams, RemotePrefillParams
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
 from pdserve.models.loader import load_tokenizer
@@ -56,6 +56,9 @@ class _Tracked:
     logprobs: bool
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     emitted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: entry i is prompt token i + 1, filled chunk by chunk and
+    # sent with the request's first delta (then None: a recompute after preemption is ignored).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _continues_elsewhere(req: Request) -> bool:
@@ -243,6 +246,14 @@ class LLMEngine:
             salt = hashlib.blake2b(prompt_embeds.float().numpy().tobytes(), digest_size=16).digest()
         if params.n != 1:
             raise InvalidRequestError("n: the engine takes n=1 per request; fan out above it", field="n")
+        if params.prompt_logprobs is not None and (
+            prompt_embeds is not None or isinstance(kv_transfer_params, RemotePrefillParams)
+        ):
+            raise InvalidRequestError(
+                "prompt_logprobs: needs prompt token ids computed on this node (not prompt_embeds, "
+                "not KV prefilled elsewhere: the prefilling node returns them)",
+                field="prompt_logprobs",
+            )
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids, params)
         items = check_mm_items(mm_items, len(ids), self.arch.hidden_size)
@@ -268,7 +279,11 @@ class LLMEngine:
                 params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
         self._tracked[rid] = _Tracked(
-            req, detok, params.logprobs is not None, emitted_tokens=len(output_token_ids or ())
+            req,
+            detok,
+            params.logprobs is not None,
+            emitted_tokens=len(output_token_ids or ()),
+            prompt_logprobs=[None] * (len(ids) - 1) if params.prompt_logprobs is not None else None,
         )
         if output_token_ids and detok is not None:
             assert self.detok is not None
@@ -392,6 +407,10 @@ class LLMEngine:
         out = pending.result()
         self.fence.advance(sched.step_seq)
         self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
+        for rid, (start, entries) in out.prompt_logprobs.items():
+            tr = self._tracked.get(rid)
+            if tr is not None and tr.prompt_logprobs is not None:
+                tr.prompt_logprobs[start : start + len(entries)] = entries
         touched = self.scheduler.update_from_output(sched, out.sampled)
         return self._process(touched, out.logprobs)
 
@@ -423,8 +442,12 @@ class LLMEngine:
                 ([lp] if lp is not None else []) if tr.logprobs else None,
                 num_prompt_tokens=len(req.prompt_token_ids),
                 num_output_tokens=len(out_ids),  # a stop string may have ended it: count anew
-                num_cached_tokens=req.num_cached_tokens + req.num_external_computed_tokens,
+                num_cached_tokens=req.num_cached_tokens,
             )
+            if tr.prompt_logprobs is not None:
+                assert all(e is not None for e in tr.prompt_logprobs), "a prompt position was not computed"
+                delta.prompt_logprobs = tr.prompt_logprobs  # type: ignore[assignment]
+                tr.prompt_logprobs = None
             if req.status.finished:
                 delta.finish_reason = FINISH_REASON[req.status]
                 delta.stop_reason = req.stop_reason

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
 from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_logprobs, prompt_logprob_spans
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
 from pdserve.engine.scheduler_output import SchedulerOutput
@@ -74,6 +75,8 @@ class RunnerOutput:
     sampled: dict[str, int]  # request id -> sampled token (chunks with sample=True)
     logprobs: dict[str, TokenLogprob]  # for requests that asked for logprobs
     intermediate: IntermediateTensors | None = None  # non-last pipeline stages
+    # request id -> (index of the first entry, entries): prompt logprobs computed this step
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,6 +95,7 @@ class PendingStep:
     staging: tuple[PinnedStaging, int, int] | None = None
 
     timeout_s: float = 300.0  # EngineConfig.step_timeout_s
+    prompt: PromptLogprobTensors | None = None  # host copies (pinned on CUDA); read after the event
 
     def result(self) -> RunnerOutput:
         if self.event is not None:
@@ -99,12 +103,13 @@ class PendingStep:
         if self.staging is not None:
             st, slot, gen = self.staging
             assert st.generation(slot) == gen, "a step's samples were read after its staging slot was reused"
+        prompt = self.prompt.output() if self.prompt is not None else {}
         if self.samples is None:
-            return RunnerOutput({}, {}, intermediate=self.intermediate)
+            return RunnerOutput({}, {}, intermediate=self.intermediate, prompt_logprobs=prompt)
         out = self.samples.output()
         sampled = dict(zip(self.req_ids, out.token_ids, strict=True))
         logprobs = {rid: lp for rid, lp in zip(self.req_ids, out.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs=prompt)
 
 
 class ModelRunner:
@@ -335,10 +340,18 @@ class ModelRunner:
                 [], None, self.staging.end_step(), intermediate=out, timeout_s=self.config.step_timeout_s
             )
         assert isinstance(out, torch.Tensor)
+        spans = prompt_logprob_spans(sched)
+        prompt = (
+            compute_prompt_logprobs(out, spans, self.model.compute_logits, self.staging) if spans else None
+        )
+        if prompt is not None and self.staging.pinned:
+            prompt = prompt.copy_to_host(self.staging.host_like)  # read after the step's event
         sample_idx = batch.sample_idx
         if not sample_idx:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingStep([], None, self.staging.end_step(), timeout_s=self.config.step_timeout_s)
+            return PendingStep(
+                [], None, self.staging.end_step(), timeout_s=self.config.step_timeout_s, prompt=prompt
+            )
         if len(sample_idx) == batch.num_tokens:  # every token samples (decode): no gather
             hidden = out
         else:
@@ -369,7 +382,7 @@ class ModelRunner:
         # The next step may feed these tokens to its rows before the host has read them.
         self._prev_sampled, self._prev_rows = samples.token_ids, {rid: i for i, rid in enumerate(req_ids)}
         if not self.staging.pinned:
-            return PendingStep(req_ids, samples, None)
+            return PendingStep(req_ids, samples, None, prompt=prompt)
         host = samples.copy_to_host(self.staging.host_like)
         event = self.staging.end_step()
         slot = self.staging.slot
@@ -379,4 +392,5 @@ class ModelRunner:
             event,
             staging=(self.staging, slot, self.staging.generation(slot)),
             timeout_s=self.config.step_timeout_s,
+            prompt=prompt,
         )

@@ -29,6 +29,9 @@ class GenerationDelta:
     num_output_tokens: int = 0  # cumulative, for usage
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV
     error: str | None = None  # set with finish_reason == "error"
+    # SamplingParams.prompt_logprobs: one entry per prompt token from the second on (the first
+    # has no context), ``top`` of the distribution at its position; on the request's first delta.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -40,5 +43,6 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the second prompt token on
     finish_reason: str | None = None
     num_cached_tokens: int = 0

@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position (None: off)
+    # top-N logprobs of each prompt token from the second on (None: off). Computed where the
+    # prompt is prefilled; such a request skips the prefix cache (a hit has no logits).
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -71,7 +74,7 @@ class SamplingParams:
             "min_tokens",
             f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
         )
-        for lp_field in ("logprobs",):
+        for lp_field in ("logprobs", "prompt_logprobs"):
             v = getattr(self, lp_field)
             _check(
                 v is None or 0 <= v <= MAX_LOGPROBS,

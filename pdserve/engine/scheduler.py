@@ -247,7 +247,8 @@ class Scheduler:
                 continue
             hit_blocks: list[KVCacheBlock] = []
             num_hit = 0
-            if req.num_computed_tokens == 0:
+            # A prefix hit has no logits: prompt logprobs need every prompt position computed.
+            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit
             if num_new > budget:

@@ -40,6 +40,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
         m.logprobs = p.logprobs
     if p.structured is not None:
         m.structured_kind, m.structured_spec = p.structured
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     return m
 
 
@@ -63,6 +65,7 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
         include_stop_str_in_output=m.include_stop_str_in_output,
         skip_special_tokens=m.skip_special_tokens,
         structured=(m.structured_kind, m.structured_spec) if m.structured_kind else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
     )
 
 
@@ -79,16 +82,24 @@ def delta_to_pb(d: GenerationDelta) -> pb.Delta:
         num_cached_tokens=d.num_cached_tokens,
         error=d.error or "",
     )
-    for lp in d.logprobs or ():
-        m.logprobs.append(
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top_token_ids=[t for t, _ in lp.top],
-                top_logprobs=[v for _, v in lp.top],
-            )
-        )
+    m.logprobs.extend(_logprob_to_pb(lp) for lp in d.logprobs or ())
+    if d.prompt_logprobs is not None:
+        m.prompt_logprobs.SetInParent()
+        m.prompt_logprobs.tokens.extend(_logprob_to_pb(lp) for lp in d.prompt_logprobs)
     return m
+
+
+def _logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_token_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+    )
+
+
+def _logprob_from_pb(lp: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
 
 
 def delta_from_pb(m: pb.Delta) -> GenerationDelta:
@@ -97,18 +108,16 @@ def delta_from_pb(m: pb.Delta) -> GenerationDelta:
         request_id=m.request_id,
         token_ids=list(m.token_ids),
         text=m.text,
-        logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
-            for lp in m.logprobs
-        ]
-        if m.has_logprobs
-        else None,
+        logprobs=[_logprob_from_pb(lp) for lp in m.logprobs] if m.has_logprobs else None,
         finish_reason=m.finish_reason or None,
         stop_reason=stop_reason,
         num_prompt_tokens=m.num_prompt_tokens,
         num_output_tokens=m.num_output_tokens,
         num_cached_tokens=m.num_cached_tokens,
         error=m.error or None,
+        prompt_logprobs=[_logprob_from_pb(lp) for lp in m.prompt_logprobs.tokens]
+        if m.HasField("prompt_logprobs")
+        else None,
     )
 
 

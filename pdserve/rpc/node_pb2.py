@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/rpc/node.proto\x12\x0bpdserve.rpc\"\xc6\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x17\n\x0fstructured_kind\x18\x1e \x01(\t\x12\x17\n\x0fstructured_spec\x18\x1f \x01(\tB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x8b\x02\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\t \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\n \x01(\x05\x12\r\n\x05\x65rror\x18\x0b \x01(\t\"\xa7\x01\n\x0ePrefillRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x11\n\tneed_send\x18\x04 \x01(\x05\x12*\n\rprompt_embeds\x18\x05 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\"T\n\x0fPrefillResponse\x12!\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x12.pdserve.rpc.Delta\x12\x0f\n\x07kv_held\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\t\"\x88\x01\n\x06Region\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x12\n\noccurrence\x18\x02 \x01(\x05\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\"\xfb\x01\n\rHandshakeInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0blayer_names\x18\x04 \x03(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\x12\r\n\x05\x65poch\x18\x08 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\t \x01(\t\x12\x14\n\x0ckv_transport\x18Z \x01(\t\x12&\n\x06stages\x18\x19 \x03(\x0b\x32\x16.pdserve.rpc.StageInfo\"w\n\tStageInfo\x12\x0f\n\x07pp_rank\x18\x01 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x02 \x01(\x05\x12\x0f\n\x07pp_size\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x0f\n\x07session\x18\x06 \x01(\t\"\xcb\x01\n\tStageLoad\x12%\n\x05stage\x18\x01 \x01(\x0b\x32\x16.pdserve.rpc.StageInfo\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x05\x12 \n\x18\x62locks_held_for_transfer\x18\x03 \x01(\x05\x12\x1a\n\x12stranded_kv_blocks\x18\x04 \x01(\x05\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x19\n\x11transfer_failures\x18\x06 \x01(\x04\x12\x11\n\ttransfers\x18\x07 \x01(\x04\"<\n\x10HandshakeRequest\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"=\n\x11HandshakeResponse\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"\xc9\x02\n\rPushKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12(\n\x0b\x64st_regions\x18\x04 \x03(\x0b\x32\x13.pdserve.rpc.Region\x12\x13\n\x0b\x64st_session\x18\x05 \x01(\t\x12\x17\n\x0f\x64st_compat_hash\x18\x06 \x01(\t\x12\x1a\n\x12\x65xpected_src_epoch\x18\x07 \x01(\t\x12\x15\n\rwant_checksum\x18\x32 \x01(\x08\x12\x13\n\x0b\x64st_pp_rank\x18\x14 \x01(\x05\x12\x13\n\x0b\x64st_tp_rank\x18\x15 \x01(\x05\x12\x13\n\x0b\x64st_pp_size\x18\x16 \x01(\x05\x12\x17\n\x0f\x64st_layer_start\x18\x17 \x01(\x05\x12\x15\n\rdst_layer_end\x18\x18 \x01(\x05\"\x9f\x01\n\x0ePushKVResponse\x12\n\n\x02ok\x18\x01 \x03(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x03(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0fnum_descriptors\x18\x04 \x01(\x05\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12&\n\x06stages\x18\x19 \x03(\x0b\x32\x16.pdserve.rpc.StageLoad\x12\x10\n\x08\x63hecksum\x18\x32 \x01(\t\"\x89\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0eremote_prefill\x18\x05 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x17\n\x0fprefill_address\x18\x07 \x01(\t\x12*\n\rprompt_embeds\x18\x08 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\x12\x15\n\rprefill_epoch\x18\x32 \x01(\t\"9\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctransfer_ids\x18\x02 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\r\n\x0bLoadRequest\"\xe6\x02\n\nLoadReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x06 \x01(\x05\x12\x17\n\x0fnum_blocks_used\x18\x07 \x01(\x05\x12$\n\x1cnum_blocks_held_for_transfer\x18\x08 \x01(\x05\x12\x19\n\x11num_held_requests\x18\t \x01(\x05\x12\x1a\n\x12stranded_kv_blocks\x18\n \x01(\x05\x12\x19\n\x11num_aborted_total\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1c\n\x14num_pushes_in_flight\x18P \x01(\x05\x12&\n\x06stages\x18\x19 \x03(\x0b\x32\x16.pdserve.rpc.StageLoad\"(\n\x10KeepAliveRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"@\n\x11KeepAliveResponse\x12\x1c\n\x14unknown_transfer_ids\x18\x01 \x03(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t2\xaf\x03\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.pdserve.rpc.PrefillRequest\x1a\x1c.pdserve.rpc.PrefillResponse\x12\x41\n\x06PushKV\x12\x1a.pdserve.rpc.PushKVRequest\x1a\x1b.pdserve.rpc.PushKVResponse\x12J\n\tHandshake\x12\x1d.pdserve.rpc.HandshakeRequest\x1a\x1e.pdserve.rpc.HandshakeResponse\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReport\x12J\n\tKeepAlive\x12\x1d.pdserve.rpc.KeepAliveRequest\x1a\x1e.pdserve.rpc.KeepAliveResponse2\xc9\x01\n\rDecodeService\x12:\n\x06\x44\x65\x63ode\x12\x1a.pdserve.rpc.DecodeRequest\x1a\x12.pdserve.rpc.Delta0\x01\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/rpc/node.proto\x12\x0bpdserve.rpc\"\xf8\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x17\n\x0fstructured_kind\x18\x1e \x01(\t\x12\x17\n\x0fstructured_spec\x18\x1f \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18< \x01(\x05H\x03\x88\x01\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xc1\x02\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\t \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\n \x01(\x05\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x34\n\x0fprompt_logprobs\x18< \x01(\x0b\x32\x1b.pdserve.rpc.PromptLogprobs\";\n\x0ePromptLogprobs\x12)\n\x06tokens\x18\x01 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\"\xa7\x01\n\x0ePrefillRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x11\n\tneed_send\x18\x04 \x01(\x05\x12*\n\rprompt_embeds\x18\x05 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\"T\n\x0fPrefillResponse\x12!\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x12.pdserve.rpc.Delta\x12\x0f\n\x07kv_held\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\t\"\x88\x01\n\x06Region\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x12\n\noccurrence\x18\x02 \x01(\x05\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\"\xfb\x01\n\rHandshakeInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0blayer_names\x18\x04 \x03(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\x12\r\n\x05\x65poch\x18\x08 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\t \x01(\t\x12\x14\n\x0ckv_transport\x18Z \x01(\t\x12&\n\x06stages\x18\x19 \x03(\x0b\x32\x16.pdserve.rpc.StageInfo\"w\n\tStageInfo\x12\x0f\n\x07pp_rank\x18\x01 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x02 \x01(\x05\x12\x0f\n\x07pp_size\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x0f\n\x07session\x18\x06 \x01(\t\"\xcb\x01\n\tStageLoad\x12%\n\x05stage\x18\x01 \x01(\x0b\x32\x16.pdserve.rpc.StageInfo\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x05\x12 \n\x18\x62locks_held_for_transfer\x18\x03 \x01(\x05\x12\x1a\n\x12stranded_kv_blocks\x18\x04 \x01(\x05\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x19\n\x11transfer_failures\x18\x06 \x01(\x04\x12\x11\n\ttransfers\x18\x07 \x01(\x04\"<\n\x10HandshakeRequest\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"=\n\x11HandshakeResponse\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"\xc9\x02\n\rPushKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12(\n\x0b\x64st_regions\x18\x04 \x03(\x0b\x32\x13.pdserve.rpc.Region\x12\x13\n\x0b\x64st_session\x18\x05 \x01(\t\x12\x17\n\x0f\x64st_compat_hash\x18\x06 \x01(\t\x12\x1a\n\x12\x65xpected_src_epoch\x18\x07 \x01(\t\x12\x15\n\rwant_checksum\x18\x32 \x01(\x08\x12\x13\n\x0b\x64st_pp_rank\x18\x14 \x01(\x05\x12\x13\n\x0b\x64st_tp_rank\x18\x15 \x01(\x05\x12\x13\n\x0b\x64st_pp_size\x18\x16 \x01(\x05\x12\x17\n\x0f\x64st_layer_start\x18\x17 \x01(\x05\x12\x15\n\rdst_layer_end\x18\x18 \x01(\x05\"\x9f\x01\n\x0ePushKVResponse\x12\n\n\x02ok\x18\x01 \x03(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x03(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0fnum_descriptors\x18\x04 \x01(\x05\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12&\n\x06stages\x18\x19 \x03(\x0b\x32\x16.pdserve.rpc.StageLoad\x12\x10\n\x08\x63hecksum\x18\x32 \x01(\t\"\x89\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0eremote_prefill\x18\x05 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x17\n\x0fprefill_address\x18\x07 \x01(\t\x12*\n\rprompt_embeds\x18\x08 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\x12\x15\n\rprefill_epoch\x18\x32 \x01(\t\"9\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctransfer_ids\x18\x02 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\r\n\x0bLoadRequest\"\xe6\x02\n\nLoadReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x06 \x01(\x05\x12\x17\n\x0fnum_blocks_used\x18\x07 \x01(\x05\x12$\n\x1cnum_blocks_held_for_transfer\x18\x08 \x01(\x05\x12\x19\n\x11num_held_requests\x18\t \x01(\x05\x12\x1a\n\x12stranded_kv_blocks\x18\n \x01(\x05\x12\x19\n\x11num_aborted_total\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1c\n\x14num_pushes_in_flight\x18P \x01(\x05\x12&\n\x06stages\x18\x19 \x03(\x0b\x32\x16.pdserve.rpc.StageLoad\"(\n\x10KeepAliveRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"@\n\x11KeepAliveResponse\x12\x1c\n\x14unknown_transfer_ids\x18\x01 \x03(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t2\xaf\x03\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.pdserve.rpc.PrefillRequest\x1a\x1c.pdserve.rpc.PrefillResponse\x12\x41\n\x06PushKV\x12\x1a.pdserve.rpc.PushKVRequest\x1a\x1b.pdserve.rpc.PushKVResponse\x12J\n\tHandshake\x12\x1d.pdserve.rpc.HandshakeRequest\x1a\x1e.pdserve.rpc.HandshakeResponse\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReport\x12J\n\tKeepAlive\x12\x1d.pdserve.rpc.KeepAliveRequest\x1a\x1e.pdserve.rpc.KeepAliveResponse2\xc9\x01\n\rDecodeService\x12:\n\x06\x44\x65\x63ode\x12\x1a.pdserve.rpc.DecodeRequest\x1a\x12.pdserve.rpc.Delta0\x01\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,49 +32,51 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.rpc.node_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING']._serialized_start=40
-  _globals['_SAMPLING']._serialized_end=494
-  _globals['_TENSOR']._serialized_start=496
-  _globals['_TENSOR']._serialized_end=548
-  _globals['_TOKENLOGPROB']._serialized_start=550
-  _globals['_TOKENLOGPROB']._serialized_end=644
-  _globals['_DELTA']._serialized_start=647
-  _globals['_DELTA']._serialized_end=914
-  _globals['_PREFILLREQUEST']._serialized_start=917
-  _globals['_PREFILLREQUEST']._serialized_end=1084
-  _globals['_PREFILLRESPONSE']._serialized_start=1086
-  _globals['_PREFILLRESPONSE']._serialized_end=1170
-  _globals['_REGION']._serialized_start=1173
-  _globals['_REGION']._serialized_end=1309
-  _globals['_HANDSHAKEINFO']._serialized_start=1312
-  _globals['_HANDSHAKEINFO']._serialized_end=1563
-  _globals['_STAGEINFO']._serialized_start=1565
-  _globals['_STAGEINFO']._serialized_end=1684
-  _globals['_STAGELOAD']._serialized_start=1687
-  _globals['_STAGELOAD']._serialized_end=1890
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1892
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1952
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1954
-  _globals['_HANDSHAKERESPONSE']._serialized_end=2015
-  _globals['_PUSHKVREQUEST']._serialized_start=2018
-  _globals['_PUSHKVREQUEST']._serialized_end=2347
-  _globals['_PUSHKVRESPONSE']._serialized_start=2350
-  _globals['_PUSHKVRESPONSE']._serialized_end=2509
-  _globals['_DECODEREQUEST']._serialized_start=2512
-  _globals['_DECODEREQUEST']._serialized_end=2777
-  _globals['_ABORTREQUEST']._serialized_start=2779
-  _globals['_ABORTREQUEST']._serialized_end=2836
-  _globals['_ABORTRESPONSE']._serialized_start=2838
-  _globals['_ABORTRESPONSE']._serialized_end=2874
-  _globals['_LOADREQUEST']._serialized_start=2876
-  _globals['_LOADREQUEST']._serialized_end=2889
-  _globals['_LOADREPORT']._serialized_start=2892
-  _globals['_LOADREPORT']._serialized_end=3250
-  _globals['_KEEPALIVEREQUEST']._serialized_start=3252
-  _globals['_KEEPALIVEREQUEST']._serialized_end=3292
-  _globals['_KEEPALIVERESPONSE']._serialized_start=3294
-  _globals['_KEEPALIVERESPONSE']._serialized_end=3358
-  _globals['_PREFILLSERVICE']._serialized_start=3361
-  _globals['_PREFILLSERVICE']._serialized_end=3792
-  _globals['_DECODESERVICE']._serialized_start=3795
-  _globals['_DECODESERVICE']._serialized_end=3996
+  _globals['_SAMPLING']._serialized_end=544
+  _globals['_TENSOR']._serialized_start=546
+  _globals['_TENSOR']._serialized_end=598
+  _globals['_TOKENLOGPROB']._serialized_start=600
+  _globals['_TOKENLOGPROB']._serialized_end=694
+  _globals['_DELTA']._serialized_start=697
+  _globals['_DELTA']._serialized_end=1018
+  _globals['_PROMPTLOGPROBS']._serialized_start=1020
+  _globals['_PROMPTLOGPROBS']._serialized_end=1079
+  _globals['_PREFILLREQUEST']._serialized_start=1082
+  _globals['_PREFILLREQUEST']._serialized_end=1249
+  _globals['_PREFILLRESPONSE']._serialized_start=1251
+  _globals['_PREFILLRESPONSE']._serialized_end=1335
+  _globals['_REGION']._serialized_start=1338
+  _globals['_REGION']._serialized_end=1474
+  _globals['_HANDSHAKEINFO']._serialized_start=1477
+  _globals['_HANDSHAKEINFO']._serialized_end=1728
+  _globals['_STAGEINFO']._serialized_start=1730
+  _globals['_STAGEINFO']._serialized_end=1849
+  _globals['_STAGELOAD']._serialized_start=1852
+  _globals['_STAGELOAD']._serialized_end=2055
+  _globals['_HANDSHAKEREQUEST']._serialized_start=2057
+  _globals['_HANDSHAKEREQUEST']._serialized_end=2117
+  _globals['_HANDSHAKERESPONSE']._serialized_start=2119
+  _globals['_HANDSHAKERESPONSE']._serialized_end=2180
+  _globals['_PUSHKVREQUEST']._serialized_start=2183
+  _globals['_PUSHKVREQUEST']._serialized_end=2512
+  _globals['_PUSHKVRESPONSE']._serialized_start=2515
+  _globals['_PUSHKVRESPONSE']._serialized_end=2674
+  _globals['_DECODEREQUEST']._serialized_start=2677
+  _globals['_DECODEREQUEST']._serialized_end=2942
+  _globals['_ABORTREQUEST']._serialized_start=2944
+  _globals['_ABORTREQUEST']._serialized_end=3001
+  _globals['_ABORTRESPONSE']._serialized_start=3003
+  _globals['_ABORTRESPONSE']._serialized_end=3039
+  _globals['_LOADREQUEST']._serialized_start=3041
+  _globals['_LOADREQUEST']._serialized_end=3054
+  _globals['_LOADREPORT']._serialized_start=3057
+  _globals['_LOADREPORT']._serialized_end=3415
+  _globals['_KEEPALIVEREQUEST']._serialized_start=3417
+  _globals['_KEEPALIVEREQUEST']._serialized_end=3457
+  _globals['_KEEPALIVERESPONSE']._serialized_start=3459
+  _globals['_KEEPALIVERESPONSE']._serialized_end=3523
+  _globals['_PREFILLSERVICE']._serialized_start=3526
+  _globals['_PREFILLSERVICE']._serialized_end=3957
+  _globals['_DECODESERVICE']._serialized_start=3960
+  _globals['_DECODESERVICE']._serialized_end=4161
 # @@protoc_insertion_point(module_scope)

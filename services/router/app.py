@@ -31,6 +31,7 @@ from services.router.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.serving import ServingContext
 from services.router.streams import ClientDisconnected
 from services.router.tokenize import install_tokenize_routes
+from services.router.tool_parsers import check_parser
 
 # nginx's "client closed request": logged, never seen by the (gone) client.
 _STATUS_CLIENT_CLOSED = 499
@@ -48,6 +49,7 @@ def create_app(
     vocab_size: int | None = None,
     max_body_bytes: int | None = None,
     limits: RequestLimits | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """Build the app.
 
@@ -59,6 +61,7 @@ def create_app(
         raise ValueError("served_model_names is empty: name at least one model to serve")
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    check_parser(tool_call_parser)  # a name nobody acts on is a start error
     metrics = metrics if metrics is not None else RouterMetrics()
     ctx = ServingContext(
         backend=backend,
@@ -70,6 +73,7 @@ def create_app(
         hidden_size=hidden_size,
         max_prompt_embeds_bytes=max_prompt_embeds_bytes(max_model_len, hidden_size or 0),
         limits=limits or RequestLimits(),
+        tool_call_parser=tool_call_parser,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

@@ -19,6 +19,7 @@ from services.router.protocol import ChatCompletionRequest
 from services.router.serving import (
     Prompt,
     ServingContext,
+    cached_tokens,
     check_token_ids,
     collect,
     fan_out,
@@ -55,7 +56,7 @@ async def create_chat_completion(
     num_top = body.top_logprobs or 0
     params = sampling_params(body, requested, num_top if body.logprobs else None)
     ctx.limits.check_sequences(1, body.n)
-    mode, params = _with_tools(body, params)
+    mode, params = _with_tools(body, params, ctx.tool_call_parser)
     prompt = render_chat_prompt(ctx, body)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
@@ -126,14 +127,15 @@ async def create_chat_completion(
     ]
     completion_tokens = sum(r.num_tokens for r in results)
     header = {"id": request_id, "object": "chat.completion", "created": created, "model": body.model}
-    return JSONResponse({**header, "choices": choices, "usage": usage(prompt.num_tokens, completion_tokens)})
+    u = usage(prompt.num_tokens, completion_tokens, cached_tokens([r.num_cached_tokens for r in results], 1))
+    return JSONResponse({**header, "choices": choices, "usage": u})
 
 
 def _with_tools(
-    body: ChatCompletionRequest, params: SamplingParams
+    body: ChatCompletionRequest, params: SamplingParams, parser: str
 ) -> tuple[ToolMode | None, SamplingParams]:
     """The request's tool mode, and its params with a forced call's constraint."""
-    mode = tool_mode(body.tools, body.tool_choice)
+    mode = tool_mode(body.tools, body.tool_choice, parser)
     if mode is None or mode.structured is None:
         return mode, params
     if params.structured is not None:
@@ -158,7 +160,8 @@ def _tool_response(
     choices = [_tool_choice(mode, i, r.text, r.finish_reason) for i, r in enumerate(results)]
     header = {"id": request_id, "object": "chat.completion", "created": created, "model": model}
     completion_tokens = sum(r.num_tokens for r in results)
-    return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt, completion_tokens)})
+    u = usage(num_prompt, completion_tokens, cached_tokens([r.num_cached_tokens for r in results], 1))
+    return JSONResponse({**header, "choices": choices, "usage": u})
 
 
 def _tool_chunks(mode: ToolMode) -> Callable[[int, GenerationDelta], dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -11,12 +12,13 @@ from starlette.types import Receive
 
 from pdserve.engine.outputs import GenerationDelta
 from services.router.errors import bad_request
-from services.router.logprobs import completion_logprobs
+from services.router.logprobs import completion_logprobs, echo_logprobs, merge_logprobs
 from services.router.prompt_embeds import decode_prompt_embeds
 from services.router.protocol import CompletionRequest
 from services.router.serving import (
     Prompt,
     ServingContext,
+    cached_tokens,
     check_token_ids,
     collect,
     fan_out,
@@ -77,13 +79,20 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     arrival_s = time.monotonic()
     ctx.check_model(body.model)
     body.reject_unsupported()
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    # echo with max_tokens 0 (vLLM's convention): the prompt only. The nodes still run one token
+    # (the prefill that scores the prompt samples it); it is dropped here.
+    echo_only = body.echo and body.max_tokens == 0
+    engine_max_tokens = 1 if echo_only else body.max_tokens
+    params = sampling_params(body, engine_max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     prompts = _prompts(ctx, body)
-    max_tokens = [resolve_max_tokens(ctx, p.num_tokens, body.max_tokens, "max_tokens") for p in prompts]
+    max_tokens = [resolve_max_tokens(ctx, p.num_tokens, engine_max_tokens, "max_tokens") for p in prompts]
     await ctx.backend.check_capacity()
 
     request_id = new_request_id("cmpl")
     reqs = fan_out(request_id, prompts, params, max_tokens)
+    n = len(reqs) // len(prompts)
     num_prompt_tokens = sum(p.num_tokens for p in prompts)
     echo = _echo_texts(ctx, body, prompts, len(reqs))
     header: dict[str, Any] = {
@@ -92,17 +101,29 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
         "created": int(time.time()),
         "model": body.model,
     }
+    # With logprobs the echo goes out with the first delta, which brings the prompt's logprobs.
+    echo_with_logprobs = bool(echo) and body.logprobs is not None
 
     if body.stream:
         text_offsets = [0] * len(reqs)
+        echoed = [False] * len(reqs)
 
         def make_chunk(i: int, delta: GenerationDelta) -> dict[str, Any]:
+            text = "" if echo_only else delta.text
             lp = None
-            if body.logprobs is not None and delta.logprobs:
-                lp, text_offsets[i] = completion_logprobs(ctx.token_texts, delta.logprobs, text_offsets[i])
-            choice = {"index": i, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}
-            if delta.finish_reason is not None:
-                choice["stop_reason"] = delta.stop_reason
+            if echo_with_logprobs and not echoed[i]:
+                echoed[i] = True
+                text = echo[i] + text
+                lp, text_offsets[i] = echo_logprobs(
+                    ctx.token_texts, prompts[i // n].token_ids, delta.prompt_logprobs
+                )
+            if body.logprobs is not None and delta.logprobs and not echo_only:
+                more, text_offsets[i] = completion_logprobs(ctx.token_texts, delta.logprobs, text_offsets[i])
+                lp = more if lp is None else merge_logprobs(lp, more)
+            finish_reason = "length" if echo_only and delta.finish_reason is not None else delta.finish_reason
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = None if echo_only else delta.stop_reason
             return {"choices": [choice]}
 
         return SSEResponse(
@@ -111,28 +132,40 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
                 reqs,
                 arrival_s,
                 header,
-                _echo_chunks(echo),
+                [] if echo_with_logprobs else _echo_chunks(echo),
                 make_chunk,
                 num_prompt_tokens,
                 body.include_usage,
+                num_prompts=len(prompts),
+                count_tokens=(lambda d: 0) if echo_only else None,
             )
         )
 
     results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))
     choices = []
     for i, r in enumerate(results):
-        lp = completion_logprobs(ctx.token_texts, r.logprobs, 0)[0] if body.logprobs is not None else None
+        lp = None
+        if body.logprobs is not None:
+            offset = 0
+            if echo:
+                lp, offset = echo_logprobs(ctx.token_texts, prompts[i // n].token_ids, r.prompt_logprobs)
+            if not echo_only:
+                more = completion_logprobs(ctx.token_texts, r.logprobs, offset)[0]
+                lp = more if lp is None else merge_logprobs(lp, more)
         choices.append(
             {
                 "index": i,
-                "text": (echo[i] if echo else "") + r.text,
+                "text": (echo[i] if echo else "") + ("" if echo_only else r.text),
                 "logprobs": lp,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
+                "finish_reason": "length" if echo_only else r.finish_reason,
+                "stop_reason": None if echo_only else r.stop_reason,
             }
         )
-    completion_tokens = sum(r.num_tokens for r in results)
-    return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt_tokens, completion_tokens)})
+    completion_tokens = 0 if echo_only else sum(r.num_tokens for r in results)
+    cached = cached_tokens([r.num_cached_tokens for r in results], len(prompts))
+    return JSONResponse(
+        {**header, "choices": choices, "usage": usage(num_prompt_tokens, completion_tokens, cached)}
+    )
 
 
 def _echo_texts(

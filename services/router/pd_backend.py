@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import uuid
@@ -386,10 +387,14 @@ class PDBackend:
         first_tokens: list[int],
     ) -> AsyncGenerator[GenerationDelta, None]:
         stub = pb_grpc.DecodeServiceStub(d_node.channel)
+        params = req.sampling_params
+        if transfer_id is not None and params.prompt_logprobs is not None:
+            # Prefill returned them with the first token; decode does not compute the prompt.
+            params = dataclasses.replace(params, prompt_logprobs=None)
         msg = pb.DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            sampling=convert.sampling_to_pb(req.sampling_params),
+            sampling=convert.sampling_to_pb(params),
             output_token_ids=first_tokens,
             remote_prefill=transfer_id is not None,
             transfer_id=transfer_id or "",

@@ -73,9 +73,10 @@ class CompletionRequest(SamplingFields):
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.echo and self.logprobs is not None:
-            # Prompt logprobs (computed where the prompt is prefilled) are not implemented yet.
-            raise APIError(400, "echo with logprobs is not supported yet", param="echo", code="unsupported")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400, "max_tokens 0 is allowed only with echo (the prompt alone)", param="max_tokens"
+            )
         if self.echo and self.prompt_embeds is not None:
             raise APIError(400, "echo is not supported with prompt_embeds", param="echo", code="unsupported")
         if self.suffix:

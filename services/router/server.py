@@ -66,6 +66,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
         hidden_size=arch.hidden_size,
         max_body_bytes=r.max_body_bytes,
         limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
+        tool_call_parser=r.tool_call_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -47,6 +47,7 @@ class ServingContext:
     hidden_size: int | None  # prompt_embeds width; None: prompt_embeds refused
     max_prompt_embeds_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_call_parser: str = "hermes"  # checked by create_app (tool_parsers.check_parser)
     token_texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +150,9 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # From the node that prefilled (the first that sent them: a recompute on decode repeats them).
+    prompt_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prefix-cache hits where the prompt was prefilled
 
     @property
     def text(self) -> str:
@@ -172,17 +176,29 @@ async def collect(ctx: ServingContext, reqs: list[BackendRequest], arrival_s: fl
         r.num_tokens += len(delta.token_ids)
         if delta.logprobs:
             r.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None and r.prompt_logprobs is None:
+            r.prompt_logprobs = delta.prompt_logprobs
+        # Prefill's first delta carries its hits; decode's later deltas count only its own.
+        r.num_cached_tokens = max(r.num_cached_tokens, delta.num_cached_tokens)
         if delta.finish_reason is not None:
             r.finish_reason, r.stop_reason = delta.finish_reason, delta.stop_reason
     return results
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def cached_tokens(per_choice: list[int], num_prompts: int) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``: per prompt, the fewest hits among its
+    choices (each choice is its own sequence; prompt_tokens counts the prompt once), summed."""
+    n = len(per_choice) // num_prompts
+    return sum(min(per_choice[p * n : (p + 1) * n]) for p in range(num_prompts))
 
 
 def _dumps(obj: Any) -> str:
@@ -198,25 +214,31 @@ async def stream_events(
     make_chunk: Callable[[int, GenerationDelta], dict[str, Any]],
     num_prompt_tokens: int,
     include_usage: bool,
+    *,
+    num_prompts: int = 1,
+    count_tokens: Callable[[GenerationDelta], int] | None = None,
 ) -> AsyncIterator[str]:
     """SSE events: ``first_chunks``, one chunk per delta, the usage chunk, then ``[DONE]``.
 
     ``header`` (id, object, created, model) starts every chunk. Errors after the headers went out
     become one error event in OpenAI's shape (the openai client raises it as APIError).
+    ``count_tokens``: a delta's completion tokens for usage (default: its token ids).
     """
     extra = {"usage": None} if include_usage else {}
     num_completion_tokens = 0
+    cached = [0] * len(reqs)
     try:
         for chunk in first_chunks:
             yield sse_event(_dumps({**header, **chunk, **extra}))
         async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s):
             if delta.finish_reason in ("error", "abort"):
                 raise _failure(delta)
-            num_completion_tokens += len(delta.token_ids)
+            num_completion_tokens += len(delta.token_ids) if count_tokens is None else count_tokens(delta)
+            cached[i] = max(cached[i], delta.num_cached_tokens)
             yield sse_event(_dumps({**header, **make_chunk(i, delta), **extra}))
         if include_usage:
-            final = {**header, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)}
-            yield sse_event(_dumps(final))
+            u = usage(num_prompt_tokens, num_completion_tokens, cached_tokens(cached, num_prompts))
+            yield sse_event(_dumps({**header, "choices": [], "usage": u}))
     except (APIError, PdserveError) as e:
         err = to_api_error(e)
         ctx.metrics.http_errors.labels(status=str(err.status)).inc()

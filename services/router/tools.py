@@ -3,7 +3,8 @@
 ``required`` and a named function are enforced with structured outputs: a named function's
 output is its parameters' JSON (the schema of ``function.parameters``); ``required`` outputs
 ``{"name": ..., "arguments": {...}}`` constrained to one of the tools. ``auto`` leaves the
-output free and parses it with the Hermes parser (services/router/tool_parsers). ``none``: no
+output free and parses it with the configured parser (services/router/tool_parsers, default
+Hermes). ``none``: no
 tool calls. Streaming holds a forced call until the output is complete, then sends it as one
 ``delta.tool_calls`` (the reassembled stream equals the non-streaming answer).
 """
@@ -24,6 +25,7 @@ class ToolMode:
     kind: str  # "named" | "required" | "auto"
     name: str | None  # the forced function (named)
     structured: tuple[str, str] | None
+    parser: str = "hermes"  # auto: the tool-call parser (RouterConfig.tool_call_parser)
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -45,7 +47,9 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolMode | None:
+def tool_mode(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parser: str = "hermes"
+) -> ToolMode | None:
     """None: no tool handling (no tools, or tool_choice none)."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -55,7 +59,7 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolMode 
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        return ToolMode("auto", None, None)
+        return ToolMode("auto", None, None, parser)
     if tool_choice == "required":
         alts = [
             {
@@ -102,6 +106,6 @@ def tool_message(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, 
             return None, [_call(0, obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))]
         except (json.JSONDecodeError, KeyError, TypeError):
             return text, []  # cut off by max_tokens: what the model said, as content
-    parsed = get_parser("hermes").parse(text)
+    parsed = get_parser(mode.parser).parse(text)
     calls = [_call(i, c.name, c.arguments) for i, c in enumerate(parsed.tool_calls)]
     return (parsed.content or None) if calls else parsed.content, calls

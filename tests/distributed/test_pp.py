@@ -41,6 +41,23 @@ def test_pp_matches_single_stage(llama4):
     assert _run(llama4, pipeline_parallel_size=2, pp_layer_split=(1, 3)) == ref
 
 
+def test_pp_prompt_logprobs_match_single_stage(llama4):
+    """The last stage computes prompt logprobs and pipes them back with the samples."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+
+    def run(**kw):
+        with LLM(str(llama4), **COMMON, **kw) as llm:
+            return [o.prompt_logprobs for o in llm.generate(PROMPTS[2:4], params)]
+
+    ref = run()
+    got = run(pipeline_parallel_size=2)
+    assert [len(x or ()) for x in got] == [len(p) - 1 for p in PROMPTS[2:4]]
+    for a, b in zip(got, ref, strict=True):
+        assert a is not None and b is not None
+        assert [x.token_id for x in a] == [x.token_id for x in b]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
 def test_more_stages_than_layers_is_a_start_error(llama4):
     with pytest.raises(ConfigError, match=r"pp=5 .* 4 layers"):
         LLM(str(llama4), pipeline_parallel_size=5, **COMMON)

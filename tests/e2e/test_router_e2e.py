@@ -230,6 +230,105 @@ def test_prompt_embeds_through_both_legs(cluster, tiny_models) -> None:
     _wait_all_free(cluster)
 
 
+@pytest.fixture(scope="module")
+def ref_logprobs(tiny_models):
+    """prompt ids -> [len - 1, vocab] transformers log-softmax (fp32) at positions 0 .. P - 2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)[:-1]
+
+    return run
+
+
+def _path_counts(rc) -> tuple[float, float]:
+    return (
+        _metric(rc, 'pdserve:router_requests_by_path_total{path="local"}'),
+        _metric(rc, 'pdserve:router_requests_by_path_total{path="disaggregated"}'),
+    )
+
+
+@pytest.mark.parametrize("n", [10, 40], ids=["local", "pd"])  # under / over local_prefill_max_tokens
+def test_echo_prompt_logprobs_equal_transformers(cluster, tokenizer, ref_logprobs, n) -> None:
+    ids = [(11 * i + n) % 480 + 5 for i in range(n)]  # its own first block: decode has not seen it
+    ref = ref_logprobs(ids)
+    c = _client(cluster)
+    before = _path_counts(cluster)
+    kw = dict(model=cluster.model_name, prompt=ids, echo=True, logprobs=3, temperature=0)
+    resp = c.completions.create(max_tokens=4, extra_body={"ignore_eos": True}, **kw)
+    after = _path_counts(cluster)
+    assert after[n > 16] == before[n > 16] + 1  # the path this prompt length is meant to take
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == n + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    got = torch.tensor(lp.token_logprobs[1:n])
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    from services.router.logprobs import TokenTexts
+
+    texts = TokenTexts(tokenizer)  # the router's token text (bytes:\\xHH for half a character)
+    top_v, top_i = ref.topk(3, dim=-1)
+    for j in range(1, n):
+        best: dict[str, float] = {}
+        for tid, v in zip(top_i[j - 1].tolist(), top_v[j - 1].tolist(), strict=True):
+            best.setdefault(texts(tid), v)  # the router keys alternatives by text
+        assert lp.top_logprobs[j].keys() == best.keys()
+        for text, v in best.items():
+            assert abs(lp.top_logprobs[j][text] - v) < 1e-4
+    assert lp.tokens[:n] == [texts(t) for t in ids]
+    # The completion's own logprobs follow, and the text is the prompt's then the completion's.
+    assert len(lp.token_logprobs[n:]) == 4 and all(v is not None for v in lp.token_logprobs[n:])
+    assert resp.choices[0].text.startswith(tokenizer.decode(ids))
+    # max_tokens 0: the prompt alone, the same logprobs; streaming gives the same object.
+    only = c.completions.create(max_tokens=0, **kw)
+    assert only.usage.completion_tokens == 0 and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert only.choices[0].text == tokenizer.decode(ids)
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in c.completions.create(max_tokens=4, stream=True, extra_body={"ignore_eos": True}, **kw):
+        run = chunk.choices[0].logprobs
+        for key in streamed:
+            streamed[key] += (getattr(run, key) or []) if run is not None else []
+    assert streamed == {
+        "tokens": lp.tokens,
+        "token_logprobs": lp.token_logprobs,
+        "text_offset": lp.text_offset,
+    }
+    _wait_all_free(cluster)
+
+
+def test_repeated_prompt_reports_cached_tokens(cluster) -> None:
+    """Prefix-cache hits in usage: on prefill (P/D path) and on decode (local path)."""
+    bs = cluster.load("decode-0").block_size
+    head = [(13 * i + 7) % 470 + 9 for i in range(3 * bs)]  # 3 full blocks of its own
+    tail = [(17 * i + 3) % 470 + 9 for i in range(3 * bs)]
+    c = _client(cluster)
+
+    def cached(prompt: list[int], stream: bool = False) -> int:
+        kw = dict(model=cluster.model_name, prompt=prompt, max_tokens=2, temperature=0)
+        if not stream:
+            u = c.completions.create(**kw).usage
+        else:
+            chunks = c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+            u = [ch.usage for ch in chunks if ch.usage][-1]
+        return u.prompt_tokens_details.cached_tokens
+
+    before = _path_counts(cluster)
+    assert cached(head) == 0
+    # head + tail: decode saw half its blocks, so it prefills on P, whose cache holds head's.
+    assert cached(head + tail) == 3 * bs
+    assert cached(head + tail, stream=True) >= 3 * bs
+    mid = _path_counts(cluster)
+    assert mid[1] - before[1] >= 2, (before, mid)
+    # head again: decode saw all of it, prefills it locally from its own cache (the pulled KV).
+    hit = cached(head)
+    assert _path_counts(cluster)[0] == mid[0] + 1
+    assert hit == 2 * bs  # whole blocks, at least one token left to compute
+    _wait_all_free(cluster)
+
+
 def test_prefill_death_falls_back_to_local_prefill(cluster, tokenizer, reference) -> None:
     """Runs last in this module: it kills the prefill node."""
     import os

@@ -54,6 +54,8 @@ class FakeBackend:
         self.requests: list[BackendRequest] = []
         self.cancelled: list[str] = []
         self.cancel_seen = threading.Event()  # set from the server thread
+        self.seen_prompts: set[tuple[int, ...]] = set()  # a repeat reports whole blocks as cached
+        self.forced_tokens: list[int] | None = None  # emit these token ids instead
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
@@ -68,6 +70,11 @@ class FakeBackend:
         assert sp.n == 1 and sp.max_tokens is not None
         num_embeds = 0 if req.prompt_embeds is None else req.prompt_embeds.shape[0]
         token_ids = fake_token_ids(req.prompt_token_ids, num_embeds, sp.seed, sp.max_tokens)
+        if self.forced_tokens is not None:
+            token_ids = self.forced_tokens[: sp.max_tokens]
+        key = tuple(req.prompt_token_ids)
+        cached = (len(key) // 16) * 16 if key in self.seen_prompts else 0
+        self.seen_prompts.add(key)
         finished_normally = False
         try:
             for k, tid in enumerate(token_ids):
@@ -84,6 +91,14 @@ class FakeBackend:
                     top = tuple((tid + j, -0.25 * (j + 1)) for j in range(sp.logprobs))
                     lps = [TokenLogprob(tid, -0.25, top)]
                 last = k == len(token_ids) - 1
+                # Prompt logprobs of token j: -0.5 * j, its top-N (t + m, -0.1 * (m + 1)).
+                plp = None
+                if k == 0 and sp.prompt_logprobs is not None:
+                    ks = range(sp.prompt_logprobs)
+                    plp = [
+                        TokenLogprob(t, -0.5 * j, tuple((t + m, -0.1 * (m + 1)) for m in ks))
+                        for j, t in enumerate(req.prompt_token_ids[1:], start=1)
+                    ]
                 yield GenerationDelta(
                     req.request_id,
                     [tid],
@@ -92,6 +107,8 @@ class FakeBackend:
                     finish_reason="length" if last else None,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=k + 1,
+                    num_cached_tokens=cached,
+                    prompt_logprobs=plp,
                 )
                 await asyncio.sleep(0)
             finished_normally = True
@@ -281,8 +298,35 @@ def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
     assert len(content) == 3
     for entry in content:
         assert entry.logprob == -0.25 and isinstance(entry.token, str)
-        assert entry.bytes == list(entry.token.encode())
+        assert entry.bytes == list(entry.token.encode()) or entry.token.startswith("bytes:")
         assert [t.logprob for t in entry.top_logprobs] == [-0.25, -0.5]
+
+
+def test_chat_logprob_bytes_of_split_characters(
+    client: openai.OpenAI, backend: FakeBackend, tokenizer
+) -> None:
+    """Byte-level BPE tokens that each hold part of a multi-byte character: no U+FFFD in
+    ``token`` (``bytes:\\xHH`` instead), and the tokens' bytes join to the text."""
+    text = "é€😊 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    partial = [t for t in ids if "\ufffd" in tokenizer.decode([t])]
+    assert partial, "the tokenizer should split these characters"
+    backend.forced_tokens = ids
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=len(ids),
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = out.choices[0].logprobs.content
+    assert bytes(b for e in content for b in e.bytes) == text.encode()
+    assert not any("\ufffd" in e.token for e in content)
+    for e, tid in zip(content, ids, strict=True):
+        if tid in partial:
+            assert e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+        else:
+            assert e.token == tokenizer.decode([tid]) and e.bytes == list(e.token.encode())
 
 
 async def test_chat_stream_n2_async(aclient: openai.AsyncOpenAI) -> None:
@@ -424,7 +468,6 @@ _BAD_EMBEDS = {
         ),
         ("/v1/completions", _cmpl(n=0), "n", None),
         ("/v1/completions", _cmpl(logprobs=21), "logprobs", None),
-        ("/v1/completions", _cmpl(echo=True, logprobs=1), "echo", "unsupported"),
         ("/v1/completions", _cmpl(stream_options={"include_usage": True}), "stream_options", None),
         ("/v1/completions", {"prompt": "x"}, "model", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", None),

@@ -95,5 +95,81 @@ def test_echo_prepends_the_prompt_streaming_and_not(url: str) -> None:
     import json
 
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events) == "hello there" + plain
-    r = httpx.post(url + "/v1/completions", json={**body, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def _stream_choice(url: str, body: dict) -> tuple[str, dict, dict]:
+    """The text, logprobs (runs concatenated) and usage of a one-choice stream."""
+    import json
+
+    text, lp, usage = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, {}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            usage = ev.get("usage") or usage
+            for c in ev["choices"]:
+                text += c["text"]
+                for k, v in (c["logprobs"] or {}).items():
+                    lp[k] += v
+    return text, lp, usage
+
+
+@pytest.mark.parametrize("max_tokens", [3, 0])
+def test_echo_with_logprobs_shape(url: str, tokenizer: Any, max_tokens: int) -> None:
+    prompt = "hello there friend"
+    ids = tokenizer.encode(prompt)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 2}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    num = len(ids) + max_tokens
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == num
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(ids)] == [-0.5 * j for j in range(1, len(ids))]  # the fake's
+    assert lp["tokens"][: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+    offsets = [0]
+    for tok in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert lp["text_offset"] == offsets
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == max_tokens and usage["prompt_tokens"] == len(ids)
+    if max_tokens == 0:
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    text, slp, susage = _stream_choice(url, body)
+    assert (text, slp) == (choice["text"], lp)
+    assert susage["completion_tokens"] == max_tokens
+
+
+def test_max_tokens_zero_without_echo_is_a_400(url: str) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_usage_reports_cached_tokens(url: str) -> None:
+    body = {"model": MODEL, "prompt": "cached words " * 12, "max_tokens": 2}
+    first = httpx.post(url + "/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = httpx.post(url + "/v1/completions", json=body).json()["usage"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == (again["prompt_tokens"] // 16) * 16 > 0
+    _, _, streamed = _stream_choice(url, body)
+    assert streamed["prompt_tokens_details"] == again["prompt_tokens_details"]
+
+
+def test_echo_logprobs_batch_and_n_pick_each_choices_prompt(url: str, tokenizer: Any) -> None:
+    prompts = ["one two", "three four five six"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 1, "echo": True, "logprobs": 1}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == 4
+    for c in choices:
+        ids = tokenizer.encode(prompts[c["index"] // 2])
+        lp = c["logprobs"]
+        assert c["text"].startswith(prompts[c["index"] // 2])
+        assert lp["tokens"][: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert lp["token_logprobs"][: len(ids)] == [None] + [-0.5 * j for j in range(1, len(ids))]
+        assert len(lp["tokens"]) == len(ids) + 1

@@ -60,3 +60,18 @@ def test_streaming_split_at_every_position_equals_whole(text: str) -> None:
 def test_unknown_parser_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="mistral"):
         get_parser("mistral")
+
+
+def test_router_refuses_an_unknown_parser_at_start(tiny_models) -> None:
+    from transformers import AutoTokenizer
+
+    from pdserve.config.cluster import RouterConfig
+    from pdserve.errors import ConfigError
+    from services.router.app import create_app
+    from tests.services.test_router_api import FakeBackend
+
+    assert RouterConfig().tool_call_parser == "hermes"
+    tok = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    with pytest.raises(ConfigError, match=r"'pythonic'.*\['hermes'\]"):
+        create_app(FakeBackend(), tok, ["m"], 64, tool_call_parser="pythonic")
+    create_app(FakeBackend(), tok, ["m"], 64, tool_call_parser="hermes")
