@@ -80,6 +80,7 @@ class RouterConfig(_Frozen):
     breaker_failures: int = Field(default=3, ge=1)
     breaker_open_s: float = Field(default=5.0, gt=0)
     http_keepalive_s: float = Field(default=75.0, ge=1)  # idle HTTP keep-alive connections close after this
+    encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call (issue 14)
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
@@ -124,6 +125,15 @@ class NodeConfig(_Frozen):
     # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
     drain_timeout_s: float = Field(default=30.0, gt=0)
+    # Embedding cache (issue 14). Encoder: its registered buffer of embeddings and their lease in
+    # the Redis index; EC consumers (prefill): the buffer pushes land in, the reservation lease and
+    # how long one fetch from an encoder may take.
+    ec_buffer_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    ec_lease_s: float = Field(default=30.0, gt=0)
+    ec_fetch_timeout_s: float = Field(default=30.0, gt=0)
+    # Encoder only: images past these are a 400 before any pixel is decoded.
+    max_image_bytes: int | None = Field(default=None, ge=1)  # None: 20 MiB
+    max_image_pixels: int | None = Field(default=None, ge=1)  # None: 4096 x 4096
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
 
@@ -177,6 +187,24 @@ class NodeConfig(_Frozen):
             raise ConfigError(
                 f"node {self.name!r}: an encoder node is an ec_producer, not an ec_consumer; omit ec_role"
             )
+        if self.role != "encoder":
+            for f in ("max_image_bytes", "max_image_pixels"):
+                if getattr(self, f) is not None:
+                    raise ConfigError(
+                        f"node {self.name!r}: {f} is an encoder setting (images are decoded there), "
+                        f"but the node's role is {self.role}; move it to the encoder node"
+                    )
+        else:
+            if self.tp != 1 or self.pp != 1:
+                raise ConfigError(
+                    f"node {self.name!r}: an encoder runs on one device (tp 1, pp 1), got tp {self.tp}, "
+                    f"pp {self.pp}; add encoder nodes to scale out instead"
+                )
+            if self.kv_transport == "cuda_ipc":
+                raise ConfigError(
+                    f"node {self.name!r}: embeddings move over Mooncake (kv_transport tcp or rdma), "
+                    "not cuda_ipc; set kv_transport: tcp"
+                )
         return self
 
     @property
@@ -238,6 +266,7 @@ class ClusterConfig(_Frozen):
             )
         self._check_models()
         self._check_addresses()
+        self._check_encoders()
         self._check_keepalive()
         return self
 
@@ -261,6 +290,25 @@ class ClusterConfig(_Frozen):
                 raise ConfigError(
                     f"node {n.name!r}: kv_keepalive_s ({n.kv_keepalive_s}) must be below the shortest "
                     f"prefill kv_lease_s ({min(leases)}), or queued requests lose their KV; lower it"
+                )
+
+    def _check_encoders(self) -> None:
+        """The embedding-cache index lives in Redis (DESIGN §3): an encoder needs redis_url."""
+        if self.encoder_nodes and not self.redis_url:
+            names = [n.name for n in self.encoder_nodes]
+            raise ConfigError(
+                f"encoder nodes {names} need redis_url: the embedding-cache index (key -> owner, "
+                "address, shape, expiry) lives in Redis; set redis_url or remove the encoder nodes"
+            )
+        for n in self.nodes:
+            if (
+                n.role != "encoder"
+                and n.kv_transport == "cuda_ipc"
+                and any(e.model == n.model for e in self.encoder_nodes)
+            ):
+                raise ConfigError(
+                    f"node {n.name!r}: it consumes embeddings from an encoder over Mooncake, but its "
+                    "kv_transport is cuda_ipc; use tcp or rdma on nodes of a model with an encoder"
                 )
 
     def _check_models(self) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/rpc/node.proto\x12\x0bpdserve.rpc\"\xc6\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x17\n\x0fstructured_kind\x18\x1e \x01(\t\x12\x17\n\x0fstructured_spec\x18\x1f \x01(\tB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x8b\x02\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\t \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\n \x01(\x05\x12\r\n\x05\x65rror\x18\x0b \x01(\t\"\xa7\x01\n\x0ePrefillRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x11\n\tneed_send\x18\x04 \x01(\x05\x12*\n\rprompt_embeds\x18\x05 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\"T\n\x0fPrefillResponse\x12!\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x12.pdserve.rpc.Delta\x12\x0f\n\x07kv_held\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\t\"\x88\x01\n\x06Region\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x12\n\noccurrence\x18\x02 \x01(\x05\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\"\xbd\x01\n\rHandshakeInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0blayer_names\x18\x04 \x03(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\x12\r\n\x05\x65poch\x18\x08 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\t \x01(\t\"<\n\x10HandshakeRequest\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"=\n\x11HandshakeResponse\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"\xc9\x02\n\rPushKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12(\n\x0b\x64st_regions\x18\x04 \x03(\x0b\x32\x13.pdserve.rpc.Region\x12\x13\n\x0b\x64st_session\x18\x05 \x01(\t\x12\x17\n\x0f\x64st_compat_hash\x18\x06 \x01(\t\x12\x1a\n\x12\x65xpected_src_epoch\x18\x07 \x01(\t\x12\x15\n\rwant_checksum\x18\x32 \x01(\x08\x12\x13\n\x0b\x64st_pp_rank\x18\x14 \x01(\x05\x12\x13\n\x0b\x64st_tp_rank\x18\x15 \x01(\x05\x12\x13\n\x0b\x64st_pp_size\x18\x16 \x01(\x05\x12\x17\n\x0f\x64st_layer_start\x18\x17 \x01(\x05\x12\x15\n\rdst_layer_end\x18\x18 \x01(\x05\"w\n\x0ePushKVResponse\x12\n\n\x02ok\x18\x01 \x03(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x03(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0fnum_descriptors\x18\x04 \x01(\x05\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x10\n\x08\x63hecksum\x18\x32 \x01(\t\"\x89\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0eremote_prefill\x18\x05 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x17\n\x0fprefill_address\x18\x07 \x01(\t\x12*\n\rprompt_embeds\x18\x08 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\x12\x15\n\rprefill_epoch\x18\x32 \x01(\t\"9\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctransfer_ids\x18\x02 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\r\n\x0bLoadRequest\"\xa0\x02\n\nLoadReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x06 \x01(\x05\x12\x17\n\x0fnum_blocks_used\x18\x07 \x01(\x05\x12$\n\x1cnum_blocks_held_for_transfer\x18\x08 \x01(\x05\x12\x19\n\x11num_held_requests\x18\t \x01(\x05\x12\x1a\n\x12stranded_kv_blocks\x18\n \x01(\x05\x12\x19\n\x11num_aborted_total\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\"(\n\x10KeepAliveRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"@\n\x11KeepAliveResponse\x12\x1c\n\x14unknown_transfer_ids\x18\x01 \x03(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t2\xaf\x03\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.pdserve.rpc.PrefillRequest\x1a\x1c.pdserve.rpc.PrefillResponse\x12\x41\n\x06PushKV\x12\x1a.pdserve.rpc.PushKVRequest\x1a\x1b.pdserve.rpc.PushKVResponse\x12J\n\tHandshake\x12\x1d.pdserve.rpc.HandshakeRequest\x1a\x1e.pdserve.rpc.HandshakeResponse\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReport\x12J\n\tKeepAlive\x12\x1d.pdserve.rpc.KeepAliveRequest\x1a\x1e.pdserve.rpc.KeepAliveResponse2\xc9\x01\n\rDecodeService\x12:\n\x06\x44\x65\x63ode\x12\x1a.pdserve.rpc.DecodeRequest\x1a\x12.pdserve.rpc.Delta0\x01\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/rpc/node.proto\x12\x0bpdserve.rpc\"\xc6\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x17\n\x0fstructured_kind\x18\x1e \x01(\t\x12\x17\n\x0fstructured_spec\x18\x1f \x01(\tB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x8b\x02\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\t \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\n \x01(\x05\x12\r\n\x05\x65rror\x18\x0b \x01(\t\"\xce\x01\n\x0ePrefillRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x11\n\tneed_send\x18\x04 \x01(\x05\x12*\n\rprompt_embeds\x18\x05 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\x12%\n\x08mm_items\x18( \x03(\x0b\x32\x13.pdserve.rpc.MmItem\"T\n\x0fPrefillResponse\x12!\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x12.pdserve.rpc.Delta\x12\x0f\n\x07kv_held\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\t\"\x88\x01\n\x06Region\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x12\n\noccurrence\x18\x02 \x01(\x05\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\"\xbd\x01\n\rHandshakeInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0blayer_names\x18\x04 \x03(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x16\n\x0elayout_version\x18\x07 \x01(\x05\x12\r\n\x05\x65poch\x18\x08 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\t \x01(\t\"<\n\x10HandshakeRequest\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"=\n\x11HandshakeResponse\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.HandshakeInfo\"\xc9\x02\n\rPushKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12(\n\x0b\x64st_regions\x18\x04 \x03(\x0b\x32\x13.pdserve.rpc.Region\x12\x13\n\x0b\x64st_session\x18\x05 \x01(\t\x12\x17\n\x0f\x64st_compat_hash\x18\x06 \x01(\t\x12\x1a\n\x12\x65xpected_src_epoch\x18\x07 \x01(\t\x12\x15\n\rwant_checksum\x18\x32 \x01(\x08\x12\x13\n\x0b\x64st_pp_rank\x18\x14 \x01(\x05\x12\x13\n\x0b\x64st_tp_rank\x18\x15 \x01(\x05\x12\x13\n\x0b\x64st_pp_size\x18\x16 \x01(\x05\x12\x17\n\x0f\x64st_layer_start\x18\x17 \x01(\x05\x12\x15\n\rdst_layer_end\x18\x18 \x01(\x05\"w\n\x0ePushKVResponse\x12\n\n\x02ok\x18\x01 \x03(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x03(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0fnum_descriptors\x18\x04 \x01(\x05\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x10\n\x08\x63hecksum\x18\x32 \x01(\t\"\xb0\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.Sampling\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0eremote_prefill\x18\x05 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x17\n\x0fprefill_address\x18\x07 \x01(\t\x12*\n\rprompt_embeds\x18\x08 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\x12\x15\n\rprefill_epoch\x18\x32 \x01(\t\x12%\n\x08mm_items\x18( \x03(\x0b\x32\x13.pdserve.rpc.MmItem\"s\n\x06MmItem\x12\x0e\n\x06offset\x18\x01 \x01(\x05\x12\x0e\n\x06length\x18\x02 \x01(\x05\x12\x0b\n\x03key\x18\x03 \x01(\t\x12#\n\x06\x65mbeds\x18\x04 \x01(\x0b\x32\x13.pdserve.rpc.Tensor\x12\x17\n\x0f\x65ncoder_address\x18\x05 \x01(\t\")\n\x0b\x45ncodeImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04uuid\x18\x02 \x01(\t\"M\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06images\x18\x02 \x03(\x0b\x32\x18.pdserve.rpc.EncodeImage\"<\n\nEncodeItem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\"F\n\x0e\x45ncodeResponse\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.pdserve.rpc.EncodeItem\x12\x0c\n\x04node\x18\x02 \x01(\t\"m\n\x12\x45ncoderPushRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_session\x18\x02 \x01(\t\x12\x10\n\x08\x64st_addr\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\"5\n\x13\x45ncoderPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x92\x01\n\x11\x45ncoderLoadReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x12\n\nnum_cached\x18\x03 \x01(\x03\x12\x19\n\x11\x62uffer_bytes_used\x18\x04 \x01(\x03\x12\x1a\n\x12\x62uffer_bytes_total\x18\x05 \x01(\x03\x12\x15\n\rnum_in_flight\x18\x06 \x01(\x05\"9\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctransfer_ids\x18\x02 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\r\n\x0bLoadRequest\"\xbd\x02\n\nLoadReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x06 \x01(\x05\x12\x17\n\x0fnum_blocks_used\x18\x07 \x01(\x05\x12$\n\x1cnum_blocks_held_for_transfer\x18\x08 \x01(\x05\x12\x19\n\x11num_held_requests\x18\t \x01(\x05\x12\x1a\n\x12stranded_kv_blocks\x18\n \x01(\x05\x12\x19\n\x11num_aborted_total\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1b\n\x13num_ec_reservations\x18( \x01(\x05\"(\n\x10KeepAliveRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"@\n\x11KeepAliveResponse\x12\x1c\n\x14unknown_transfer_ids\x18\x01 \x03(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t2\xed\x01\n\x0e\x45ncoderService\x12\x41\n\x06\x45ncode\x12\x1a.pdserve.rpc.EncodeRequest\x1a\x1b.pdserve.rpc.EncodeResponse\x12S\n\x0ePushEmbeddings\x12\x1f.pdserve.rpc.EncoderPushRequest\x1a .pdserve.rpc.EncoderPushResponse\x12\x43\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x1e.pdserve.rpc.EncoderLoadReport2\xaf\x03\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.pdserve.rpc.PrefillRequest\x1a\x1c.pdserve.rpc.PrefillResponse\x12\x41\n\x06PushKV\x12\x1a.pdserve.rpc.PushKVRequest\x1a\x1b.pdserve.rpc.PushKVResponse\x12J\n\tHandshake\x12\x1d.pdserve.rpc.HandshakeRequest\x1a\x1e.pdserve.rpc.HandshakeResponse\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReport\x12J\n\tKeepAlive\x12\x1d.pdserve.rpc.KeepAliveRequest\x1a\x1e.pdserve.rpc.KeepAliveResponse2\xc9\x01\n\rDecodeService\x12:\n\x06\x44\x65\x63ode\x12\x1a.pdserve.rpc.DecodeRequest\x1a\x12.pdserve.rpc.Delta0\x01\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12<\n\x07GetLoad\x12\x18.pdserve.rpc.LoadRequest\x1a\x17.pdserve.rpc.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,37 +40,55 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELTA']._serialized_start=647
   _globals['_DELTA']._serialized_end=914
   _globals['_PREFILLREQUEST']._serialized_start=917
-  _globals['_PREFILLREQUEST']._serialized_end=1084
-  _globals['_PREFILLRESPONSE']._serialized_start=1086
-  _globals['_PREFILLRESPONSE']._serialized_end=1170
-  _globals['_REGION']._serialized_start=1173
-  _globals['_REGION']._serialized_end=1309
-  _globals['_HANDSHAKEINFO']._serialized_start=1312
-  _globals['_HANDSHAKEINFO']._serialized_end=1501
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1503
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1563
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1565
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1626
-  _globals['_PUSHKVREQUEST']._serialized_start=1629
-  _globals['_PUSHKVREQUEST']._serialized_end=1958
-  _globals['_PUSHKVRESPONSE']._serialized_start=1960
-  _globals['_PUSHKVRESPONSE']._serialized_end=2079
-  _globals['_DECODEREQUEST']._serialized_start=2082
-  _globals['_DECODEREQUEST']._serialized_end=2347
-  _globals['_ABORTREQUEST']._serialized_start=2349
-  _globals['_ABORTREQUEST']._serialized_end=2406
-  _globals['_ABORTRESPONSE']._serialized_start=2408
-  _globals['_ABORTRESPONSE']._serialized_end=2444
-  _globals['_LOADREQUEST']._serialized_start=2446
-  _globals['_LOADREQUEST']._serialized_end=2459
-  _globals['_LOADREPORT']._serialized_start=2462
-  _globals['_LOADREPORT']._serialized_end=2750
-  _globals['_KEEPALIVEREQUEST']._serialized_start=2752
-  _globals['_KEEPALIVEREQUEST']._serialized_end=2792
-  _globals['_KEEPALIVERESPONSE']._serialized_start=2794
-  _globals['_KEEPALIVERESPONSE']._serialized_end=2858
-  _globals['_PREFILLSERVICE']._serialized_start=2861
-  _globals['_PREFILLSERVICE']._serialized_end=3292
-  _globals['_DECODESERVICE']._serialized_start=3295
-  _globals['_DECODESERVICE']._serialized_end=3496
+  _globals['_PREFILLREQUEST']._serialized_end=1123
+  _globals['_PREFILLRESPONSE']._serialized_start=1125
+  _globals['_PREFILLRESPONSE']._serialized_end=1209
+  _globals['_REGION']._serialized_start=1212
+  _globals['_REGION']._serialized_end=1348
+  _globals['_HANDSHAKEINFO']._serialized_start=1351
+  _globals['_HANDSHAKEINFO']._serialized_end=1540
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1542
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1602
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1604
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1665
+  _globals['_PUSHKVREQUEST']._serialized_start=1668
+  _globals['_PUSHKVREQUEST']._serialized_end=1997
+  _globals['_PUSHKVRESPONSE']._serialized_start=1999
+  _globals['_PUSHKVRESPONSE']._serialized_end=2118
+  _globals['_DECODEREQUEST']._serialized_start=2121
+  _globals['_DECODEREQUEST']._serialized_end=2425
+  _globals['_MMITEM']._serialized_start=2427
+  _globals['_MMITEM']._serialized_end=2542
+  _globals['_ENCODEIMAGE']._serialized_start=2544
+  _globals['_ENCODEIMAGE']._serialized_end=2585
+  _globals['_ENCODEREQUEST']._serialized_start=2587
+  _globals['_ENCODEREQUEST']._serialized_end=2664
+  _globals['_ENCODEITEM']._serialized_start=2666
+  _globals['_ENCODEITEM']._serialized_end=2726
+  _globals['_ENCODERESPONSE']._serialized_start=2728
+  _globals['_ENCODERESPONSE']._serialized_end=2798
+  _globals['_ENCODERPUSHREQUEST']._serialized_start=2800
+  _globals['_ENCODERPUSHREQUEST']._serialized_end=2909
+  _globals['_ENCODERPUSHRESPONSE']._serialized_start=2911
+  _globals['_ENCODERPUSHRESPONSE']._serialized_end=2964
+  _globals['_ENCODERLOADREPORT']._serialized_start=2967
+  _globals['_ENCODERLOADREPORT']._serialized_end=3113
+  _globals['_ABORTREQUEST']._serialized_start=3115
+  _globals['_ABORTREQUEST']._serialized_end=3172
+  _globals['_ABORTRESPONSE']._serialized_start=3174
+  _globals['_ABORTRESPONSE']._serialized_end=3210
+  _globals['_LOADREQUEST']._serialized_start=3212
+  _globals['_LOADREQUEST']._serialized_end=3225
+  _globals['_LOADREPORT']._serialized_start=3228
+  _globals['_LOADREPORT']._serialized_end=3545
+  _globals['_KEEPALIVEREQUEST']._serialized_start=3547
+  _globals['_KEEPALIVEREQUEST']._serialized_end=3587
+  _globals['_KEEPALIVERESPONSE']._serialized_start=3589
+  _globals['_KEEPALIVERESPONSE']._serialized_end=3653
+  _globals['_ENCODERSERVICE']._serialized_start=3656
+  _globals['_ENCODERSERVICE']._serialized_end=3893
+  _globals['_PREFILLSERVICE']._serialized_start=3896
+  _globals['_PREFILLSERVICE']._serialized_end=4327
+  _globals['_DECODESERVICE']._serialized_start=4330
+  _globals['_DECODESERVICE']._serialized_end=4531
 # @@protoc_insertion_point(module_scope)

@@ -48,6 +48,8 @@ def create_app(
     vocab_size: int | None = None,
     max_body_bytes: int | None = None,
     limits: RequestLimits | None = None,
+    image_token_id: int | None = None,
+    encoders: Any | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -70,6 +72,8 @@ def create_app(
         hidden_size=hidden_size,
         max_prompt_embeds_bytes=max_prompt_embeds_bytes(max_model_len, hidden_size or 0),
         limits=limits or RequestLimits(),
+        image_token_id=image_token_id,
+        encoders=encoders,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

@@ -1,0 +1,186 @@
+"""Image items on the engine nodes: ``MmItem`` messages -> ``MultiModalItem``s the engine takes.
+
+    prefill (EC consumer)                          decode (KV consumer)
+    ---------------------                          --------------------
+    check the node's derived flags                 check the node's derived flags
+    items with a tensor: checked, used as sent     items never carry a tensor (the KV holds them)
+    items without: EmbeddingFetcher.fetch(key)     they only salt the prefix-cache block hashes
+      index lookup -> reserve -> start_write
+      -> encoder.PushEmbeddings (Mooncake write)
+      -> complete (READY -> TAKEN -> copy) -> release
+
+The fetcher is the consumer half of the embedding-cache connector (DESIGN §7) on the node's first
+stage; every exit path releases its reservation (a push that may still be writing is released
+once its lease passed, never earlier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from pdserve.config.resolver import MmPolicy, check_mm_items_allowed
+from pdserve.embedcache.connector import EmbeddingConsumer
+from pdserve.embedcache.index import EmbeddingEntry, EmbeddingIndex
+from pdserve.embedcache.reservation import Reservation
+from pdserve.engine.request import MultiModalItem
+from pdserve.errors import CapacityError, InvalidRequestError, PdserveError
+from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.rpc import channel, convert
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingUnavailableError(PdserveError):
+    """An item's embedding could not be fetched (expired from the index, encoder gone); the
+    router answers 503: encoding the image again may succeed."""
+
+
+@dataclass(frozen=True)
+class WireItem:
+    offset: int
+    length: int
+    key: str
+    embeds: Any | None  # checked tensor, or None
+    encoder_address: str
+
+
+def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy | None, node: str) -> list[WireItem]:
+    """Parse and check (InvalidRequestError, naming the item) against the node's derived flags."""
+    out = []
+    for i, m in enumerate(msgs):
+        if not m.key:
+            raise InvalidRequestError(f"mm_items[{i}]: key is required", field="mm_items")
+        t = None
+        if m.HasField("embeds"):
+            try:
+                t = convert.tensor_from_pb(m.embeds)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"mm_items[{i}].embeds: {e}", field="mm_items") from e
+        out.append(WireItem(m.offset, m.length, m.key, t, m.encoder_address))
+    if out:
+        text_only = MmPolicy(node, "?", None, None)
+        check_mm_items_allowed(policy or text_only, [it.embeds is not None for it in out])
+    return out
+
+
+def to_engine_items(items: Sequence[WireItem], tensors: Sequence[Any | None]) -> list[MultiModalItem]:
+    return [
+        MultiModalItem(it.offset, it.length, it.key.encode(), t) for it, t in zip(items, tensors, strict=True)
+    ]
+
+
+class EmbeddingFetcher:
+    """Key -> embedding tensor, pushed by the encoder that owns it into a reserved buffer."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        index: EmbeddingIndex,
+        buffer_bytes: int,
+        lease_s: float,
+        timeout_s: float,
+        shared_token: str | None,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.backend = backend
+        self.index = index
+        self.consumer = EmbeddingConsumer(backend, buffer_bytes, lease_s, registry=registry)
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self._md = channel.auth_metadata(shared_token)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @property
+    def num_reserved(self) -> int:
+        return self.consumer.table.num_reserved
+
+    def _stub(self, address: str) -> pb_grpc.EncoderServiceStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=channel.OPTIONS)
+        return pb_grpc.EncoderServiceStub(ch)
+
+    async def fetch_all(self, items: Sequence[WireItem]) -> list[Any]:
+        """Every item's tensor (sent ones as they are); all fetches run at once."""
+        self.consumer.expire()
+        missing = list({it.key: it for it in items if it.embeds is None}.values())  # one fetch per key
+        got = await asyncio.gather(*(self.fetch(it) for it in missing), return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        by_key = {it.key: t for it, t in zip(missing, got, strict=True)}
+        return [it.embeds if it.embeds is not None else by_key[it.key] for it in items]
+
+    async def fetch(self, item: WireItem) -> Any:
+        entry = await asyncio.to_thread(self.index.lookup, item.key)
+        if entry is None:
+            raise EmbeddingUnavailableError(
+                f"embedding {item.key!r} is not in the cache index (expired or evicted); send the image again"
+            )
+        if entry.shape[0] != item.length:
+            raise InvalidRequestError(
+                f"image {item.key!r}: {item.length} placeholder tokens, but its embedding has "
+                f"{entry.shape[0]} rows",
+                field="mm_items",
+            )
+        if not item.encoder_address:
+            raise InvalidRequestError(f"image {item.key!r}: encoder_address is required", field="mm_items")
+        r, dst = self.consumer.reserve(entry)  # CapacityError: no room now (a 503)
+        try:
+            self.consumer.start_write(r)
+        except CapacityError:
+            self.consumer.table.release(r.rid)
+            raise
+        return await self._push(item, entry, r, dst)
+
+    async def _push(self, item: WireItem, entry: EmbeddingEntry, r: Reservation, dst: int) -> Any:
+        req = pb.EncoderPushRequest(
+            key=item.key,
+            dst_session=self.backend.session_id,
+            dst_addr=dst,
+            nbytes=entry.nbytes,
+            transfer_id=f"ec-{uuid.uuid4().hex[:12]}",
+        )
+        try:
+            await self._stub(item.encoder_address).PushEmbeddings(
+                req, timeout=self.timeout_s, metadata=self._md
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                self._release_after_lease(r, entry)  # the encoder may still be writing into it
+            else:
+                self.consumer.complete(r, entry, ok=False)  # the writer is done (or never began)
+            raise EmbeddingUnavailableError(
+                f"encoder {item.encoder_address} could not push {item.key!r}: {e.code().name}: {e.details()}"
+            ) from e
+        except asyncio.CancelledError:
+            self._release_after_lease(r, entry)
+            raise
+        t = self.consumer.complete(r, entry, ok=True)
+        if t is None:
+            raise EmbeddingUnavailableError(f"reservation for {item.key!r} expired during the push")
+        return t
+
+    def _release_after_lease(self, r: Reservation, entry: EmbeddingEntry) -> None:
+        """A push that ended without an answer: its write may still land, so the buffer is freed
+        only after the lease (never while a writer may be active), and counted as an expiry."""
+
+        def end() -> None:
+            self.consumer.complete(r, entry, ok=False)
+            self.consumer.reservation_expiries.inc()
+
+        asyncio.get_running_loop().call_later(self.lease_s, end)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
