@@ -449,28 +449,42 @@ def default_local_cluster(
     *,
     host: str = "127.0.0.1",
     served_model_name: str | None = None,
+    encoder_redis_url: str | None = None,
 ) -> ClusterConfig:
-    """The cluster ``pdserve up`` starts: router + one prefill + one decode node on one host.
+    """The cluster ``pdserve up`` starts: router + one prefill + one decode node on one host, and
+    with ``encoder_redis_url`` (a multimodal model) an encoder whose index lives there.
 
     Ports, from ``base_port``:
 
         base+0  router HTTP (OpenAI API, /metrics)
         base+1  prefill-0 gRPC      base+2  prefill-0 /metrics
         base+3  decode-0 gRPC       base+4  decode-0 /metrics
+        base+5  encoder-0 gRPC      base+6  encoder-0 /metrics   (with an encoder)
     """
-    if not 1 <= base_port <= 65535 - 4:
-        raise ConfigError(f"base_port must be in [1, {65535 - 4}] (5 ports are used), got {base_port}")
-    data = {
+    span = 7 if encoder_redis_url else 5
+    if not 1 <= base_port <= 65536 - span:
+        raise ConfigError(
+            f"base_port must be in [1, {65536 - span}] ({span} ports are used), got {base_port}"
+        )
+    nodes = [
+        {"name": "prefill-0", "role": "prefill", "host": host}
+        | {"grpc_port": base_port + 1, "metrics_port": base_port + 2},
+        {"name": "decode-0", "role": "decode", "host": host}
+        | {"grpc_port": base_port + 3, "metrics_port": base_port + 4},
+    ]
+    data: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": served_model_name,
         "router": {"host": host, "port": base_port},
-        "nodes": [
-            {"name": "prefill-0", "role": "prefill", "host": host}
-            | {"grpc_port": base_port + 1, "metrics_port": base_port + 2},
-            {"name": "decode-0", "role": "decode", "host": host}
-            | {"grpc_port": base_port + 3, "metrics_port": base_port + 4},
-        ],
+        "nodes": nodes,
     }
+    if encoder_redis_url:
+        nodes.insert(
+            0,
+            {"name": "encoder-0", "role": "encoder", "host": host}
+            | {"grpc_port": base_port + 5, "metrics_port": base_port + 6},
+        )
+        data["redis_url"] = encoder_redis_url
     return ClusterConfig.from_dict(data, source="default local cluster")
 
 
