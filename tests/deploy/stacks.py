@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,6 @@ from tests.deploy.local_run import (
 from tests.deploy.tools import compose_config, kustomize
 
 CLUSTER_MOUNT = "/etc/pdserve/cluster.yaml"
-
-
-def encoder_supported() -> bool:
-    """`pdserve serve encoder` exists once services/encoder/server.py does (the shape of prefill and
-    decode); detected, not assumed."""
-    return importlib.util.find_spec("services.encoder.server") is not None
 
 
 def _image_entrypoint(image: str) -> list[str]:
