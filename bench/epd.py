@@ -12,10 +12,11 @@ cache hit, index lookup, reservation, push, prefill); the router / gRPC hops are
 
 --served: real processes (router, encoder, prefill, decode, redis-server), the openai client
 streaming chat completions with data-URL images; TTFT = request sent -> first content chunk.
-Rounds: cold (new images), warm (the same images, other text: only the embedding cache is warm),
-and precomputed image_embeds sent by the client (no encoder hop; embeddings computed before the
-clock starts). The encoder colocated in the prefill process is not a served mode (prefill never
-runs the vision tower for a request), so that comparison stays in-process.
+Two clusters side by side: "separate" (an encoder node; prefill pulls embeddings over Mooncake,
+index in Redis) and "colocated" (no encoder node: prefill runs the vision tower itself). Rounds,
+interleaved per repetition: cold (new images), warm (the same images, other text: only the
+embedding cache is warm), and precomputed image_embeds sent by the client (no encoder hop;
+computed before the clock starts).
 """
 
 from __future__ import annotations
@@ -225,30 +226,46 @@ def served(args: argparse.Namespace) -> None:
     redis = subprocess.Popen(
         ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", ""], stdout=subprocess.DEVNULL
     )
-    base = pick_base_port("127.0.0.1", 23000, span=8)
     node = {"device": "cpu", "dtype": "float32"}
-    cluster = ClusterConfig.from_dict(
-        {
-            "model": str(model_dir),
-            "redis_url": f"redis://127.0.0.1:{rport}/0",
-            "router": {"host": "127.0.0.1", "port": base, "local_prefill_max_tokens": 0},
-            "nodes": [
-                {"name": "encoder-0", "role": "encoder", "grpc_port": base + 5, "metrics_port": base + 6}
-                | node,
-                {"name": "prefill-0", "role": "prefill", "grpc_port": base + 1, "metrics_port": base + 2}
-                | node,
-                {"name": "decode-0", "role": "decode", "grpc_port": base + 3, "metrics_port": base + 4}
-                | node,
-            ],
-        }
-    )
-    cfg = write_cluster_config(cluster, tmp / "cluster.yaml")
-    children = [start_child(cfg, n.role, n.name, tmp) for n in cluster.nodes]
-    children.append(start_child(cfg, "router", None, tmp))
-    enc_metrics = f"http://127.0.0.1:{base + 6}/metrics"
 
-    def metric(name: str) -> float:
-        text = httpx.get(enc_metrics, timeout=5).text
+    def cluster_of(name: str, base: int, encoder: bool) -> ClusterConfig:
+        nodes = [
+            {"name": "prefill-0", "role": "prefill", "grpc_port": base + 1, "metrics_port": base + 2} | node,
+            {"name": "decode-0", "role": "decode", "grpc_port": base + 3, "metrics_port": base + 4} | node,
+        ]
+        extra: dict[str, Any] = {}
+        if encoder:
+            nodes.append(
+                {"name": "encoder-0", "role": "encoder", "grpc_port": base + 5, "metrics_port": base + 6}
+                | node
+            )
+            extra["redis_url"] = f"redis://127.0.0.1:{rport}/0"
+        return ClusterConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "router": {"host": "127.0.0.1", "port": base, "local_prefill_max_tokens": 0},
+                "nodes": nodes,
+                **extra,
+            }
+        )
+
+    b1 = pick_base_port("127.0.0.1", 23000, span=8)
+    b2 = pick_base_port("127.0.0.1", b1 + 10, span=8)
+    clusters = {"separate": cluster_of("separate", b1, True), "colocated": cluster_of("colocated", b2, False)}
+    # where the images are encoded, per cluster (the encoder node, or prefill itself)
+    enc_metrics = {
+        "separate": f"http://127.0.0.1:{b1 + 6}/metrics",
+        "colocated": f"http://127.0.0.1:{b2 + 2}/metrics",
+    }
+    children = []
+    for name, c in clusters.items():
+        (tmp / name).mkdir()
+        cfg = write_cluster_config(c, tmp / name / "cluster.yaml")
+        children += [start_child(cfg, n.role, n.name, tmp / name) for n in c.nodes]
+        children.append(start_child(cfg, "router", None, tmp / name))
+
+    def metric(mode: str, name: str) -> float:
+        text = httpx.get(enc_metrics[mode], timeout=5).text
         return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " "))
 
     def url(img: bytes) -> dict:
@@ -269,13 +286,16 @@ def served(args: argparse.Namespace) -> None:
             "image_embeds": base64.b64encode(save({"e": e.contiguous()})).decode(),
         }
 
-    client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    clients = {
+        m: openai.OpenAI(base_url=c.router_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for m, c in clusters.items()
+    }
 
-    def one(part: dict, text: str) -> tuple[float, float]:
+    def one(mode: str, part: dict, text: str) -> tuple[float, float]:
         t0 = time.perf_counter()
         ttft = None
-        stream = client.chat.completions.create(
-            model=cluster.served_name(str(model_dir)),
+        stream = clients[mode].chat.completions.create(
+            model=clusters[mode].served_name(str(model_dir)),
             messages=[{"role": "user", "content": [part, {"type": "text", "text": text}]}],
             max_tokens=args.output_len,
             temperature=0,
@@ -290,38 +310,44 @@ def served(args: argparse.Namespace) -> None:
 
     rows = []
     try:
-        wait_ready(cluster, children, timeout_s=300)
-        for i in range(3):  # warm-up: first-call allocations, channels, thread pools
-            one(url(_png(50_000 + i)), "warm-up")
+        for c in clusters.values():
+            wait_ready(c, children, timeout_s=300)
+        for mode in clusters:
+            for i in range(3):  # warm-up: first-call allocations, channels, thread pools
+                one(mode, url(_png(50_000 + i)), "warm-up")
         # Interleaved repetitions (a shared host's load drifts): each repetition has new images
-        # for its cold round, the same ones for its warm round, and their client-side embeddings.
+        # for its cold rounds, the same ones for its warm rounds, and their client-side embeddings.
         acc: dict[tuple[str, str], dict[str, Any]] = {}
         for rep in range(args.reps):
             images = [_png(1000 * rep + i) for i in range(args.num_images)]
-            rounds = [
-                ("encoder", "cold", [url(im) for im in images], "Question {}?"),
-                ("encoder", "warm", [url(im) for im in images], "Another question {}?"),
-                ("client embeds", "-", [embeds_part(im) for im in images], "Third question {}?"),
-            ]
-            for source, cache, parts, text in rounds:
-                enc0 = metric("pdserve:encoder_images_encoded_total")
-                hit0 = metric("pdserve:ec_cache_hits_total")
+            rounds = []
+            for mode in clusters:
+                rounds += [
+                    (mode, "cold", [url(im) for im in images], "Question {}?"),
+                    (mode, "warm", [url(im) for im in images], "Another question {}?"),
+                ]
+            rounds.append(
+                ("separate", "client embeds", [embeds_part(im) for im in images], "Third question {}?")
+            )
+            for mode, cache, parts, text in rounds:
+                enc0 = metric(mode, "pdserve:encoder_images_encoded_total")
+                hit0 = metric(mode, "pdserve:ec_cache_hits_total")
                 start = time.perf_counter()
                 with ThreadPoolExecutor(args.concurrency) as pool:
-                    res = list(pool.map(lambda ip, t=text: one(ip[1], t.format(ip[0])), enumerate(parts)))
-                a = acc.setdefault(
-                    (source, cache), {"ttfts": [], "wall": 0.0, "n": 0, "enc": 0.0, "hits": 0.0}
-                )
+                    res = list(
+                        pool.map(lambda ip, t=text, m=mode: one(m, ip[1], t.format(ip[0])), enumerate(parts))
+                    )
+                a = acc.setdefault((mode, cache), {"ttfts": [], "wall": 0.0, "n": 0, "enc": 0.0, "hits": 0.0})
                 a["ttfts"] += [t for t, _ in res]
                 a["wall"] += time.perf_counter() - start
                 a["n"] += len(parts)
-                a["enc"] += metric("pdserve:encoder_images_encoded_total") - enc0
-                a["hits"] += metric("pdserve:ec_cache_hits_total") - hit0
+                a["enc"] += metric(mode, "pdserve:encoder_images_encoded_total") - enc0
+                a["hits"] += metric(mode, "pdserve:ec_cache_hits_total") - hit0
             log(f"repetition {rep + 1}/{args.reps}: done")
-        for (source, cache), a in acc.items():
+        for (mode, cache), a in acc.items():
             rows.append(
                 {
-                    "images": source,
+                    "encoder": mode,
                     "cache": cache,
                     "requests": a["n"],
                     "concurrency": args.concurrency,
@@ -337,19 +363,19 @@ def served(args: argparse.Namespace) -> None:
         stop_children(children)
         redis.terminate()
     print(
-        f"\n{'images':14} {'cache':5} {'reqs':>4} {'conc':>4} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+        f"\n{'encoder':10} {'cache':13} {'reqs':>4} {'conc':>4} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
         f"{'req/s':>7} {'tok/s':>7} {'encoded':>7} {'hits':>5}"
     )
     for r in rows:
         print(
-            f"{r['images']:14} {r['cache']:5} {r['requests']:>4} {r['concurrency']:>4} {r['ttft_p50_ms']:>12.1f} "
-            f"{r['ttft_p99_ms']:>12.1f} {r['req_per_s']:>7.1f} {r['out_tok_per_s']:>7.1f} "
-            f"{r['encoded']:>7.0f} {r['cache_hits']:>5.0f}"
+            f"{r['encoder']:10} {r['cache']:13} {r['requests']:>4} {r['concurrency']:>4} "
+            f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f} {r['req_per_s']:>7.1f} "
+            f"{r['out_tok_per_s']:>7.1f} {r['encoded']:>7.0f} {r['cache_hits']:>5.0f}"
         )
     cold = rows[0]
     for r in rows[1:]:
         print(
-            f"{r['images']} {r['cache']} vs encoder cold: TTFT p50 x{r['ttft_p50_ms'] / cold['ttft_p50_ms']:.2f}, "
+            f"{r['encoder']} {r['cache']} vs separate cold: TTFT p50 x{r['ttft_p50_ms'] / cold['ttft_p50_ms']:.2f}, "
             f"req/s x{r['req_per_s'] / cold['req_per_s']:.2f}"
         )
     out = Path(args.out or "bench/results/epd_served.json")

@@ -183,10 +183,22 @@ def serve(
             drain_timeout_s=n.drain_timeout_s,
             mm_policy=resolved.mm_policy,
             ec_consumer=resolved.ec_role == "ec_consumer",
+            # no encoder node for this model: prefill runs the vision tower itself
+            colocated_encoder=role == "prefill" and resolved.is_multimodal and resolved.ec_role is None,
+            image_limits=_image_limits(n.max_image_bytes, n.max_image_pixels),
             ec_buffer_bytes=n.ec_buffer_bytes,
             ec_lease_s=n.ec_lease_s,
             ec_fetch_timeout_s=n.ec_fetch_timeout_s,
         )
+    )
+
+
+def _image_limits(max_bytes: int | None, max_pixels: int | None):  # -> ImageLimits
+    from pdserve.models.image_processor import ImageLimits
+
+    d = ImageLimits()
+    return ImageLimits(
+        max_image_bytes=max_bytes or d.max_image_bytes, max_image_pixels=max_pixels or d.max_image_pixels
     )
 
 

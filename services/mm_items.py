@@ -52,6 +52,7 @@ class WireItem:
     key: str
     embeds: Any | None  # checked tensor, or None
     encoder_address: str
+    image: bytes | None = None  # colocated encoding: the image's bytes (prefill runs the tower)
 
 
 def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy | None, node: str) -> list[WireItem]:
@@ -66,10 +67,12 @@ def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy | None, node: str)
                 t = convert.tensor_from_pb(m.embeds)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"mm_items[{i}].embeds: {e}", field="mm_items") from e
-        out.append(WireItem(m.offset, m.length, m.key, t, m.encoder_address))
-    if out:
+        out.append(WireItem(m.offset, m.length, m.key, t, m.encoder_address, m.image or None))
+    # Items with their image are encoded here (colocated): not embedding-only inputs.
+    embedding_items = [it for it in out if it.image is None]
+    if embedding_items:
         text_only = MmPolicy(node, "?", None, None)
-        check_mm_items_allowed(policy or text_only, [it.embeds is not None for it in out])
+        check_mm_items_allowed(policy or text_only, [it.embeds is not None for it in embedding_items])
     return out
 
 
@@ -113,13 +116,13 @@ class EmbeddingFetcher:
     async def fetch_all(self, items: Sequence[WireItem]) -> list[Any]:
         """Every item's tensor (sent ones as they are); all fetches run at once."""
         self.consumer.expire()
-        missing = list({it.key: it for it in items if it.embeds is None}.values())  # one fetch per key
+        missing = list({it.key: it for it in items if it.embeds is None and it.image is None}.values())
         got = await asyncio.gather(*(self.fetch(it) for it in missing), return_exceptions=True)
         for g in got:
             if isinstance(g, BaseException):
                 raise g
         by_key = {it.key: t for it, t in zip(missing, got, strict=True)}
-        return [it.embeds if it.embeds is not None else by_key[it.key] for it in items]
+        return [it.embeds if it.embeds is not None else by_key.get(it.key) for it in items]
 
     async def fetch(self, item: WireItem) -> Any:
         entry = await asyncio.to_thread(self.index.lookup, item.key)
@@ -184,3 +187,71 @@ class EmbeddingFetcher:
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+class ColocatedEncoder:
+    """The encoder colocated in prefill: a prefill node of a multimodal model that no encoder node
+    serves runs the vision tower itself, on the engine thread between steps (the model's first
+    stage holds it), with an in-process LRU of embeddings by key. Same metrics as an encoder."""
+
+    def __init__(self, model_dir: str, limits: Any, capacity_bytes: int, registry: CollectorRegistry) -> None:
+        from collections import OrderedDict
+
+        from pdserve.models.image_processor import ClipImageProcessor
+        from services.encoder.core import EncoderMetrics
+
+        self.processor = ClipImageProcessor.from_model_dir(model_dir)
+        self.limits = limits
+        self.capacity_bytes = capacity_bytes
+        self.metrics = EncoderMetrics(registry)
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._bytes = 0
+
+    async def embeds_of(self, items: Sequence[WireItem], engine_loop: Any) -> dict[str, Any]:
+        """key -> [length, hidden] tensor for every item carrying its image. Every image is decoded
+        (InvalidRequestError for a bad one) before any is encoded."""
+        import torch
+
+        from pdserve.models.image_processor import decode_image
+
+        self.metrics.requests.inc()
+        out: dict[str, Any] = {}
+        todo: dict[str, Any] = {}
+        for it in items:
+            if it.image is None or it.key in out or it.key in todo:
+                continue
+            if it.key in self._cache:
+                self._cache.move_to_end(it.key)
+                out[it.key] = self._cache[it.key]
+            else:
+                todo[it.key] = self.processor(decode_image(it.image, self.limits))  # [3, S, S]
+        self.metrics.cache_hits.inc(len(out))
+        self.metrics.cache_misses.inc(len(todo))
+        if todo:
+            px = torch.stack(list(todo.values()))  # [k, 3, S, S]
+
+            def encode(e: Any) -> Any:
+                with torch.inference_mode():
+                    return e.runner.model.encode_images(px.to(e.runner.device)).cpu()  # [k, T, hidden]
+
+            embeds = await engine_loop.call(encode)
+            self.metrics.images_encoded.inc(len(todo))
+            for key, emb in zip(todo, embeds, strict=True):
+                self._put(key, emb.contiguous())
+                out[key] = emb
+        for it in items:
+            if it.image is not None and out[it.key].shape[0] != it.length:
+                raise InvalidRequestError(
+                    f"image {it.key!r}: {it.length} placeholder tokens, the tower gives {out[it.key].shape[0]}",
+                    field="mm_items",
+                )
+        return out
+
+    def _put(self, key: str, t: Any) -> None:
+        n = t.numel() * t.element_size()
+        while self._cache and self._bytes + n > self.capacity_bytes:
+            _k, old = self._cache.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
+        if n <= self.capacity_bytes:
+            self._cache[key] = t
+            self._bytes += n

@@ -66,6 +66,10 @@ class NodeOptions:
     ec_buffer_bytes: int = 64 << 20
     ec_lease_s: float = 30.0
     ec_fetch_timeout_s: float = 30.0
+    # Prefill of a multimodal model that no encoder node serves: encode images in-process (the
+    # encoder colocated in prefill), within image_limits (pdserve.models.image_processor.ImageLimits).
+    colocated_encoder: bool = False
+    image_limits: Any | None = None
 
 
 class NodeBase:

@@ -131,7 +131,8 @@ class NodeConfig(_Frozen):
     ec_buffer_bytes: int = Field(default=64 << 20, ge=1 << 16)
     ec_lease_s: float = Field(default=30.0, gt=0)
     ec_fetch_timeout_s: float = Field(default=30.0, gt=0)
-    # Encoder only: images past these are a 400 before any pixel is decoded.
+    # Where images are decoded (an encoder, or a prefill node of a model no encoder serves):
+    # images past these are a 400 before any pixel is decoded.
     max_image_bytes: int | None = Field(default=None, ge=1)  # None: 20 MiB
     max_image_pixels: int | None = Field(default=None, ge=1)  # None: 4096 x 4096
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
@@ -187,14 +188,15 @@ class NodeConfig(_Frozen):
             raise ConfigError(
                 f"node {self.name!r}: an encoder node is an ec_producer, not an ec_consumer; omit ec_role"
             )
-        if self.role != "encoder":
+        if self.role not in ("encoder", "prefill"):
             for f in ("max_image_bytes", "max_image_pixels"):
                 if getattr(self, f) is not None:
                     raise ConfigError(
-                        f"node {self.name!r}: {f} is an encoder setting (images are decoded there), "
-                        f"but the node's role is {self.role}; move it to the encoder node"
+                        f"node {self.name!r}: {f} is a setting of the node that decodes images (an "
+                        f"encoder, or a prefill node with no encoder in the cluster), but the node's "
+                        f"role is {self.role}; move it there"
                     )
-        else:
+        if self.role == "encoder":
             if self.tp != 1 or self.pp != 1:
                 raise ConfigError(
                     f"node {self.name!r}: an encoder runs on one device (tp 1, pp 1), got tp {self.tp}, "

@@ -241,18 +241,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ...) -> None: ...
 
 class MmItem(_message.Message):
-    __slots__ = ("offset", "length", "key", "embeds", "encoder_address")
+    __slots__ = ("offset", "length", "key", "embeds", "encoder_address", "image")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EMBEDS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
     key: str
     embeds: Tensor
     encoder_address: str
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., key: _Optional[str] = ..., embeds: _Optional[_Union[Tensor, _Mapping]] = ..., encoder_address: _Optional[str] = ...) -> None: ...
+    image: bytes
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., key: _Optional[str] = ..., embeds: _Optional[_Union[Tensor, _Mapping]] = ..., encoder_address: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class EncodeImage(_message.Message):
     __slots__ = ("data", "uuid")

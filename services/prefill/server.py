@@ -22,7 +22,13 @@ from pdserve.kvtransfer.send_tracker import UnknownTransferError
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from services.mm_items import EmbeddingFetcher, EmbeddingUnavailableError, items_from_pb, to_engine_items
+from services.mm_items import (
+    ColocatedEncoder,
+    EmbeddingFetcher,
+    EmbeddingUnavailableError,
+    items_from_pb,
+    to_engine_items,
+)
 from services.node import NodeBase, NodeOptions
 
 logger = logging.getLogger(__name__)
@@ -58,6 +64,13 @@ class PrefillNode(NodeBase):
         )
         self._last_expire = 0.0
         self.fetcher: EmbeddingFetcher | None = None
+        self.colocated: ColocatedEncoder | None = None
+        if opts.colocated_encoder:
+            from pdserve.models.image_processor import ImageLimits
+
+            self.colocated = ColocatedEncoder(
+                opts.engine.model, opts.image_limits or ImageLimits(), opts.ec_buffer_bytes, self.registry
+            )
         if opts.ec_consumer:
             from pdserve.embedcache.index import EmbeddingIndex
 
@@ -76,11 +89,22 @@ class PrefillNode(NodeBase):
     async def mm_items_of(self, request: pb.PrefillRequest) -> list[Any]:
         """The request's image items with their tensors (fetched from encoders where missing)."""
         items = items_from_pb(request.mm_items, self.opts.mm_policy, self.opts.name)
-        if any(it.embeds is None for it in items):
+        local: dict[str, Any] = {}
+        if any(it.image is not None for it in items):
+            if self.colocated is None:
+                raise InvalidRequestError(
+                    f"node {self.opts.name!r} does not encode images itself (an encoder node serves "
+                    "this model): send cache keys",
+                    field="mm_items",
+                )
+            assert self.engine_loop is not None
+            local = await self.colocated.embeds_of(items, self.engine_loop)
+        if any(it.embeds is None and it.image is None for it in items):
             assert self.fetcher is not None, "allow_missing_mm_embeds is derived only for EC consumers here"
             tensors = await self.fetcher.fetch_all(items)
         else:
             tensors = [it.embeds for it in items]
+        tensors = [local[it.key] if it.image is not None else t for it, t in zip(items, tensors, strict=True)]
         return to_engine_items(items, tensors)
 
     def ec_reservations(self) -> int:

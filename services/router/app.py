@@ -50,6 +50,7 @@ def create_app(
     limits: RequestLimits | None = None,
     image_token_id: int | None = None,
     encoders: Any | None = None,
+    image_seq_length: int | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -74,6 +75,7 @@ def create_app(
         limits=limits or RequestLimits(),
         image_token_id=image_token_id,
         encoders=encoders,
+        image_seq_length=image_seq_length,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

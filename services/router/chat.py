@@ -66,7 +66,9 @@ async def with_images(
     if not images:
         return prompt
     assert ctx.image_token_id is not None
-    ids, items = await resolve_images(ctx.encoders, request_id, prompt.token_ids, ctx.image_token_id, images)
+    ids, items = await resolve_images(
+        ctx.encoders, request_id, prompt.token_ids, ctx.image_token_id, images, ctx.image_seq_length
+    )
     check_token_ids(ctx, ids, "messages")
     return Prompt(ids, mm_items=items)
 

@@ -115,6 +115,7 @@ class RouterMmItem:
     key: str
     embeds: Any | None
     encoder_address: str = ""
+    image: bytes | None = None  # no encoder node: the bytes go to prefill, which encodes them
 
 
 def embeds_key(t: Any) -> str:
@@ -133,9 +134,13 @@ async def resolve_images(
     token_ids: list[int],
     image_token_id: int,
     images: list[ImageItem],
+    colocated_length: int | None = None,
 ) -> tuple[list[int], list[RouterMmItem]]:
     """Encode the request's image_url images (one Encode call), then expand every ``<image>``
-    token of ``token_ids`` into its placeholder run. Returns (ids, items in prompt order)."""
+    token of ``token_ids`` into its placeholder run. Returns (ids, items in prompt order).
+
+    Without encoder nodes, ``colocated_length`` (the model's tokens per image) set: the images'
+    bytes go to prefill, which encodes them itself (the encoder colocated in prefill)."""
     n_tokens = sum(1 for t in token_ids if t == image_token_id)
     if n_tokens != len(images):
         raise bad_request(
@@ -146,7 +151,8 @@ async def resolve_images(
     to_encode = [(im.data, im.uuid) for im in images if im.data is not None]
     encoded: list[Any] = []
     address = ""
-    if to_encode:
+    colocated = not encoders and colocated_length is not None
+    if to_encode and not colocated:
         if not encoders:
             raise bad_request(
                 "this deployment has no encoder node for the model: image_url parts cannot be encoded "
@@ -156,15 +162,19 @@ async def resolve_images(
             )
         encoded, address = await encoders.encode(request_id, to_encode)
     it = iter(encoded)
-    specs = []
+    specs: list[tuple[int, str, Any, str, bytes | None]] = []
     for im in images:
-        if im.data is not None:
+        if im.data is not None and colocated:
+            assert colocated_length is not None
+            key = "uuid:" + im.uuid if im.uuid else "sha256:" + hashlib.sha256(im.data).hexdigest()
+            specs.append((colocated_length, key, None, "", im.data))
+        elif im.data is not None:
             e = next(it)
-            specs.append((e.length, e.key, None, address))
+            specs.append((e.length, e.key, None, address, None))
         else:
             assert im.embeds is not None
             key = "uuid:" + im.uuid if im.uuid else embeds_key(im.embeds)
-            specs.append((int(im.embeds.shape[0]), key, im.embeds, ""))
+            specs.append((int(im.embeds.shape[0]), key, im.embeds, "", None))
     out: list[int] = []
     items: list[RouterMmItem] = []
     k = 0
@@ -172,8 +182,8 @@ async def resolve_images(
         if t != image_token_id:
             out.append(t)
             continue
-        length, key, embeds, addr = specs[k]
+        length, key, embeds, addr, data = specs[k]
         k += 1
-        items.append(RouterMmItem(len(out), length, key, embeds, addr))
+        items.append(RouterMmItem(len(out), length, key, embeds, addr, data))
         out.extend([image_token_id] * length)
     return out, items

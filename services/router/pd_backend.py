@@ -249,7 +249,7 @@ class PDBackend:
         d_node = self._pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
-                "image_url requests need a prefill node (the EC consumer that fetches embeddings); none is up"
+                "image_url requests need a prefill node (it fetches or computes the embeddings); none is up"
             )
         if self.prefill_locally(req, hashes, d_node):
             self.path_total.labels("local").inc()
@@ -544,6 +544,7 @@ def _mm_items_pb(req: BackendRequest, *, with_tensors: bool) -> list[pb.MmItem]:
             key=it.key,
             embeds=convert.tensor_to_pb(it.embeds) if with_tensors and it.embeds is not None else None,
             encoder_address=it.encoder_address,
+            image=it.image if with_tensors and it.image is not None else b"",  # never to decode
         )
         for it in req.mm_items
     ]

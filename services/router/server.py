@@ -60,9 +60,14 @@ async def serve_router(cluster: ClusterConfig) -> None:
         breaker_open_s=r.breaker_open_s,
     )
     mm = arch.mm_config
-    image_token_id = None
+    image_token_id = image_seq_length = None
     if mm is not None:
         image_token_id = int(mm.get("image_token_id", mm.get("image_token_index", -1)))
+        if not encoders:  # prefill encodes: the router needs the tokens per image itself
+            from pdserve.models.clip_vision import ClipVisionConfig
+
+            full = mm.get("vision_feature_select_strategy", "default") == "full"
+            image_seq_length = ClipVisionConfig.from_hf(mm["vision_config"]).num_patches + int(full)
     discovery = NodeDiscovery(registry, backend, cluster, discovery_interval_s(cluster))
     await discovery.refresh()  # static: the file's nodes; Redis: whoever is registered now
     if registry.dynamic:
@@ -81,6 +86,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
         limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
         image_token_id=image_token_id,
         encoders=encoders,
+        image_seq_length=image_seq_length,
     )
     server = uvicorn.Server(
         uvicorn.Config(

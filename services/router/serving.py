@@ -51,6 +51,8 @@ class ServingContext:
     # parts are a 400) and the encoder nodes image_url parts go to (None: none in the cluster).
     image_token_id: int | None = None
     encoders: Any | None = None  # services.router.encoders.EncoderPool
+    # Tokens per image, when prefill encodes images itself (no encoder node serves the model).
+    image_seq_length: int | None = None
     max_image_bytes: int = 20 << 20
     token_texts: TokenTexts = field(init=False)
 

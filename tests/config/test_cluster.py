@@ -305,7 +305,7 @@ def test_encoder_needs_redis_and_one_device() -> None:
         with pytest.raises(ConfigError, match=needle):
             ClusterConfig.from_dict(d)
     d = {**data, "nodes": [data["nodes"][0], {**data["nodes"][1], "max_image_pixels": 10}]}
-    with pytest.raises(ConfigError, match="max_image_pixels is an encoder setting"):
+    with pytest.raises(ConfigError, match="max_image_pixels is a setting of the node that decodes images"):
         ClusterConfig.from_dict(d)
 
 

@@ -295,9 +295,6 @@ def test_prefill_without_encoder_rejects_embedding_only_items(no_encoder) -> Non
     with pytest.raises(openai.BadRequestError) as e:
         _chat(no_encoder, [part])
     assert "accept_mm_embeds" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        _chat(no_encoder, [image_part(png(71))])
-    assert "no encoder node" in e.value.body["message"]
     # the node itself, over gRPC: an item without its tensor
     with grpc.insecure_channel(no_encoder.node("prefill-0").grpc_address) as ch:
         with pytest.raises(grpc.RpcError) as g:
@@ -318,3 +315,23 @@ def test_prefill_without_encoder_rejects_embedding_only_items(no_encoder) -> Non
         model=no_encoder.model_name, messages=[{"role": "user", "content": "hello"}], max_tokens=2
     )
     assert r.usage.completion_tokens >= 1
+
+
+def test_encoder_colocated_in_prefill_matches_transformers(no_encoder, ref) -> None:
+    """No encoder node: prefill runs the vision tower itself (on its engine thread); a repeat is
+    served from its in-process cache; decode still gets only keys."""
+    a, b = png(81), png(82, fmt="JPEG")
+    prefill_metrics = f"http://{no_encoder.node('prefill-0').metrics_address}/metrics"
+    enc0 = metric(prefill_metrics, "pdserve:encoder_images_encoded_total")
+    r = _chat(no_encoder, [image_part(a), image_part(b, "jpeg")], "Compare them.")
+    want = ref.greedy("Compare them.", [a, b], N)
+    assert r.choices[0].message.content == ref.tok.decode(want, skip_special_tokens=True)
+    r2 = _chat(no_encoder, [image_part(a)])
+    want2 = ref.greedy("What is in the picture?", [a], N)
+    assert r2.choices[0].message.content == ref.tok.decode(want2, skip_special_tokens=True)
+    assert metric(prefill_metrics, "pdserve:encoder_images_encoded_total") - enc0 == 2
+    assert metric(prefill_metrics, "pdserve:ec_cache_hits_total") >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(no_encoder, [image_part(b"not an image")])
+    assert "image" in e.value.body["message"]
+    _wait_nothing_held(no_encoder)
