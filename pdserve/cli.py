@@ -158,6 +158,7 @@ def serve(
                 max_image_pixels=n.max_image_pixels,
                 shared_token=cluster.shared_token,
                 drain_timeout_s=n.drain_timeout_s,
+                advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
             )
         )
         return

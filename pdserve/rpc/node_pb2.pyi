@@ -283,12 +283,14 @@ class EncodeItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., length: _Optional[int] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("items", "node")
+    __slots__ = ("items", "node", "address")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
     node: str
-    def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., node: _Optional[str] = ...) -> None: ...
+    address: str
+    def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., node: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class EncoderPushRequest(_message.Message):
     __slots__ = ("key", "dst_session", "dst_addr", "nbytes", "transfer_id")

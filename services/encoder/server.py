@@ -59,6 +59,7 @@ class EncoderOptions:
     max_image_pixels: int | None = None
     shared_token: str | None = None
     drain_timeout_s: float = 30.0
+    advertise_address: str | None = None  # host:port consumers dial (k8s: the pod IP); None: host:port
 
 
 class EncoderNode:
@@ -167,6 +168,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         return pb.EncodeResponse(
             items=[pb.EncodeItem(key=e.key, length=e.length, cache_hit=e.cache_hit) for e in out],
             node=node.opts.name,
+            address=node.opts.advertise_address or f"{node.opts.host}:{node.opts.grpc_port}",
         )
 
     async def PushEmbeddings(

@@ -99,7 +99,8 @@ class EncoderPool:
         h.breaker.record_success()
         if len(resp.items) != len(images):
             raise CapacityError(f"encoder {h.name} answered {len(resp.items)} items for {len(images)} images")
-        return [EncodedImage(i.key, i.length, i.cache_hit) for i in resp.items], h.address
+        # The replica that holds the bytes (its own advertised address), not a Service's
+        return [EncodedImage(i.key, i.length, i.cache_hit) for i in resp.items], resp.address or h.address
 
     async def close(self) -> None:
         for h in self.handles:
