@@ -70,6 +70,9 @@ async def with_images(
         ctx.encoders, request_id, prompt.token_ids, ctx.image_token_id, images, ctx.image_seq_length
     )
     check_token_ids(ctx, ids, "messages")
+    for it in items:
+        source = "client" if it.embeds is not None else "prefill" if it.image is not None else "encoder"
+        ctx.metrics.images.labels(source).inc()
     return Prompt(ids, mm_items=items)
 
 

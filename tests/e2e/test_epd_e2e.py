@@ -125,11 +125,14 @@ def test_same_image_twice_runs_the_encoder_once(epd, ref) -> None:
     encoded0 = _encoder_metric(epd, "pdserve:encoder_images_encoded_total")
     hits0 = _encoder_metric(epd, "pdserve:ec_cache_hits_total")
     pushed0 = _encoder_metric(epd, "pdserve:ec_bytes_pushed_total")
+    router_metrics = epd.cluster.router_url + "/metrics"
+    routed0 = metric(router_metrics, 'pdserve:router_images_total{source="encoder"}')
     first = _chat(epd, [image_part(img)]).choices[0].message.content
     second = _chat(epd, [image_part(img)]).choices[0].message.content
     assert first == second
     assert _encoder_metric(epd, "pdserve:encoder_images_encoded_total") - encoded0 == 1
     assert _encoder_metric(epd, "pdserve:ec_cache_hits_total") - hits0 == 1
+    assert metric(router_metrics, 'pdserve:router_images_total{source="encoder"}') - routed0 == 2
     # every prefill pulled the embedding from the encoder's memory (16 tokens x 64 hidden x fp32)
     assert _encoder_metric(epd, "pdserve:ec_bytes_pushed_total") - pushed0 == 2 * 16 * 64 * 4
     prefill_metrics = f"http://{epd.node('prefill-0').metrics_address}/metrics"
