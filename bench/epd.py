@@ -4,9 +4,19 @@ index in a real redis-server). CPU, tiny random LLaVA, one request at a time.
 
     PYTHONPATH=$PWD .venv/bin/python bench/epd.py [--num-images 16] [--output-len 8]
         [--out bench/results/epd.json]
+    PYTHONPATH=$PWD .venv/bin/python bench/epd.py --served [--num-images 16] [--concurrency 4]
+        [--out bench/results/epd_served.json]
 
-TTFT here = image bytes in hand -> first token out of the engine (encode or cache hit, index
-lookup, reservation, push, prefill). The router / gRPC hop is not in it (not wired yet).
+In-process (default): TTFT = image bytes in hand -> first token out of the engine (encode or
+cache hit, index lookup, reservation, push, prefill); the router / gRPC hops are not in it.
+
+--served: real processes (router, encoder, prefill, decode, redis-server), the openai client
+streaming chat completions with data-URL images; TTFT = request sent -> first content chunk.
+Two clusters side by side: "separate" (an encoder node; prefill pulls embeddings over Mooncake,
+index in Redis) and "colocated" (no encoder node: prefill runs the vision tower itself). Rounds,
+interleaved per repetition: cold (new images), warm (the same images, other text: only the
+embedding cache is warm), and precomputed image_embeds sent by the client (no encoder hop;
+computed before the clock starts).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -48,8 +59,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-images", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=8)
-    ap.add_argument("--out", default="bench/results/epd.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--served", action="store_true", help="through the router and real node processes")
+    ap.add_argument("--concurrency", type=int, default=4, help="--served: requests in flight")
+    ap.add_argument("--reps", type=int, default=3, help="--served: interleaved repetitions")
     args = ap.parse_args()
+    if args.served:
+        served(args)
+        return
+    args.out = args.out or "bench/results/epd.json"
 
     import torch
 
@@ -185,6 +203,184 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "encoder_metrics": metrics}, indent=2))
+
+
+def served(args: argparse.Namespace) -> None:
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+    import torch
+    from safetensors.torch import save
+
+    from pdserve.config.cluster import ClusterConfig, write_cluster_config
+    from pdserve.launcher import pick_base_port, start_child, stop_children, wait_ready
+    from pdserve.models.image_processor import ClipImageProcessor, ImageLimits, decode_image
+    from pdserve.models.loader import load_model
+    from pdserve.models.make_model import make_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="epd-served-"))
+    model_dir = make_tiny_model("llava", tmp / "llava")
+    rport = _free_port()
+    redis = subprocess.Popen(
+        ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", ""], stdout=subprocess.DEVNULL
+    )
+    node = {"device": "cpu", "dtype": "float32"}
+
+    def cluster_of(name: str, base: int, encoder: bool) -> ClusterConfig:
+        nodes = [
+            {"name": "prefill-0", "role": "prefill", "grpc_port": base + 1, "metrics_port": base + 2} | node,
+            {"name": "decode-0", "role": "decode", "grpc_port": base + 3, "metrics_port": base + 4} | node,
+        ]
+        extra: dict[str, Any] = {}
+        if encoder:
+            nodes.append(
+                {"name": "encoder-0", "role": "encoder", "grpc_port": base + 5, "metrics_port": base + 6}
+                | node
+            )
+            extra["redis_url"] = f"redis://127.0.0.1:{rport}/0"
+        return ClusterConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "router": {"host": "127.0.0.1", "port": base, "local_prefill_max_tokens": 0},
+                "nodes": nodes,
+                **extra,
+            }
+        )
+
+    b1 = pick_base_port("127.0.0.1", 23000, span=8)
+    b2 = pick_base_port("127.0.0.1", b1 + 10, span=8)
+    clusters = {"separate": cluster_of("separate", b1, True), "colocated": cluster_of("colocated", b2, False)}
+    # where the images are encoded, per cluster (the encoder node, or prefill itself)
+    enc_metrics = {
+        "separate": f"http://127.0.0.1:{b1 + 6}/metrics",
+        "colocated": f"http://127.0.0.1:{b2 + 2}/metrics",
+    }
+    children = []
+    for name, c in clusters.items():
+        (tmp / name).mkdir()
+        cfg = write_cluster_config(c, tmp / name / "cluster.yaml")
+        children += [start_child(cfg, n.role, n.name, tmp / name) for n in c.nodes]
+        children.append(start_child(cfg, "router", None, tmp / name))
+
+    def metric(mode: str, name: str) -> float:
+        text = httpx.get(enc_metrics[mode], timeout=5).text
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " "))
+
+    def url(img: bytes) -> dict:
+        return {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(img).decode()},
+        }
+
+    # Client-side embeddings for the precomputed round (the same tower, before the clock).
+    local_model, _ = load_model(model_dir, torch.float32, "cpu")
+    processor = ClipImageProcessor.from_model_dir(model_dir)
+
+    def embeds_part(img: bytes) -> dict:
+        with torch.inference_mode():
+            e = local_model.encode_images(processor(decode_image(img, ImageLimits()))[None])[0]  # type: ignore[operator]
+        return {
+            "type": "image_embeds",
+            "image_embeds": base64.b64encode(save({"e": e.contiguous()})).decode(),
+        }
+
+    clients = {
+        m: openai.OpenAI(base_url=c.router_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for m, c in clusters.items()
+    }
+
+    def one(mode: str, part: dict, text: str) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        ttft = None
+        stream = clients[mode].chat.completions.create(
+            model=clusters[mode].served_name(str(model_dir)),
+            messages=[{"role": "user", "content": [part, {"type": "text", "text": text}]}],
+            max_tokens=args.output_len,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                ttft = time.perf_counter() - t0
+        assert ttft is not None
+        return ttft, time.perf_counter() - t0
+
+    rows = []
+    try:
+        for c in clusters.values():
+            wait_ready(c, children, timeout_s=300)
+        for mode in clusters:
+            for i in range(3):  # warm-up: first-call allocations, channels, thread pools
+                one(mode, url(_png(50_000 + i)), "warm-up")
+        # Interleaved repetitions (a shared host's load drifts): each repetition has new images
+        # for its cold rounds, the same ones for its warm rounds, and their client-side embeddings.
+        acc: dict[tuple[str, str], dict[str, Any]] = {}
+        for rep in range(args.reps):
+            images = [_png(1000 * rep + i) for i in range(args.num_images)]
+            rounds = []
+            for mode in clusters:
+                rounds += [
+                    (mode, "cold", [url(im) for im in images], "Question {}?"),
+                    (mode, "warm", [url(im) for im in images], "Another question {}?"),
+                ]
+            rounds.append(
+                ("separate", "client embeds", [embeds_part(im) for im in images], "Third question {}?")
+            )
+            for mode, cache, parts, text in rounds:
+                enc0 = metric(mode, "pdserve:encoder_images_encoded_total")
+                hit0 = metric(mode, "pdserve:ec_cache_hits_total")
+                start = time.perf_counter()
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    res = list(
+                        pool.map(lambda ip, t=text, m=mode: one(m, ip[1], t.format(ip[0])), enumerate(parts))
+                    )
+                a = acc.setdefault((mode, cache), {"ttfts": [], "wall": 0.0, "n": 0, "enc": 0.0, "hits": 0.0})
+                a["ttfts"] += [t for t, _ in res]
+                a["wall"] += time.perf_counter() - start
+                a["n"] += len(parts)
+                a["enc"] += metric(mode, "pdserve:encoder_images_encoded_total") - enc0
+                a["hits"] += metric(mode, "pdserve:ec_cache_hits_total") - hit0
+            log(f"repetition {rep + 1}/{args.reps}: done")
+        for (mode, cache), a in acc.items():
+            rows.append(
+                {
+                    "encoder": mode,
+                    "cache": cache,
+                    "requests": a["n"],
+                    "concurrency": args.concurrency,
+                    "ttft_p50_ms": 1e3 * pct(a["ttfts"], 0.5),
+                    "ttft_p99_ms": 1e3 * pct(a["ttfts"], 0.99),
+                    "req_per_s": a["n"] / a["wall"],
+                    "out_tok_per_s": a["n"] * args.output_len / a["wall"],
+                    "encoded": a["enc"],
+                    "cache_hits": a["hits"],
+                }
+            )
+    finally:
+        stop_children(children)
+        redis.terminate()
+    print(
+        f"\n{'encoder':10} {'cache':13} {'reqs':>4} {'conc':>4} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+        f"{'req/s':>7} {'tok/s':>7} {'encoded':>7} {'hits':>5}"
+    )
+    for r in rows:
+        print(
+            f"{r['encoder']:10} {r['cache']:13} {r['requests']:>4} {r['concurrency']:>4} "
+            f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f} {r['req_per_s']:>7.1f} "
+            f"{r['out_tok_per_s']:>7.1f} {r['encoded']:>7.0f} {r['cache_hits']:>5.0f}"
+        )
+    cold = rows[0]
+    for r in rows[1:]:
+        print(
+            f"{r['encoder']} {r['cache']} vs separate cold: TTFT p50 x{r['ttft_p50_ms'] / cold['ttft_p50_ms']:.2f}, "
+            f"req/s x{r['req_per_s'] / cold['req_per_s']:.2f}"
+        )
+    out = Path(args.out or "bench/results/epd_served.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

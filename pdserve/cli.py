@@ -93,7 +93,7 @@ def generate(
 
 @app.command()
 def serve(
-    role: str = typer.Argument(..., help="router | prefill | decode | colocated"),
+    role: str = typer.Argument(..., help="router | prefill | decode | colocated | encoder"),
     config: Path = typer.Option(..., help="cluster config file (YAML or TOML)"),
     node: str | None = typer.Option(None, help="this node's name in the config (not for the router)"),
     bind_host: str | None = typer.Option(
@@ -136,6 +136,32 @@ def serve(
     kv_host = os.environ.get("PDSERVE_KV_HOST") or (
         n.host if _is_ip(n.host) else socket.gethostbyname(socket.gethostname())
     )
+    if role == "encoder":
+        from services.encoder.server import EncoderOptions, run_encoder
+
+        assert cluster.redis_url is not None  # the cluster file refuses an encoder without it
+        run_encoder(
+            EncoderOptions(
+                name=n.name,
+                model=n.model,
+                redis_url=cluster.redis_url,
+                host=host,
+                grpc_port=n.grpc_port,
+                metrics_port=n.metrics_port,
+                kv_host=kv_host,
+                kv_transport=n.kv_transport,
+                device=n.device,
+                dtype=n.dtype,
+                buffer_bytes=n.ec_buffer_bytes,
+                lease_s=n.ec_lease_s,
+                max_image_bytes=n.max_image_bytes,
+                max_image_pixels=n.max_image_pixels,
+                shared_token=cluster.shared_token,
+                drain_timeout_s=n.drain_timeout_s,
+                advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
+            )
+        )
+        return
     run_node(
         NodeOptions(
             name=n.name,
@@ -157,7 +183,24 @@ def serve(
             stages=n.pp,
             drain_timeout_s=n.drain_timeout_s,
             faults=n.faults,
+            mm_policy=resolved.mm_policy,
+            ec_consumer=resolved.ec_role == "ec_consumer",
+            # no encoder node for this model: prefill runs the vision tower itself
+            colocated_encoder=role == "prefill" and resolved.is_multimodal and resolved.ec_role is None,
+            image_limits=_image_limits(n.max_image_bytes, n.max_image_pixels),
+            ec_buffer_bytes=n.ec_buffer_bytes,
+            ec_lease_s=n.ec_lease_s,
+            ec_fetch_timeout_s=n.ec_fetch_timeout_s,
         )
+    )
+
+
+def _image_limits(max_bytes: int | None, max_pixels: int | None):  # -> ImageLimits
+    from pdserve.models.image_processor import ImageLimits
+
+    d = ImageLimits()
+    return ImageLimits(
+        max_image_bytes=max_bytes or d.max_image_bytes, max_image_pixels=max_pixels or d.max_image_pixels
     )
 
 

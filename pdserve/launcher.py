@@ -1,4 +1,5 @@
-"""``pdserve up``: a whole local cluster (router + prefill + decode) as child processes."""
+"""``pdserve up``: a whole local cluster (router + prefill + decode, and for a multimodal model an
+encoder with a redis-server for its index) as child processes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -28,6 +29,32 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     log: IO[bytes]
+    port: int = 0  # redis: the port it listens on
+
+
+def start_redis(host: str, run_dir: Path, timeout_s: float = 10.0) -> Child:
+    """A redis-server child for the embedding-cache index of a local multimodal cluster."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError(
+            "this model is multimodal: its encoder needs Redis for the embedding-cache index, but "
+            "redis-server is not installed (apt-get install redis-server)"
+        )
+    port = pick_base_port(host, 6390, span=1)
+    log_path = run_dir / "redis.log"
+    log = open(log_path, "wb")
+    cmd = ["redis-server", "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return Child("redis", "redis", proc, log_path, log, port)
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server did not start on {host}:{port}; see {log_path}")
 
 
 def ports_free(host: str, ports: list[int]) -> bool:
@@ -137,13 +164,28 @@ def example_request(cluster: ClusterConfig) -> str:
     client = OpenAI(base_url=cluster.router_url + "/v1", api_key=cluster.router.api_key or "none")
     assert cluster.model is not None
     model = cluster.served_name(cluster.model)
+    content: Any = "Say hello to disaggregated serving."
+    if cluster.encoder_nodes:  # a multimodal cluster: the example goes router -> encoder -> P -> D
+        content = [{"type": "image_url", "image_url": {"url": _example_png_url()}}]
+        content.append({"type": "text", "text": "What is in this picture?"})
     resp = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": "Say hello to disaggregated serving."}],
+        messages=[{"role": "user", "content": content}],
         max_tokens=24,
         temperature=0,
     )
     return resp.choices[0].message.content or ""
+
+
+def _example_png_url() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 60, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def up(
@@ -153,13 +195,26 @@ def up(
     send_example: bool,
     exit_after_example: bool,
 ) -> int:
+    from pdserve.config.resolver import checkpoint_is_multimodal
+
     model_dir = ensure_demo_model(model or DEMO_MODEL_DIR)
     host = "127.0.0.1"
-    base = pick_base_port(host, base_port)
-    cluster = default_local_cluster(model_dir.resolve(), base, host=host)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = write_cluster_config(cluster, run_dir / "cluster.yaml")
     children: list[Child] = []
+    redis: Child | None = None
+    redis_url = None
+    if checkpoint_is_multimodal(str(model_dir)):
+        # Images: an encoder node, whose embedding-cache index needs a Redis of its own.
+        redis = start_redis(host, run_dir)
+        redis_url = f"redis://{host}:{redis.port}/0"
+    try:
+        base = pick_base_port(host, base_port, span=7 if redis_url else 5)
+        cluster = default_local_cluster(model_dir.resolve(), base, host=host, encoder_redis_url=redis_url)
+        cfg_path = write_cluster_config(cluster, run_dir / "cluster.yaml")
+    except BaseException:
+        if redis is not None:
+            stop_children([redis])
+        raise
     stop = {"flag": False}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -202,5 +257,7 @@ def up(
         # SIGTERM drains each node: leave it its drain timeout before SIGKILL
         drain_s = max((n.drain_timeout_s for n in cluster.nodes), default=0.0)
         stop_children(children, grace_s=max(10.0, drain_s + 5.0))
+        if redis is not None:  # last: the nodes deregister from it while they stop
+            stop_children([redis])
         for s, h in old.items():
             signal.signal(s, h)

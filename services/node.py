@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.config.cluster import FaultsConfig
 from pdserve.config.engine import EngineConfig
+from pdserve.config.resolver import MmPolicy
 from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError, StageEndpoint
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
@@ -58,6 +59,18 @@ class NodeOptions:
     advertise_address: str | None = None  # host:port the router dials (k8s: pod IP); None: host:grpc_port
     stages: int = 1  # pipeline stages behind this node's address (registered, for the router)
     drain_timeout_s: float = 30.0
+    # Images (issue 14): the derived flags the node acts on, and its embedding-cache consumer half
+    # (prefill of a multimodal model with an encoder: fetches embeddings from encoders; index in
+    # Redis at redis_url).
+    mm_policy: MmPolicy | None = None  # None: a text-only node (every image item is refused)
+    ec_consumer: bool = False
+    ec_buffer_bytes: int = 64 << 20
+    ec_lease_s: float = 30.0
+    ec_fetch_timeout_s: float = 30.0
+    # Prefill of a multimodal model that no encoder node serves: encode images in-process (the
+    # encoder colocated in prefill), within image_limits (pdserve.models.image_processor.ImageLimits).
+    colocated_encoder: bool = False
+    image_limits: Any | None = None
     faults: FaultsConfig = field(default_factory=FaultsConfig)  # test-only fault injection; all off
 
 
@@ -139,6 +152,10 @@ class NodeBase:
 
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         return []
+
+    def ec_reservations(self) -> int:
+        """EC consumers: embedding-buffer reservations alive now (0 between requests)."""
+        return 0
 
     def aborted_holds_total(self) -> int:
         """Prefill: KV holds released by an abort (their request had already finished here)."""
@@ -308,6 +325,7 @@ class NodeBase:
             num_aborted_total=eng.num_aborted_total + self.aborted_holds_total(),
             block_size=eng.kv.block_size,
             stages=self.stage_loads(pb),
+            num_ec_reservations=self.ec_reservations(),
         )
 
 
@@ -343,6 +361,7 @@ class _NodeCollector:
         yield gauge("kv_blocks_cached", "KV blocks holding a prefix-cache entry", pool.num_cached_blocks)
         yield gauge("kv_blocks_held_for_transfer", "Prefill blocks held for a pull", n.held_transfer_blocks())
         yield gauge("stranded_kv_blocks", "Blocks held that no live peer will read", n.stranded_kv_blocks())
+        yield gauge("ec_reservations", "Embedding-buffer reservations alive", n.ec_reservations())
         yield gauge("prefix_cache_hit_rate", "Prefix-cache block hit rate", pool.hit_rate)
         yield counter("num_preemptions", "Preemptions by recompute", st.num_preemptions_total)
         yield counter(

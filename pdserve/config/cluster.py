@@ -87,6 +87,7 @@ class RouterConfig(_Frozen):
     # Parses chat output under tool_choice auto into tool_calls (services/router/tool_parsers);
     # a name the router does not know is refused when the router starts, naming the known ones.
     tool_call_parser: str = "hermes"
+    encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call (issue 14)
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
@@ -144,6 +145,16 @@ class NodeConfig(_Frozen):
     # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
     drain_timeout_s: float = Field(default=30.0, gt=0)
+    # Embedding cache (issue 14). Encoder: its registered buffer of embeddings and their lease in
+    # the Redis index; EC consumers (prefill): the buffer pushes land in, the reservation lease and
+    # how long one fetch from an encoder may take.
+    ec_buffer_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    ec_lease_s: float = Field(default=30.0, gt=0)
+    ec_fetch_timeout_s: float = Field(default=30.0, gt=0)
+    # Where images are decoded (an encoder, or a prefill node of a model no encoder serves):
+    # images past these are a 400 before any pixel is decoded.
+    max_image_bytes: int | None = Field(default=None, ge=1)  # None: 20 MiB
+    max_image_pixels: int | None = Field(default=None, ge=1)  # None: 4096 x 4096
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
@@ -208,6 +219,25 @@ class NodeConfig(_Frozen):
             raise ConfigError(
                 f"node {self.name!r}: an encoder node is an ec_producer, not an ec_consumer; omit ec_role"
             )
+        if self.role not in ("encoder", "prefill"):
+            for name in ("max_image_bytes", "max_image_pixels"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"node {self.name!r}: {name} is a setting of the node that decodes images (an "
+                        f"encoder, or a prefill node with no encoder in the cluster), but the node's "
+                        f"role is {self.role}; move it there"
+                    )
+        if self.role == "encoder":
+            if self.tp != 1 or self.pp != 1:
+                raise ConfigError(
+                    f"node {self.name!r}: an encoder runs on one device (tp 1, pp 1), got tp {self.tp}, "
+                    f"pp {self.pp}; add encoder nodes to scale out instead"
+                )
+            if self.kv_transport == "cuda_ipc":
+                raise ConfigError(
+                    f"node {self.name!r}: embeddings move over Mooncake (kv_transport tcp or rdma), "
+                    "not cuda_ipc; set kv_transport: tcp"
+                )
         return self
 
     @property
@@ -269,6 +299,7 @@ class ClusterConfig(_Frozen):
             )
         self._check_models()
         self._check_addresses()
+        self._check_encoders()
         self._check_keepalive()
         return self
 
@@ -292,6 +323,25 @@ class ClusterConfig(_Frozen):
                 raise ConfigError(
                     f"node {n.name!r}: kv_keepalive_s ({n.kv_keepalive_s}) must be below the shortest "
                     f"prefill kv_lease_s ({min(leases)}), or queued requests lose their KV; lower it"
+                )
+
+    def _check_encoders(self) -> None:
+        """The embedding-cache index lives in Redis (DESIGN §3): an encoder needs redis_url."""
+        if self.encoder_nodes and not self.redis_url:
+            names = [n.name for n in self.encoder_nodes]
+            raise ConfigError(
+                f"encoder nodes {names} need redis_url: the embedding-cache index (key -> owner, "
+                "address, shape, expiry) lives in Redis; set redis_url or remove the encoder nodes"
+            )
+        for n in self.nodes:
+            if (
+                n.role != "encoder"
+                and n.kv_transport == "cuda_ipc"
+                and any(e.model == n.model for e in self.encoder_nodes)
+            ):
+                raise ConfigError(
+                    f"node {n.name!r}: it consumes embeddings from an encoder over Mooncake, but its "
+                    "kv_transport is cuda_ipc; use tcp or rdma on nodes of a model with an encoder"
                 )
 
     def _check_models(self) -> None:
@@ -432,28 +482,42 @@ def default_local_cluster(
     *,
     host: str = "127.0.0.1",
     served_model_name: str | None = None,
+    encoder_redis_url: str | None = None,
 ) -> ClusterConfig:
-    """The cluster ``pdserve up`` starts: router + one prefill + one decode node on one host.
+    """The cluster ``pdserve up`` starts: router + one prefill + one decode node on one host, and
+    with ``encoder_redis_url`` (a multimodal model) an encoder whose index lives there.
 
     Ports, from ``base_port``:
 
         base+0  router HTTP (OpenAI API, /metrics)
         base+1  prefill-0 gRPC      base+2  prefill-0 /metrics
         base+3  decode-0 gRPC       base+4  decode-0 /metrics
+        base+5  encoder-0 gRPC      base+6  encoder-0 /metrics   (with an encoder)
     """
-    if not 1 <= base_port <= 65535 - 4:
-        raise ConfigError(f"base_port must be in [1, {65535 - 4}] (5 ports are used), got {base_port}")
-    data = {
+    span = 7 if encoder_redis_url else 5
+    if not 1 <= base_port <= 65536 - span:
+        raise ConfigError(
+            f"base_port must be in [1, {65536 - span}] ({span} ports are used), got {base_port}"
+        )
+    nodes = [
+        {"name": "prefill-0", "role": "prefill", "host": host}
+        | {"grpc_port": base_port + 1, "metrics_port": base_port + 2},
+        {"name": "decode-0", "role": "decode", "host": host}
+        | {"grpc_port": base_port + 3, "metrics_port": base_port + 4},
+    ]
+    data: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": served_model_name,
         "router": {"host": host, "port": base_port},
-        "nodes": [
-            {"name": "prefill-0", "role": "prefill", "host": host}
-            | {"grpc_port": base_port + 1, "metrics_port": base_port + 2},
-            {"name": "decode-0", "role": "decode", "host": host}
-            | {"grpc_port": base_port + 3, "metrics_port": base_port + 4},
-        ],
+        "nodes": nodes,
     }
+    if encoder_redis_url:
+        nodes.insert(
+            0,
+            {"name": "encoder-0", "role": "encoder", "host": host}
+            | {"grpc_port": base_port + 5, "metrics_port": base_port + 6},
+        )
+        data["redis_url"] = encoder_redis_url
     return ClusterConfig.from_dict(data, source="default local cluster")
 
 

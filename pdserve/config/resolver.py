@@ -53,6 +53,18 @@ def checkpoint_is_multimodal(model: str) -> bool:
 
 
 @dataclass(frozen=True)
+class MmPolicy:
+    """What a running node needs of its derived settings to judge a request's image items."""
+
+    name: str
+    role: str
+    kv_role: str | None
+    ec_role: str | None
+    accept_mm_embeds: bool = False
+    allow_missing_mm_embeds: bool = False
+
+
+@dataclass(frozen=True)
 class ResolvedNode:
     """One node's settings with every derived field assigned."""
 
@@ -93,6 +105,17 @@ class ResolvedNode:
     @property
     def allow_missing_mm_embeds(self) -> bool:
         return self.node.allow_missing_mm_embeds
+
+    @property
+    def mm_policy(self) -> MmPolicy:
+        return MmPolicy(
+            self.name,
+            self.role,
+            self.kv_role,
+            self.ec_role,
+            self.accept_mm_embeds,
+            self.allow_missing_mm_embeds,
+        )
 
     def engine_config(self, pipeline_rank: int = 0, seed: int = 0) -> EngineConfig:
         """The engine settings of this node (of pipeline stage ``pipeline_rank`` when pp > 1)."""
@@ -181,7 +204,7 @@ def resolve_node_settings(
 
 
 def check_mm_items_allowed(
-    node: ResolvedNode, items_have_tensor: list[bool], field: str = "mm_items"
+    node: ResolvedNode | MmPolicy, items_have_tensor: list[bool], field: str = "mm_items"
 ) -> None:
     """How a node acts on its derived flags, for a request's image items (True: the item carries
     its embedding tensor; False: only its cache key and placeholder length).

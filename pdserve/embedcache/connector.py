@@ -60,6 +60,14 @@ class EmbeddingProducer:
             registry=registry or CollectorRegistry(),
         )
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._slots)
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(e.nbytes for _off, e in list(self._slots.values()))
+
     def has(self, key: str) -> bool:
         with self._lock:
             if key in self._slots:

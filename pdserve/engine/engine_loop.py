@@ -16,13 +16,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.distributed.pp_stage import PipelineStageError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta
+from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import EngineDeadError
@@ -136,6 +137,7 @@ class EngineLoop:
         output_token_ids: list[int] | None = None,
         priority: int = 0,
         prompt_embeds: Any | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> AsyncGenerator[GenerationDelta, None]:
         """Admit a request and yield its deltas; closing the generator aborts the request."""
         self.check_alive()
@@ -151,6 +153,7 @@ class EngineLoop:
                     kv_transfer_params=kv_transfer_params,
                     output_token_ids=output_token_ids,
                     prompt_embeds=prompt_embeds,
+                    mm_items=mm_items,
                 )
             )
         except asyncio.CancelledError:

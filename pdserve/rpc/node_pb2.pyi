@@ -105,18 +105,20 @@ class PromptLogprobs(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("transfer_id", "prompt_token_ids", "sampling", "need_send", "prompt_embeds")
+    __slots__ = ("transfer_id", "prompt_token_ids", "sampling", "need_send", "prompt_embeds", "mm_items")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NEED_SEND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     need_send: int
     prompt_embeds: Tensor
-    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., need_send: _Optional[int] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MmItem]
+    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., need_send: _Optional[int] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "kv_held", "epoch")
@@ -265,7 +267,7 @@ class PushKVResponse(_message.Message):
     def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch", "mm_items")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +277,7 @@ class DecodeRequest(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -284,7 +287,98 @@ class DecodeRequest(_message.Message):
     prefill_address: str
     prompt_embeds: Tensor
     prefill_epoch: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MmItem]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ...) -> None: ...
+
+class MmItem(_message.Message):
+    __slots__ = ("offset", "length", "key", "embeds", "encoder_address", "image")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    key: str
+    embeds: Tensor
+    encoder_address: str
+    image: bytes
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., key: _Optional[str] = ..., embeds: _Optional[_Union[Tensor, _Mapping]] = ..., encoder_address: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
+
+class EncodeImage(_message.Message):
+    __slots__ = ("data", "uuid")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    uuid: str
+    def __init__(self, data: _Optional[bytes] = ..., uuid: _Optional[str] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[EncodeImage]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[EncodeImage, _Mapping]]] = ...) -> None: ...
+
+class EncodeItem(_message.Message):
+    __slots__ = ("key", "length", "cache_hit")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    length: int
+    cache_hit: bool
+    def __init__(self, key: _Optional[str] = ..., length: _Optional[int] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("items", "node", "address")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
+    node: str
+    address: str
+    def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., node: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class EncoderPushRequest(_message.Message):
+    __slots__ = ("key", "dst_session", "dst_addr", "nbytes", "transfer_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DST_SESSION_FIELD_NUMBER: _ClassVar[int]
+    DST_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    dst_session: str
+    dst_addr: int
+    nbytes: int
+    transfer_id: str
+    def __init__(self, key: _Optional[str] = ..., dst_session: _Optional[str] = ..., dst_addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+
+class EncoderPushResponse(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class EncoderLoadReport(_message.Message):
+    __slots__ = ("node", "epoch", "num_cached", "buffer_bytes_used", "buffer_bytes_total", "num_in_flight")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    epoch: str
+    num_cached: int
+    buffer_bytes_used: int
+    buffer_bytes_total: int
+    num_in_flight: int
+    def __init__(self, node: _Optional[str] = ..., epoch: _Optional[str] = ..., num_cached: _Optional[int] = ..., buffer_bytes_used: _Optional[int] = ..., buffer_bytes_total: _Optional[int] = ..., num_in_flight: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids", "transfer_ids")
@@ -305,7 +399,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages")
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +414,7 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EC_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     node: str
     role: str
     epoch: str
@@ -334,7 +429,8 @@ class LoadReport(_message.Message):
     block_size: int
     num_pushes_in_flight: int
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
-    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ...) -> None: ...
+    num_ec_reservations: int
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("transfer_ids",)

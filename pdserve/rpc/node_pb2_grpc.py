@@ -25,6 +25,164 @@ if _version_not_supported:
     )
 
 
+class EncoderServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Encode = channel.unary_unary(
+                '/pdserve.rpc.EncoderService/Encode',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.EncodeResponse.FromString,
+                _registered_method=True)
+        self.PushEmbeddings = channel.unary_unary(
+                '/pdserve.rpc.EncoderService/PushEmbeddings',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.EncoderPushRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.EncoderPushResponse.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/pdserve.rpc.EncoderService/GetLoad',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.LoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.EncoderLoadReport.FromString,
+                _registered_method=True)
+
+
+class EncoderServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Encode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushEmbeddings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EncoderServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.EncodeRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.EncodeResponse.SerializeToString,
+            ),
+            'PushEmbeddings': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushEmbeddings,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.EncoderPushRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.EncoderPushResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoadRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.EncoderLoadReport.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.rpc.EncoderService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.rpc.EncoderService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EncoderService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.EncoderService/Encode',
+            pdserve_dot_rpc_dot_node__pb2.EncodeRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushEmbeddings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.EncoderService/PushEmbeddings',
+            pdserve_dot_rpc_dot_node__pb2.EncoderPushRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.EncoderPushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.EncoderService/GetLoad',
+            pdserve_dot_rpc_dot_node__pb2.LoadRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.EncoderLoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillServiceStub:
     """Missing associated documentation comment in .proto file."""
 

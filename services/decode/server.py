@@ -22,6 +22,7 @@ from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.decode.keepalive import LeaseKeeper
+from services.mm_items import items_from_pb, to_engine_items
 from services.node import NodeBase, NodeOptions
 from services.prefill.server import handshake_from_pb, handshake_to_pb
 
@@ -42,6 +43,8 @@ class DecodeNode(NodeBase):
         self.reprefill_ids: set[str] = set()  # failed pulls the router should re-prefill
         self.checksums_verified_total = 0
         self.checksum_mismatches_total = 0
+        # Requests whose image items came without tensors: a failed pull cannot be recomputed here.
+        self.no_recompute_ids: set[str] = set()
         self._last_checksum: dict[str, str] = {}  # transfer_id -> prefill's digest (kv_checksum)
         self.stage_pull_bytes = [0] * len(self.stages)  # per decode stage (metrics, GetLoad)
         self.stage_pull_failures = [0] * len(self.stages)
@@ -193,6 +196,8 @@ class DecodeNode(NodeBase):
                 "KV pull %s failed: %s (policy %s)", p.transfer_id, err, self.opts.kv_load_failure_policy
             )
         policy = engine_policy(self.opts.kv_load_failure_policy)
+        if spec.request_id in self.no_recompute_ids:
+            policy = "fail"  # its images' embeddings are not here: recomputing would need them
         if not ok and self.opts.kv_load_failure_policy == "reprefill":
             self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
@@ -253,6 +258,20 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 embeds = convert.tensor_from_pb(request.prompt_embeds)
             except PdserveError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
+        mm_items: list[Any] = []
+        if request.mm_items:
+            try:
+                wire = items_from_pb(request.mm_items, node.opts.mm_policy, node.opts.name)
+                if not request.remote_prefill and any(it.embeds is None for it in wire):
+                    raise PdserveError(
+                        "decode prefills this prompt itself (no remote prefill), but its image items "
+                        "carry no embeddings; send them to a prefill node (EC consumer) instead"
+                    )
+            except PdserveError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            mm_items = to_engine_items(wire, [it.embeds for it in wire])
+            if any(it.embeds is None for it in wire):
+                node.no_recompute_ids.add(request.request_id)
         assert node.engine_loop is not None
         gen = node.engine_loop.generate(
             list(request.prompt_token_ids),
@@ -261,6 +280,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             kv_transfer_params=kv_params,
             output_token_ids=list(request.output_token_ids) or None,
             prompt_embeds=embeds,
+            mm_items=mm_items,
         )
         try:
             async for d in gen:
@@ -275,6 +295,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(channel.error_to_status(e), str(e))
         finally:
             node.reprefill_ids.discard(request.request_id)
+            node.no_recompute_ids.discard(request.request_id)
             await gen.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -59,8 +59,17 @@ class EncoderMetrics:
         )
 
 
+@dataclass(eq=False)
+class _Ticket:
+    pixels: list[torch.Tensor]  # [3, S, S] each
+    result: list[torch.Tensor] | None = None
+    error: BaseException | None = None
+
+
 class EncoderCore:
-    """Thread-safe: concurrent calls are serialised around the model (one batch at a time)."""
+    """Thread-safe. Concurrent calls share batches: while one batch runs through the tower, the
+    misses of every call that arrives wait, and the next batch takes all of them at once
+    (leader / followers: whichever waiting call finds the model idle runs the batch for all)."""
 
     def __init__(
         self,
@@ -72,7 +81,10 @@ class EncoderCore:
     ) -> None:
         self.model, self.processor, self.producer, self.limits = model, processor, producer, limits
         self.metrics = metrics or EncoderMetrics()
-        self._model_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._pending: list[_Ticket] = []
+        self._busy = False
+        self.num_batches = 0  # tower calls (tests check that concurrent calls share them)
 
     def encode(self, images: list[ImageInput]) -> list[EncodedItem]:
         """Keys and lengths in input order. Every image is decoded and checked before any is
@@ -91,10 +103,46 @@ class EncoderCore:
         self.metrics.cache_hits.inc(len(hits))
         self.metrics.cache_misses.inc(len(misses))
         if misses:
-            with self._model_lock, torch.inference_mode():
-                embeds = self.model.encode_images(torch.stack(list(misses.values())))  # [k, T, hidden]
+            embeds = self._encode_batched(list(misses.values()))  # [T, hidden] each
             self.metrics.images_encoded.inc(len(misses))
             for key, e in zip(misses, embeds, strict=True):
                 self.producer.put(key, e)
         n = self.model.num_image_tokens
         return [EncodedItem(k, n, k in hits) for k in keys]
+
+    def _encode_batched(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        ticket = _Ticket(pixels)
+        with self._cv:
+            self._pending.append(ticket)
+            while ticket.result is None and ticket.error is None:
+                if self._busy:
+                    self._cv.wait()
+                    continue
+                batch, self._pending, self._busy = self._pending, [], True
+                self._cv.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._cv.acquire()
+                    self._busy = False
+                    self._cv.notify_all()
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.result is not None
+        return ticket.result
+
+    def _run(self, batch: list[_Ticket]) -> None:
+        """One tower call for every waiting call's images (runs without the condition's lock)."""
+        try:
+            px = torch.stack([p for t in batch for p in t.pixels])  # [k, 3, S, S]
+            with torch.inference_mode():
+                out = self.model.encode_images(px)  # [k, T, hidden]
+            self.num_batches += 1
+        except Exception as e:  # every waiting call gets the error, none hangs
+            for t in batch:
+                t.error = e
+            return
+        i = 0
+        for t in batch:
+            t.result = list(out[i : i + len(t.pixels)])
+            i += len(t.pixels)

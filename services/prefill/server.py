@@ -12,7 +12,7 @@ import grpc
 
 from pdserve.distributed.pp_stage import PipelineRunner, StageWriteBackend
 from pdserve.engine.request import Request
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import CapacityError, ConfigError, InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
@@ -24,6 +24,13 @@ from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.mm_items import (
+    ColocatedEncoder,
+    EmbeddingFetcher,
+    EmbeddingUnavailableError,
+    items_from_pb,
+    to_engine_items,
+)
 from services.node import NodeBase, NodeOptions
 
 logger = logging.getLogger(__name__)
@@ -79,6 +86,52 @@ class PrefillNode(NodeBase):
         self._last_expire = 0.0
         self.pushes_in_flight = 0  # PushKV calls being served (LoadReport.num_pushes_in_flight)
         self.leases_expired_total = 0  # holds freed by their lease, not by their consumers' pulls
+        self.fetcher: EmbeddingFetcher | None = None
+        self.colocated: ColocatedEncoder | None = None
+        if opts.colocated_encoder:
+            from pdserve.models.image_processor import ImageLimits
+
+            self.colocated = ColocatedEncoder(
+                opts.engine.model, opts.image_limits or ImageLimits(), opts.ec_buffer_bytes, self.registry
+            )
+        if opts.ec_consumer:
+            from pdserve.embedcache.index import EmbeddingIndex
+
+            if not opts.redis_url:
+                raise ConfigError(f"node {opts.name}: an EC consumer needs redis_url (the embedding index)")
+            self.fetcher = EmbeddingFetcher(
+                self.backend,
+                EmbeddingIndex.from_url(opts.redis_url),
+                opts.ec_buffer_bytes,
+                opts.ec_lease_s,
+                opts.ec_fetch_timeout_s,
+                opts.shared_token,
+                self.registry,
+            )
+
+    async def mm_items_of(self, request: pb.PrefillRequest) -> list[Any]:
+        """The request's image items with their tensors (fetched from encoders where missing)."""
+        items = items_from_pb(request.mm_items, self.opts.mm_policy, self.opts.name)
+        local: dict[str, Any] = {}
+        if any(it.image is not None for it in items):
+            if self.colocated is None:
+                raise InvalidRequestError(
+                    f"node {self.opts.name!r} does not encode images itself (an encoder node serves "
+                    "this model): send cache keys",
+                    field="mm_items",
+                )
+            assert self.engine_loop is not None
+            local = await self.colocated.embeds_of(items, self.engine_loop)
+        if any(it.embeds is None and it.image is None for it in items):
+            assert self.fetcher is not None, "allow_missing_mm_embeds is derived only for EC consumers here"
+            tensors = await self.fetcher.fetch_all(items)
+        else:
+            tensors = [it.embeds for it in items]
+        tensors = [local[it.key] if it.image is not None else t for it, t in zip(items, tensors, strict=True)]
+        return to_engine_items(items, tensors)
+
+    def ec_reservations(self) -> int:
+        return self.fetcher.num_reserved if self.fetcher is not None else 0
 
     def _on_hold(self, req: Request, block_ids: list[int]) -> bool:
         params = req.kv_transfer_params
@@ -175,6 +228,17 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 embeds = convert.tensor_from_pb(request.prompt_embeds)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
+        mm_items: list[Any] = []
+        if request.mm_items:
+            try:
+                mm_items = await node.mm_items_of(request)
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except CapacityError as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except EmbeddingUnavailableError as e:
+                # Not this node's fault (no breaker move, no retry elsewhere): the router answers 503.
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
             node.producer.admit(tid)
         except DuplicateTransferError as e:
@@ -189,6 +253,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 tid,
                 kv_transfer_params=kv_params,
                 prompt_embeds=embeds,
+                mm_items=mm_items,
             ):
                 first = d
         except PdserveError as e:

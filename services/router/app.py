@@ -50,6 +50,9 @@ def create_app(
     max_body_bytes: int | None = None,
     limits: RequestLimits | None = None,
     tool_call_parser: str = "hermes",
+    image_token_id: int | None = None,
+    encoders: Any | None = None,
+    image_seq_length: int | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -74,6 +77,9 @@ def create_app(
         max_prompt_embeds_bytes=max_prompt_embeds_bytes(max_model_len, hidden_size or 0),
         limits=limits or RequestLimits(),
         tool_call_parser=tool_call_parser,
+        image_token_id=image_token_id,
+        encoders=encoders,
+        image_seq_length=image_seq_length,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

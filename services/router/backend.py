@@ -9,8 +9,8 @@ several backend requests and merges their deltas.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
@@ -27,6 +27,14 @@ class BackendRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # n == 1 always; the router fans out choices (seed + i)
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden_size], already checked
+    # Images (services.router.multimodal.RouterMmItem): placeholder runs of prompt_token_ids with
+    # their cache keys; prefill gets them (and fetches embeddings), decode only their keys.
+    mm_items: list[Any] = field(default_factory=list)
+
+    @property
+    def mm_needs_ec(self) -> bool:
+        """Some image has no tensor here: only an EC consumer (prefill) can compute this prompt."""
+        return any(it.embeds is None for it in self.mm_items)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from services.router.errors import APIError, bad_request
 from services.router.logprobs import chat_logprobs
+from services.router.multimodal import ImageItem, extract_images, has_image_parts, resolve_images
 from services.router.protocol import ChatCompletionRequest
 from services.router.serving import (
     Prompt,
@@ -33,16 +34,47 @@ from services.router.streams import SSEResponse, until_disconnect
 from services.router.tools import ToolMode, tool_message, tool_mode
 
 
-def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prompt:
-    messages = [m.template_dict(j) for j, m in enumerate(body.messages)]
+def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[Prompt, list[ImageItem]]:
+    """The prompt's token ids (one image token per image part) and the image parts in order."""
+    images: list[ImageItem] = []
+    raw = [m.model_dump(exclude_none=True) for m in body.messages]
+    if has_image_parts(raw) and ctx.image_token_id is not None:
+        # (a text-only model: template_dict below refuses the part, naming it)
+        messages, images = extract_images(
+            raw,
+            hidden_size=ctx.hidden_size,
+            max_image_bytes=ctx.max_image_bytes,
+            max_embeds_bytes=ctx.max_prompt_embeds_bytes,
+        )
+    else:
+        messages = [m.template_dict(j) for j, m in enumerate(body.messages)]
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     # Render to text, then tokenize without special tokens: the template already wrote them.
     tool_kw = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
     text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kw)
     token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    if not images and ctx.image_token_id is not None and ctx.image_token_id in token_ids:
+        raise bad_request("message text must not contain the image placeholder token", "messages")
     check_token_ids(ctx, token_ids, "messages")
-    return Prompt(token_ids)
+    return Prompt(token_ids), images
+
+
+async def with_images(
+    ctx: ServingContext, request_id: str, prompt: Prompt, images: list[ImageItem]
+) -> Prompt:
+    """Images encoded (keys and lengths from an encoder) and their placeholders expanded."""
+    if not images:
+        return prompt
+    assert ctx.image_token_id is not None
+    ids, items = await resolve_images(
+        ctx.encoders, request_id, prompt.token_ids, ctx.image_token_id, images, ctx.image_seq_length
+    )
+    check_token_ids(ctx, ids, "messages")
+    for it in items:
+        source = "client" if it.embeds is not None else "prefill" if it.image is not None else "encoder"
+        ctx.metrics.images.labels(source).inc()
+    return Prompt(ids, mm_items=items)
 
 
 async def create_chat_completion(
@@ -57,11 +89,12 @@ async def create_chat_completion(
     params = sampling_params(body, requested, num_top if body.logprobs else None)
     ctx.limits.check_sequences(1, body.n)
     mode, params = _with_tools(body, params, ctx.tool_call_parser)
-    prompt = render_chat_prompt(ctx, body)
+    prompt, images = render_chat_prompt(ctx, body)
+    request_id = new_request_id("chatcmpl")
+    prompt = await with_images(ctx, request_id, prompt, images)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
 
-    request_id = new_request_id("chatcmpl")
     reqs = fan_out(request_id, [prompt], params, [max_tokens])
     created = int(time.time())
 

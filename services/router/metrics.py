@@ -56,3 +56,10 @@ class RouterMetrics:
             ["status"],
             registry=r,
         )
+        self.images = Counter(
+            "pdserve:router_images",
+            "Image parts routed, by where their embeddings come from: encoder (an encoder node), "
+            "prefill (encoded by the prefill node itself), client (precomputed image_embeds).",
+            ["source"],
+            registry=r,
+        )

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.router.errors import bad_request
 from services.router.prompt_embeds import decode_prompt_embeds
+
+if TYPE_CHECKING:
+    from services.router.encoders import EncoderPool
 
 IMAGE_TOKEN = "<image>"
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp);base64,(.*)$", re.DOTALL)
@@ -98,3 +102,88 @@ def has_image_parts(messages: list[dict[str, Any]]) -> bool:
         isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
         for m in messages
     )
+
+
+@dataclass(frozen=True)
+class RouterMmItem:
+    """One image of a backend request: its placeholder run and cache key. ``embeds`` is set only
+    for precomputed image_embeds (then prefill takes them as sent); image_url items carry the
+    encoder's address instead, and prefill fetches their embeddings from it."""
+
+    offset: int
+    length: int
+    key: str
+    embeds: Any | None
+    encoder_address: str = ""
+    image: bytes | None = None  # no encoder node: the bytes go to prefill, which encodes them
+
+
+def embeds_key(t: Any) -> str:
+    """Cache key of precomputed embeddings: a digest of dtype, shape and bytes."""
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}:{tuple(t.shape)}".encode())
+    h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "embeds:" + h.hexdigest()
+
+
+async def resolve_images(
+    encoders: EncoderPool | None,
+    request_id: str,
+    token_ids: list[int],
+    image_token_id: int,
+    images: list[ImageItem],
+    colocated_length: int | None = None,
+) -> tuple[list[int], list[RouterMmItem]]:
+    """Encode the request's image_url images (one Encode call), then expand every ``<image>``
+    token of ``token_ids`` into its placeholder run. Returns (ids, items in prompt order).
+
+    Without encoder nodes, ``colocated_length`` (the model's tokens per image) set: the images'
+    bytes go to prefill, which encodes them itself (the encoder colocated in prefill)."""
+    n_tokens = sum(1 for t in token_ids if t == image_token_id)
+    if n_tokens != len(images):
+        raise bad_request(
+            f"the rendered prompt has {n_tokens} image placeholder tokens for {len(images)} image parts; "
+            "do not write the image token in message text",
+            "messages",
+        )
+    to_encode = [(im.data, im.uuid) for im in images if im.data is not None]
+    encoded: list[Any] = []
+    address = ""
+    colocated = not encoders and colocated_length is not None
+    if to_encode and not colocated:
+        if not encoders:
+            raise bad_request(
+                "this deployment has no encoder node for the model: image_url parts cannot be encoded "
+                "(send precomputed image_embeds, or add a node with role: encoder)",
+                "messages",
+                code="unsupported",
+            )
+        encoded, address = await encoders.encode(request_id, to_encode)
+    it = iter(encoded)
+    specs: list[tuple[int, str, Any, str, bytes | None]] = []
+    for im in images:
+        if im.data is not None and colocated:
+            assert colocated_length is not None
+            key = "uuid:" + im.uuid if im.uuid else "sha256:" + hashlib.sha256(im.data).hexdigest()
+            specs.append((colocated_length, key, None, "", im.data))
+        elif im.data is not None:
+            e = next(it)
+            specs.append((e.length, e.key, None, address, None))
+        else:
+            assert im.embeds is not None
+            key = "uuid:" + im.uuid if im.uuid else embeds_key(im.embeds)
+            specs.append((int(im.embeds.shape[0]), key, im.embeds, "", None))
+    out: list[int] = []
+    items: list[RouterMmItem] = []
+    k = 0
+    for t in token_ids:
+        if t != image_token_id:
+            out.append(t)
+            continue
+        length, key, embeds, addr, data = specs[k]
+        k += 1
+        items.append(RouterMmItem(len(out), length, key, embeds, addr, data))
+        out.extend([image_token_id] * length)
+    return out, items

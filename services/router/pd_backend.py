@@ -231,7 +231,11 @@ class PDBackend:
 
     def prefill_locally(self, req: BackendRequest, hashes: list[bytes], d_node: NodeHandle) -> bool:
         """Conditional disaggregation: prefill on the decode node when the prompt is short, when
-        the decode node recently saw (nearly) all of its blocks, or when there is no prefill node."""
+        the decode node recently saw (nearly) all of its blocks, or when there is no prefill node.
+        Requests with images always go to a prefill node (the EC consumer) when there is one:
+        decode never receives images or embeddings."""
+        if req.mm_items:
+            return not self.prefill
         if not self.prefill or req.num_prompt_tokens < self.policy.local_prefill_max_tokens:
             return True
         seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
@@ -242,10 +246,15 @@ class PDBackend:
         self.start()
         ids = req.prompt_token_ids
         bs = self.decode[0].block_size
-        # Embeddings have no token ids to hash: no affinity, no "seen on decode" shortcut.
-        hashes = hash_prompt_blocks(ids, bs) if req.prompt_embeds is None else []
+        # Embeddings have no token ids to hash (and image placeholders are the same ids for every
+        # image): no affinity, no "seen on decode" shortcut.
+        hashes = hash_prompt_blocks(ids, bs) if req.prompt_embeds is None and not req.mm_items else []
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
         d_node = self._pick(self.decode, key)
+        if req.mm_needs_ec and not self.prefill:
+            raise CapacityError(
+                "image_url requests need a prefill node (it fetches or computes the embeddings); none is up"
+            )
         if self.prefill_locally(req, hashes, d_node):
             self.path_total.labels("local").inc()
             async for d in self._decode_leg(d_node, req, None, None, []):
@@ -271,6 +280,9 @@ class PDBackend:
                     raise InvalidRequestError(e.details() or "invalid request") from e
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise CapacityError(e.details() or "prefill node is full") from e
+                if req.mm_items and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # The image's embedding could not be fetched (encoder gone, entry expired).
+                    raise CapacityError(e.details() or "image embeddings unavailable") from e
                 p_node.healthy = e.code() not in (
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -282,6 +294,11 @@ class PDBackend:
                     e.code().name,
                     e.details(),
                 )
+                if len(tried) >= len(self.prefill) and req.mm_items:
+                    raise CapacityError(
+                        f"every prefill node failed this image request (last: {p_node.name}: "
+                        f"{e.code().name}); retry later"
+                    ) from e
                 if len(tried) >= len(self.prefill):
                     # Every prefill node failed: prefill on the decode node instead (no transfer).
                     self.path_total.labels("local_fallback").inc()
@@ -331,6 +348,8 @@ class PDBackend:
             p.breaker.record_success()
             self.path_total.labels("reprefill").inc()
             return p, tid
+        if req.mm_needs_ec:
+            raise CapacityError("the KV pull failed and no other prefill node can fetch the images")
         self.path_total.labels("reprefill_local").inc()
         return None
 
@@ -348,6 +367,7 @@ class PDBackend:
                     # pulls each prefill stage waits for (one TP rank per stage on PD nodes)
                     need_send=need_send(1, p.pp_size, 1, d_pp),
                     prompt_embeds=_embeds_pb(req),
+                    mm_items=_mm_items_pb(req, with_tensors=True),
                 ),
                 timeout=self.policy.prefill_timeout_s,
                 metadata=self._md,
@@ -403,6 +423,9 @@ class PDBackend:
             # Decode needs the embeddings only if it prefills (local path, or recompute after a
             # failed pull); sent always so the recompute policy stays correct.
             prompt_embeds=_embeds_pb(req),
+            # Keys only when prefill computed the prompt (the KV holds the images); tensors only
+            # when decode prefills it itself (precomputed image_embeds on a cluster without P).
+            mm_items=_mm_items_pb(req, with_tensors=transfer_id is None),
         )
         d_node.in_flight += 1
         call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
@@ -534,6 +557,20 @@ def note_new_epoch(n: NodeHandle, epoch: str) -> None:
 
 def _embeds_pb(req: BackendRequest) -> pb.Tensor | None:
     return convert.tensor_to_pb(req.prompt_embeds) if req.prompt_embeds is not None else None
+
+
+def _mm_items_pb(req: BackendRequest, *, with_tensors: bool) -> list[pb.MmItem]:
+    return [
+        pb.MmItem(
+            offset=it.offset,
+            length=it.length,
+            key=it.key,
+            embeds=convert.tensor_to_pb(it.embeds) if with_tensors and it.embeds is not None else None,
+            encoder_address=it.encoder_address,
+            image=it.image if with_tensors and it.image is not None else b"",  # never to decode
+        )
+        for it in req.mm_items
+    ]
 
 
 def _error_delta(req: BackendRequest, message: str) -> GenerationDelta:

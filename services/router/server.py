@@ -12,6 +12,7 @@ from pdserve.config.cluster import ClusterConfig
 from pdserve.registry import registry_for
 from services.router.app import create_app
 from services.router.discovery import NodeDiscovery, discovery_interval_s
+from services.router.encoders import EncoderPool
 from services.router.limits import RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.pd_backend import PDBackend, RouterPolicy
@@ -50,6 +51,23 @@ async def serve_router(cluster: ClusterConfig) -> None:
         registry=metrics.registry,
         discovered=True,
     )
+    # EC producers of this model, from the cluster file (encoders do not join the node registry).
+    encoders = EncoderPool(
+        [(n.name, n.grpc_address) for n in cluster.encoder_nodes if n.model == model],
+        timeout_s=r.encode_timeout_s,
+        shared_token=cluster.shared_token,
+        breaker_failures=r.breaker_failures,
+        breaker_open_s=r.breaker_open_s,
+    )
+    mm = arch.mm_config
+    image_token_id = image_seq_length = None
+    if mm is not None:
+        image_token_id = int(mm.get("image_token_id", mm.get("image_token_index", -1)))
+        if not encoders:  # prefill encodes: the router needs the tokens per image itself
+            from pdserve.models.clip_vision import ClipVisionConfig
+
+            full = mm.get("vision_feature_select_strategy", "default") == "full"
+            image_seq_length = ClipVisionConfig.from_hf(mm["vision_config"]).num_patches + int(full)
     discovery = NodeDiscovery(registry, backend, cluster, discovery_interval_s(cluster))
     await discovery.refresh()  # static: the file's nodes; Redis: whoever is registered now
     if registry.dynamic:
@@ -67,6 +85,9 @@ async def serve_router(cluster: ClusterConfig) -> None:
         max_body_bytes=r.max_body_bytes,
         limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
         tool_call_parser=r.tool_call_parser,
+        image_token_id=image_token_id,
+        encoders=encoders,
+        image_seq_length=image_seq_length,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -86,6 +107,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
     finally:
         await discovery.close()
         await backend.close()
+        await encoders.close()
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

@@ -48,6 +48,13 @@ class ServingContext:
     max_prompt_embeds_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_call_parser: str = "hermes"  # checked by create_app (tool_parsers.check_parser)
+    # Images (issue 14): the model's image placeholder token (None: a text-only model, image
+    # parts are a 400) and the encoder nodes image_url parts go to (None: none in the cluster).
+    image_token_id: int | None = None
+    encoders: Any | None = None  # services.router.encoders.EncoderPool
+    # Tokens per image, when prefill encodes images itself (no encoder node serves the model).
+    image_seq_length: int | None = None
+    max_image_bytes: int = 20 << 20
     token_texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +74,7 @@ class ServingContext:
 class Prompt:
     token_ids: list[int]  # empty when embeds is set
     embeds: torch.Tensor | None = None  # [num_tokens, hidden_size]
+    mm_items: list[Any] = field(default_factory=list)  # RouterMmItem, placeholder runs of token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -133,7 +141,11 @@ def fan_out(
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i) % _SEED_MOD
             sp = dataclasses.replace(params, n=1, seed=seed, max_tokens=max_tokens[p])
-            reqs.append(BackendRequest(f"{request_id}-{p}-{i}", prompt.token_ids, sp, prompt.embeds))
+            reqs.append(
+                BackendRequest(
+                    f"{request_id}-{p}-{i}", prompt.token_ids, sp, prompt.embeds, mm_items=prompt.mm_items
+                )
+            )
     return reqs
 
 

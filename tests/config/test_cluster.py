@@ -304,14 +304,28 @@ def _vlm(model: str) -> bool:
 
 
 def _epd(**prefill_kw: Any) -> ClusterConfig:
-    return ClusterConfig.from_dict(
-        _cluster(
-            _node("e0", "encoder", 1000),
-            _node("p0", "prefill", 1001, **prefill_kw),
-            _node("d0", "decode", 1002),
-            _node("c0", "colocated", 1003),
-        )
+    data = _cluster(
+        _node("e0", "encoder", 1000),
+        _node("p0", "prefill", 1001, **prefill_kw),
+        _node("d0", "decode", 1002),
+        _node("c0", "colocated", 1003),
     )
+    return ClusterConfig.from_dict({**data, "redis_url": "redis://127.0.0.1:6379/0"})
+
+
+def test_encoder_needs_redis_and_one_device() -> None:
+    data = _cluster(_node("e0", "encoder", 1000), _node("d0", "decode", 1002))
+    with pytest.raises(ConfigError, match="need redis_url"):
+        ClusterConfig.from_dict(data)
+    data["redis_url"] = "redis://127.0.0.1:6379/0"
+    ClusterConfig.from_dict(data)
+    for bad, needle in (({"tp": 2}, "one device"), ({"kv_transport": "cuda_ipc"}, "not cuda_ipc")):
+        d = {**data, "nodes": [{**data["nodes"][0], **bad}, data["nodes"][1]]}
+        with pytest.raises(ConfigError, match=needle):
+            ClusterConfig.from_dict(d)
+    d = {**data, "nodes": [data["nodes"][0], {**data["nodes"][1], "max_image_pixels": 10}]}
+    with pytest.raises(ConfigError, match="max_image_pixels is a setting of the node that decodes images"):
+        ClusterConfig.from_dict(d)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ def _cluster(with_encoder: bool) -> ClusterConfig:
         {"name": n, "role": r, "grpc_port": 51000 + i, "metrics_port": 52000 + i}
         for i, (n, r) in enumerate(roles)
     ]
-    return ClusterConfig.from_dict({"model": "/ckpt/m", "nodes": nodes})
+    redis = {"redis_url": "redis://127.0.0.1:6379/0"} if with_encoder else {}
+    return ClusterConfig.from_dict({"model": "/ckpt/m", "nodes": nodes, **redis})
 
 
 # (node, multimodal, encoder present) -> (kv_role, ec_role, accept, allow_missing)

@@ -35,6 +35,7 @@ from tests.deploy.tools import ROOT
 
 LOOPBACK = "127.0.0.1"
 IMAGE_MODEL_DIR = "/models/tiny-llama"
+IMAGE_LLAVA_DIR = "/models/tiny-llava"  # the image's multimodal demo model
 
 
 def free_port() -> int:
@@ -55,14 +56,13 @@ def entrypoint() -> list[str]:
     return list(yaml.safe_load(ep))
 
 
-def build_image_model(out: Path) -> Path:
-    """Run the Dockerfile's `pdserve make-model` line with --out redirected to ``out``."""
-    (line,) = [r for r in dockerfile_instructions("RUN") if "pdserve make-model" in r]
-    argv = shlex.split(line)
+def build_image_model(out: Path, image_dir: str = IMAGE_MODEL_DIR) -> Path:
+    """Run the Dockerfile's `pdserve make-model` line for ``image_dir`` with --out redirected to ``out``."""
+    lines = [r for r in dockerfile_instructions("RUN") if "pdserve make-model" in r]
+    matching = [r for r in lines if f"--out {image_dir} " in r + " "]
+    assert len(matching) == 1, f"the image builds no (or several) models at {image_dir}: {lines}"
+    argv = shlex.split(matching[0])
     i = argv.index("--out")
-    assert argv[i + 1] == IMAGE_MODEL_DIR, (
-        f"the image's model is at {argv[i + 1]}, tests expect {IMAGE_MODEL_DIR}"
-    )
     argv[i + 1] = str(out)
     if not (out / "config.json").exists():
         subprocess.run(local_argv(argv), check=True, capture_output=True, timeout=300)

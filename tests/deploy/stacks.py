@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,6 @@ from tests.deploy.tools import compose_config, kustomize
 CLUSTER_MOUNT = "/etc/pdserve/cluster.yaml"
 
 
-def encoder_supported() -> bool:
-    """`pdserve serve encoder` exists once services/encoder/server.py does (the shape of prefill and
-    decode); detected, not assumed."""
-    return importlib.util.find_spec("services.encoder.server") is not None
-
-
 def _image_entrypoint(image: str) -> list[str]:
     if image.startswith("pdserve"):
         return entrypoint()
@@ -38,9 +31,12 @@ def _image_entrypoint(image: str) -> list[str]:
     return []  # redis' image runs its command as given
 
 
-def compose_stack(run_dir: Path, model_dir: Path) -> tuple[list[LocalService], dict[str, Any], list[str]]:
-    """(services, localized cluster file, names left out) from `docker compose config`'s own output."""
-    out = compose_config("config", "--format", "json")
+def compose_stack(
+    run_dir: Path, model_dir: Path, profiles: tuple[str, ...] = ()
+) -> tuple[list[LocalService], dict[str, Any], list[str]]:
+    """(services, localized cluster file, names left out) from `docker compose config`'s own output
+    (with ``profiles`` switched on, as `docker compose --profile NAME up` does)."""
+    out = compose_config(*[a for p in profiles for a in ("--profile", p)], "config", "--format", "json")
     assert out.returncode == 0, out.stderr
     services: dict[str, Any] = json.loads(out.stdout)["services"]
     skipped: list[str] = []  # profile services (gpu, multimodal) are not in the default config

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from pdserve.registry.redis_registry import RedisRegistry
 from tests.deploy.local_run import LocalService, LocalStack, build_image_model
-from tests.deploy.stacks import compose_stack, encoder_supported, k8s_stack
+from tests.deploy.stacks import compose_stack, k8s_stack
 
 pytestmark = pytest.mark.slow
 PROMPT = "Disaggregated serving splits prefill from decode so that each runs where it fits best. " * 2
@@ -86,11 +86,51 @@ def test_k8s_cpu_tiny_containers_serve_an_openai_text_request(tmp_path: Path, im
     serve_and_check(lambda run, model: k8s_stack("cpu-tiny", run, model), tmp_path, image_model)
 
 
-def test_image_request_through_the_encoder() -> None:
-    if not encoder_supported():
-        pytest.skip(
-            "`pdserve serve encoder` does not exist on this branch yet (services/encoder): waits for the encoder merge"
+def test_image_request_through_the_encoder(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`docker compose --profile multimodal up` with the cluster file's model set to the image's
+    LLaVA: the encoder container encodes, prefill fetches the embedding over Mooncake, decode
+    streams; the encoder's metrics count the image."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from tests.deploy.local_run import IMAGE_LLAVA_DIR
+
+    llava = build_image_model(tmp_path_factory.mktemp("image-llava") / "tiny-llava", IMAGE_LLAVA_DIR)
+    services, cluster, skipped = compose_stack(tmp_path, llava, profiles=("multimodal",))
+    assert "encoder" in {s.name for s in services} and not skipped
+    stack = LocalStack(services, tmp_path)
+    try:
+        stack.start()
+        base = f"http://127.0.0.1:{cluster['router']['port']}"
+        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        buf = io.BytesIO()
+        Image.new("RGB", (20, 20), (10, 200, 40)).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        resp = client.chat.completions.create(
+            model=cluster["served_model_name"],
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "Hi"},
+                    ],
+                }
+            ],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
-    pytest.skip(
-        "the image's demo model is text-only: an image request needs a multimodal demo model in the Dockerfile"
-    )
+        assert resp.usage is not None and resp.usage.completion_tokens == 4
+        (enc,) = [n for n in cluster["nodes"] if n["name"] == "encoder-0"]
+        text = httpx.get(f"http://127.0.0.1:{enc['metrics_port']}/metrics").text
+        m = re.search(r"pdserve:encoder_images_encoded_total ([0-9.]+)", text)
+        assert m and float(m.group(1)) == 1.0
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        codes = stack.stop()
+    assert codes == {s.name: 0 for s in services}, f"exit codes {codes}\n{stack.logs()}"

@@ -71,3 +71,27 @@ def test_up_stops_everything_on_sigterm(tiny_models, tmp_path) -> None:
     assert proc.wait(timeout=30) == 0
     time.sleep(0.5)
     assert ports_free("127.0.0.1", list(range(base, base + 5))), "a child process still holds a port"
+
+
+def test_up_with_a_multimodal_model_starts_an_encoder(tmp_path_factory, tmp_path) -> None:
+    """A LLaVA checkpoint: `up` adds an encoder node and a redis-server for its index, and the
+    example request carries an image through router -> encoder -> prefill -> decode."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    from pdserve.models.make_model import make_tiny_model
+
+    llava = make_tiny_model("llava", tmp_path_factory.mktemp("up-llava"))
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(llava), "--base-port", "32300"]
+        + ["--run-dir", str(tmp_path), "--example-request", "--exit-after-example"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pdserve is up" in r.stdout and "answered:" in r.stdout
+    cfg = (tmp_path / "cluster.yaml").read_text()
+    assert "role: encoder" in cfg and "redis_url" in cfg
+    assert "ready on" in (tmp_path / "encoder-0.log").read_text()

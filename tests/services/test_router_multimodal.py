@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from services.router.encoders import EncodedImage
 from services.router.errors import APIError
-from services.router.multimodal import IMAGE_TOKEN, extract_images, has_image_parts
+from services.router.multimodal import IMAGE_TOKEN, ImageItem, extract_images, has_image_parts, resolve_images
 
 PNG = b"\x89PNG\r\n\x1a\nfake"  # not decoded here: the encoder decodes within its limits
 
@@ -59,3 +60,42 @@ def test_bad_parts_are_400s_naming_the_part(part: dict, needle: str) -> None:
         _extract([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
     assert e.value.status == 400 and needle in str(e.value.message)
     assert e.value.param == "messages.0.content.1"
+
+
+class _FakeEncoders:
+    """Stands in for EncoderPool (unit test of the expansion only)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.calls: list[list[tuple[bytes, str | None]]] = []
+
+    def __bool__(self) -> bool:
+        return True
+
+    async def encode(self, request_id, images):
+        self.calls.append(images)
+        keys = [("uuid:" + u) if u else f"sha256:{d.hex()}" for d, u in images]
+        return [EncodedImage(k, self.length, False) for k in keys], "10.0.0.9:50061"
+
+
+def test_placeholders_expand_per_item_with_their_own_lengths() -> None:
+    import asyncio
+
+    img = 99  # the image token id
+    enc = _FakeEncoders(length=3)
+    images = [
+        ImageItem(b"\x01", None, None),
+        ImageItem(None, torch.ones(2, 8), None),
+        ImageItem(b"\x02", None, "u"),
+    ]
+    ids, items = asyncio.run(resolve_images(enc, "r", [5, img, 6, img, img, 7], img, images))
+    assert ids == [5, img, img, img, 6, img, img, img, img, img, 7]
+    assert [(it.offset, it.length) for it in items] == [(1, 3), (5, 2), (7, 3)]
+    assert items[0].key == "sha256:01" and items[2].key == "uuid:u" and items[1].key.startswith("embeds:")
+    assert items[0].encoder_address == "10.0.0.9:50061" and items[1].encoder_address == ""
+    assert items[1].embeds is not None and items[0].embeds is None
+    assert enc.calls == [[(b"\x01", None), (b"\x02", "u")]], "one Encode call for the request's images"
+    with pytest.raises(APIError, match="2 image placeholder tokens for 3 image parts"):
+        asyncio.run(resolve_images(enc, "r", [img, 1, img], img, images))
+    with pytest.raises(APIError, match="no encoder node"):
+        asyncio.run(resolve_images(None, "r", [img], img, images[:1]))

@@ -1,0 +1,217 @@
+"""The encoder node (EC producer): gRPC EncoderService over ``EncoderCore`` + ``EmbeddingProducer``.
+
+    router --Encode(images)----------> encoder: decode (limits), hit? key : tower + projector
+           <-(key, length, hit)------           -> registered buffer, Redis index (ttl = lease)
+    prefill --PushEmbeddings(key, dst)-> encoder: one Mooncake write into prefill's reservation
+            <-(bytes)------------------
+
+A bad image is INVALID_ARGUMENT (the router answers 400); a full buffer that cannot take one
+embedding is RESOURCE_EXHAUSTED; a key no longer cached (evicted) is NOT_FOUND. Health, token
+auth and the SIGTERM stop work as on the engine nodes; the encoder holds no KV, so its drain is
+only "finish the calls in flight".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from pdserve.embedcache.connector import EmbeddingProducer
+from pdserve.embedcache.index import EmbeddingIndex
+from pdserve.errors import CapacityError, ConfigError, InvalidRequestError
+from pdserve.kvtransfer.backend import TransferError
+from pdserve.kvtransfer.factory import make_backend
+from pdserve.kvtransfer.handshake import new_epoch
+from pdserve.models.image_processor import ClipImageProcessor, ImageLimits
+from pdserve.rpc import channel
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+from pdserve.rpc.malformed import MalformedRequestInterceptor
+from services.encoder.core import EncoderCore, EncoderMetrics, ImageInput
+from services.node_lifecycle import LIVENESS_SERVICE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncoderOptions:
+    name: str
+    model: str
+    redis_url: str  # the embedding-cache index
+    host: str = "127.0.0.1"
+    grpc_port: int = 50061
+    metrics_port: int | None = None
+    kv_host: str = "127.0.0.1"  # address consumers' transfer engines see ours at
+    kv_transport: str = "tcp"  # tcp | rdma (Mooncake)
+    device: str = "auto"
+    dtype: str = "auto"
+    buffer_bytes: int = 64 << 20  # registered memory the embeddings live in (LRU)
+    lease_s: float = 30.0  # index TTL of an entry; refreshed on every hit
+    max_image_bytes: int | None = None
+    max_image_pixels: int | None = None
+    shared_token: str | None = None
+    drain_timeout_s: float = 30.0
+    advertise_address: str | None = None  # host:port consumers dial (k8s: the pod IP); None: host:port
+
+
+class EncoderNode:
+    def __init__(self, opts: EncoderOptions) -> None:
+        from pdserve.engine.model_runner import resolve_device, resolve_dtype
+        from pdserve.models.llava import LlavaForConditionalGeneration
+        from pdserve.models.loader import load_model
+
+        self.opts = opts
+        self.epoch = new_epoch()
+        device = resolve_device(opts.device)
+        model, _ = load_model(opts.model, resolve_dtype(opts.dtype, device), device)
+        if not isinstance(model, LlavaForConditionalGeneration):
+            raise ConfigError(f"model {opts.model!r} has no vision tower: an encoder needs a LLaVA model")
+        self.registry = CollectorRegistry()
+        self.backend = make_backend(opts.kv_transport, opts.kv_host, "cpu")
+        self.producer = EmbeddingProducer(
+            opts.name,
+            self.backend,
+            EmbeddingIndex.from_url(opts.redis_url),
+            opts.buffer_bytes,
+            opts.lease_s,
+            registry=self.registry,
+        )
+        defaults = ImageLimits()
+        limits = ImageLimits(
+            max_image_bytes=opts.max_image_bytes or defaults.max_image_bytes,
+            max_image_pixels=opts.max_image_pixels or defaults.max_image_pixels,
+        )
+        self.core = EncoderCore(
+            model,
+            ClipImageProcessor.from_model_dir(opts.model),
+            self.producer,
+            limits,
+            EncoderMetrics(self.registry),
+        )
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        Gauge(
+            "pdserve:ec_cached_embeddings", "Embeddings in the encoder's buffer", registry=self.registry
+        ).set_function(lambda: self.producer.num_cached)
+        Gauge(
+            "pdserve:ec_buffer_bytes_used", "Bytes of the encoder's buffer in use", registry=self.registry
+        ).set_function(lambda: self.producer.bytes_used)
+
+    async def serve(self, ready: asyncio.Event | None = None) -> None:
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if self.opts.shared_token:
+            interceptors.insert(0, channel.TokenAuthInterceptor(self.opts.shared_token))
+        server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(self), server)
+        hs = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        addr = f"{self.opts.host}:{self.opts.grpc_port}"
+        if server.add_insecure_port(addr) == 0:
+            raise OSError(f"cannot bind gRPC port {addr}")
+        await server.start()
+        if self.opts.metrics_port:
+            start_http_server(self.opts.metrics_port, addr=self.opts.host, registry=self.registry)
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        print(f"pdserve encoder node {self.opts.name} ready on {addr}", flush=True)
+        if ready is not None:
+            ready.set()
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        await self._stop.wait()
+        # Drain: not ready any more, let the calls in flight end (bounded), then stop.
+        await hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.opts.drain_timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await hs.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        self.producer.close()  # entries leave the index at once: their bytes are gone with us
+        self.backend.close()
+
+    def request_stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+
+
+class EncoderServicer(pb_grpc.EncoderServiceServicer):
+    def __init__(self, node: EncoderNode) -> None:
+        self.node = node
+
+    async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        node = self.node
+        if not request.images:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs at least one image")
+        images = [ImageInput(im.data, im.uuid or None) for im in request.images]
+        node.in_flight += 1
+        try:
+            out = await asyncio.to_thread(node.core.encode, images)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CapacityError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        finally:
+            node.in_flight -= 1
+        return pb.EncodeResponse(
+            items=[pb.EncodeItem(key=e.key, length=e.length, cache_hit=e.cache_hit) for e in out],
+            node=node.opts.name,
+            address=node.opts.advertise_address or f"{node.opts.host}:{node.opts.grpc_port}",
+        )
+
+    async def PushEmbeddings(
+        self, request: pb.EncoderPushRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EncoderPushResponse:
+        node = self.node
+        t0 = time.monotonic()
+        node.in_flight += 1
+        try:
+            await asyncio.to_thread(
+                node.producer.push,
+                request.key,
+                request.dst_session,
+                request.dst_addr,
+                request.nbytes,
+                request.transfer_id or request.key,
+            )
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"embedding {request.key!r} is not cached here (evicted?)"
+            )
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TransferError as e:  # a failed Mooncake write: names the peer and the code
+            logger.warning("push of %s to %s failed: %s", request.key, request.dst_session, e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"embedding push failed: {e}")
+        finally:
+            node.in_flight -= 1
+        return pb.EncoderPushResponse(bytes=request.nbytes, seconds=time.monotonic() - t0)
+
+    async def GetLoad(
+        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EncoderLoadReport:
+        p = self.node.producer
+        return pb.EncoderLoadReport(
+            node=self.node.opts.name,
+            epoch=self.node.epoch,
+            num_cached=p.num_cached,
+            buffer_bytes_used=p.bytes_used,
+            buffer_bytes_total=p.buffer.numel(),
+            num_in_flight=self.node.in_flight,
+        )
+
+
+def run_encoder(opts: EncoderOptions) -> None:
+    asyncio.run(EncoderNode(opts).serve())
