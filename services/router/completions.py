@@ -21,12 +21,13 @@ from services.router.serving import (
     collect,
     fan_out,
     new_request_id,
+    primed_sse,
     resolve_max_tokens,
     sampling_params,
     stream_events,
     usage,
 )
-from services.router.streams import SSEResponse, until_disconnect
+from services.router.streams import until_disconnect
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
@@ -105,7 +106,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
                 choice["stop_reason"] = delta.stop_reason
             return {"choices": [choice]}
 
-        return SSEResponse(
+        return await primed_sse(
+            receive,
             stream_events(
                 ctx,
                 reqs,
@@ -115,7 +117,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
                 make_chunk,
                 num_prompt_tokens,
                 body.include_usage,
-            )
+            ),
         )
 
     results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))
