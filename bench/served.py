@@ -67,7 +67,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=2048,
     ),
-    # Llama-3.2-1B's shape with random weights (the vocabulary is the trained tokenizer's)
+    # Llama-3.2-1B's shape with random weights (as bench/gpu_decode.py)
     "llama-1b": dict(
         hidden_size=2048,
         num_layers=16,
@@ -75,7 +75,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_kv_heads=8,
         head_dim=64,
         intermediate_size=8192,
-        vocab_size=32000,
+        vocab_size=128256,
         max_position_embeddings=4096,
     ),
 }
@@ -234,16 +234,15 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], args: dict,
                     rec["n"] = chunk["usage"]["completion_tokens"]
                 if "error" in chunk:
                     rec["error"] = str(chunk["error"])[:200]
-                for ch in chunk.get("choices") or []:
-                    if ch.get("text") or ch.get("finish_reason"):
-                        now = time.perf_counter()
-                        if rec["ttft"] is None:
-                            rec["ttft"] = now - t0
-                        elif last is not None:
-                            rec["itl"].append(now - last)
-                            pending += 1
-                        last = now
-                        texts += 1
+                if chunk.get("choices"):  # one chunk per delta: >= 1 token (its text may be empty)
+                    now = time.perf_counter()
+                    if rec["ttft"] is None:
+                        rec["ttft"] = now - t0
+                    elif last is not None:
+                        rec["itl"].append(now - last)
+                        pending += 1
+                    last = now
+                    texts += 1
             rec["chunks"] = texts
             # Chunk gaps -> per-token gaps: a chunk may carry several tokens (coalesced).
             if rec["n"] > 1 and rec["itl"]:
@@ -496,8 +495,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
-    if args.kv_bytes is None and args.device == "cpu":
-        args.kv_bytes = 256 << 20
+    if args.kv_bytes is None:
+        # Every engine of the run is up at once (in-process, colocated, prefill, decode): each gets
+        # a fixed budget, not the node default (90% of free GPU memory).
+        args.kv_bytes = 256 << 20 if args.device == "cpu" else 12 << 30
     levels = args.concurrency or ([1, 16] if args.quick else [1, 16, 64, 256])
     run_vllm = not args.skip_vllm and args.device == "cpu"
     vllm_levels = sorted(args.vllm_levels) if run_vllm else []
