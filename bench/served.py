@@ -418,7 +418,8 @@ def warm(url: str, model: str, prompts: list[list[int]], args: argparse.Namespac
 
 
 def median_row(reps: list[dict]) -> dict:
-    """One (variant, level) over its repetitions: the median run by output tok/s, with all of them."""
+    """One (variant, level) over its repetitions: the median run by output tok/s (of an even
+    number, the upper one), with every repetition's tok/s kept in the JSON."""
     ordered = sorted(reps, key=lambda r: r["output_tok_s"])
     row = dict(ordered[len(ordered) // 2])
     row["output_tok_s_all"] = [r["output_tok_s"] for r in reps]
@@ -430,7 +431,7 @@ def median_row(reps: list[dict]) -> dict:
 def print_table(rows: list[dict]) -> None:
     base = {r["concurrency"]: r["output_tok_s"] for r in rows if r["variant"] == "in-process"}
     hdr = (
-        f"{'variant':<22}{'conc':>5}{'reqs':>6}{'err':>5}{'out tok/s':>11}{'ratio':>7}"
+        f"{'variant':<32}{'conc':>5}{'reqs':>6}{'err':>5}{'out tok/s':>11}{'ratio':>7}"
         f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'tok/chunk':>10}"
     )
     print("\n" + hdr)
@@ -443,7 +444,7 @@ def print_table(rows: list[dict]) -> None:
         b = base.get(r["concurrency"])
         ratio = r["output_tok_s"] / b if b else None
         print(
-            f"{r['variant']:<22}{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>5}"
+            f"{r['variant']:<32}{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>5}"
             f"{r['output_tok_s']:>11.1f}{f(ratio, '.2f'):>7}{f(r['ttft_p50_ms'], '.1f'):>10}"
             f"{f(r['ttft_p99_ms'], '.1f'):>9}{f(r['itl_p50_ms'], '.2f'):>9}{f(r['itl_p99_ms'], '.2f'):>8}"
             f"{f(r['tokens_per_chunk'], '.2f'):>10}"
