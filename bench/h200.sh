@@ -2,7 +2,7 @@
 # Everything the GPU issue measures, in one call on the lent H200 (its time is short):
 #
 #   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest pytest-files
-#                                         kernels attn decode-quick startup prefill ipc pd-ipc
+#                                         kernels attn decode-quick startup prefill ipc pd-ipc served
 #                                   (pytest-files: the tests named in $PYTEST_FILES)
 #                                   (default: decode pd pytest)
 #
@@ -61,6 +61,9 @@ for p in "${parts[@]}"; do
     prefill) part gpu_prefill "${PREFILL_LIMIT:-330}" python3 bench/gpu_prefill.py --out "$OUT" ${PREFILL_ARGS:-} ;;
     ipc) part gpu_ipc "${IPC_LIMIT:-90}" python3 bench/gpu_ipc.py --out "$OUT" ;;
     pd-ipc) part gpu_pd_ipc "${PD_LIMIT:-150}" python3 bench/gpu_pd.py --out "$OUT" --transport cuda_ipc ;;
+    served) part served "${SERVED_LIMIT:-560}" python3 bench/served.py --out "$OUT/served.json" --device cuda \
+      --shape llama-1b --dtype bfloat16 --prompt-tokens 512 --max-tokens 128 --ignore-eos \
+      --concurrency 1 16 64 256 --reps 1 --requests-per-level 2 --client-procs 8 --skip-vllm ${SERVED_ARGS:-} ;;
     kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac

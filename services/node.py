@@ -128,6 +128,7 @@ class NodeBase:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_on_stop = False  # SIGTERM / SIGINT drain; request_stop() stops at once
         self.engine_loop: EngineLoop | None = None
+        self.drain_gate: DrainGate | None = None  # set by serve(); Steps admits through it too
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
 
@@ -201,7 +202,7 @@ class NodeBase:
             self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death
         )
         self.engine_loop.start()
-        gate = DrainGate()
+        gate = self.drain_gate = DrainGate()
         # token first (an unauthenticated call learns nothing), then the drain gate, then the
         # malformed-request guard innermost (it wraps the deserializers the gate re-wraps)
         interceptors: list[grpc.aio.ServerInterceptor] = [gate, MalformedRequestInterceptor()]

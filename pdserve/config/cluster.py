@@ -88,6 +88,9 @@ class RouterConfig(_Frozen):
     # a name the router does not know is refused when the router starts, naming the known ones.
     tool_call_parser: str = "hermes"
     encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call (issue 14)
+    # How decode legs reach a node (issue 12): multiplexed = one Steps stream per node carrying
+    # batched deltas of every leg; per_request = one Decode stream per leg (a message per token).
+    decode_stream: Literal["multiplexed", "per_request"] = "multiplexed"
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
@@ -131,6 +134,12 @@ class NodeConfig(_Frozen):
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Overload (issue 12): requests that do not fit wait in the queue; past max_queue_len waiting
+    # (admitted, never scheduled) a new one is refused, and one waiting longer than
+    # max_queue_wait_s is dropped: both reach the client as the router's 503 (OpenAI error body),
+    # holding nothing on any node. None: unbounded.
+    max_queue_len: int | None = Field(default=None, ge=1)
+    max_queue_wait_s: float | None = Field(default=None, gt=0)
     block_size: int = 16
     kv_load_failure_policy: Literal["fail", "recompute", "reprefill"] = "recompute"  # decode side
     kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer

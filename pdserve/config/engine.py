@@ -36,8 +36,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Overload (issue 12): a request arriving while this many wait (admitted, never scheduled)
+    # is refused (CapacityError -> RESOURCE_EXHAUSTED -> the router's 503); one waiting longer
+    # than max_queue_wait_s without being scheduled is dropped the same way. None: unbounded.
+    max_queue_len: int | None = None
+    max_queue_wait_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ConfigError(f"max_queue_len must be >= 1 or None, got {self.max_queue_len}")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
+            raise ConfigError(f"max_queue_wait_s must be > 0 or None, got {self.max_queue_wait_s}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

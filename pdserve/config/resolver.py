@@ -131,7 +131,10 @@ class ResolvedNode:
             step_timeout_s=n.step_timeout_s,
             cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
             scheduler=SchedulerConfig(
-                max_num_seqs=n.max_num_seqs, max_num_batched_tokens=n.max_num_batched_tokens
+                max_num_seqs=n.max_num_seqs,
+                max_num_batched_tokens=n.max_num_batched_tokens,
+                max_queue_len=n.max_queue_len,
+                max_queue_wait_s=n.max_queue_wait_s,
             ),
             parallel=ParallelConfig(
                 pipeline_parallel_size=n.pp,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,13 @@ from pdserve.engine.request import FINISH_REASON, MultiModalItem, Request, Reque
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
-from pdserve.errors import ConfigError, InvalidRequestError, PromptTooLongError, UnsupportedError
+from pdserve.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnsupportedError,
+)
 from pdserve.kvtransfer.params import KVTransferParams, RemoteDecodeParams, RemotePrefillParams
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
@@ -258,6 +265,12 @@ class LLMEngine:
         self.validate_prompt(ids, params)
         items = check_mm_items(mm_items, len(ids), self.arch.hidden_size)
         rid = request_id or uuid.uuid4().hex
+        limit = self.config.scheduler.max_queue_len
+        if limit is not None and self.num_queued() >= limit:
+            raise CapacityError(
+                f"the engine's queue is full ({self.num_queued()} requests waiting, max_queue_len "
+                f"{limit}); retry later"
+            )
         if rid in self._tracked:
             raise InvalidRequestError(f"request_id: {rid!r} is already running", field="request_id")
         req = Request(
@@ -314,6 +327,38 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_unfinished()
+
+    def _queued(self) -> list[Request]:
+        """Admitted requests never scheduled yet (not preempted ones, not those pulling KV)."""
+        return [
+            r
+            for r in self.scheduler.waiting
+            if r.num_computed_tokens == 0 and r.num_preemptions == 0 and r.request_id in self._tracked
+        ]
+
+    def num_queued(self) -> int:
+        return len(self._queued())
+
+    def expire_queued(self, now: float | None = None) -> list[GenerationDelta]:
+        """Drop requests queued longer than ``max_queue_wait_s`` (a no-op when unset): each ends
+        with an ``overloaded`` error delta and holds nothing. Rank 0 decides (by its clock) and
+        forwards the abort, so TP workers stay in lockstep."""
+        wait = self.config.scheduler.max_queue_wait_s
+        if wait is None or not self.scheduler.waiting:
+            return []
+        t = time.monotonic() if now is None else now
+        old = [r for r in self._queued() if t - r.arrival_time > wait]
+        if not old:
+            return []
+        waited = {r.request_id: t - r.arrival_time for r in old}
+        out = self.abort([r.request_id for r in old])
+        for d in out:
+            d.finish_reason, d.overloaded = "error", True
+            d.error = (
+                f"no room for the request: it waited {waited.get(d.request_id, wait):.1f} s in the "
+                f"queue (max_queue_wait_s {wait:g}); retry later"
+            )
+        return out
 
     def has_runnable(self) -> bool:
         """A step would make progress: work to schedule, or a launched step to process."""

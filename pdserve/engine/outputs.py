@@ -32,6 +32,9 @@ class GenerationDelta:
     # SamplingParams.prompt_logprobs: one entry per prompt token from the second on (the first
     # has no context), ``top`` of the distribution at its position; on the request's first delta.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With finish_reason "error": the engine had no room for it (queue limit / queue wait), nothing
+    # was generated and nothing is held; nodes answer RESOURCE_EXHAUSTED (the router's 503).
+    overloaded: bool = False
 
 
 @dataclass
@@ -46,3 +49,31 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # from the second prompt token on
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+
+
+def merge_deltas(a: GenerationDelta, b: GenerationDelta) -> GenerationDelta:
+    """``a`` then ``b`` of the same request as one delta (a stream's consumer fell behind).
+
+    Tokens, text and logprobs concatenate; the finish and the cumulative counts are ``b``'s.
+    Nothing may follow a finishing delta, so ``a`` never carries a finish_reason here.
+    """
+    assert a.finish_reason is None, f"{a.request_id}: delta after the finishing one"
+    if a.logprobs is None and b.logprobs is None:
+        logprobs = None
+    else:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return GenerationDelta(
+        request_id=a.request_id,
+        token_ids=a.token_ids + b.token_ids,
+        text=a.text + b.text,
+        logprobs=logprobs,
+        finish_reason=b.finish_reason,
+        stop_reason=b.stop_reason,
+        num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
+        num_output_tokens=b.num_output_tokens or a.num_output_tokens,
+        num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
+        error=b.error,
+        # prompt logprobs ride on a request's first delta only
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        overloaded=b.overloaded,
+    )

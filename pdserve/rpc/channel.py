@@ -64,6 +64,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 self._deny, request_deserializer=handler.request_deserializer
             )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._deny, request_deserializer=handler.request_deserializer
+            )
         return grpc.unary_unary_rpc_method_handler(
             self._deny, request_deserializer=handler.request_deserializer
         )

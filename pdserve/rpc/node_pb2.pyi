@@ -445,3 +445,31 @@ class KeepAliveResponse(_message.Message):
     unknown_transfer_ids: _containers.RepeatedScalarFieldContainer[str]
     epoch: str
     def __init__(self, unknown_transfer_ids: _Optional[_Iterable[str]] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class StepCommand(_message.Message):
+    __slots__ = ("start", "abort")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[DecodeRequest]
+    abort: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, start: _Optional[_Iterable[_Union[DecodeRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepEnd(_message.Message):
+    __slots__ = ("request_id", "code", "details", "kv_load_failed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    kv_load_failed: bool
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., kv_load_failed: _Optional[bool] = ...) -> None: ...
+
+class StepBatch(_message.Message):
+    __slots__ = ("deltas", "ends")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[Delta]
+    ends: _containers.RepeatedCompositeFieldContainer[StepEnd]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StepEnd, _Mapping]]] = ...) -> None: ...

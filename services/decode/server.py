@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from pdserve.distributed.pp_stage import StageEndpoint
+from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
@@ -223,16 +225,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def _open(self, request: pb.DecodeRequest) -> AsyncGenerator[GenerationDelta, None]:
+        """Check a DecodeRequest, handshake with its prefill node, and start it on the engine
+        (the deltas' generator); a refusal raises ``_Refusal`` with the gRPC status."""
         node = self.node
         try:
             params = convert.sampling_from_pb(request.sampling)
         except PdserveError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         kv_params = None
         if request.remote_prefill:
             if not request.transfer_id or not request.prefill_address or not request.output_token_ids:
-                await context.abort(
+                raise _Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "remote_prefill needs transfer_id, prefill_address and the first token",
                 )
@@ -242,14 +246,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 await node.ensure_handshake(request.prefill_address)
             except HandshakeError as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused at handshake: {e}")
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"refused at handshake: {e}") from e
             except grpc.aio.AioRpcError as e:
-                await context.abort(
+                raise _Refusal(
                     grpc.StatusCode.UNAVAILABLE
                     if e.code() != grpc.StatusCode.FAILED_PRECONDITION
                     else grpc.StatusCode.FAILED_PRECONDITION,
                     f"handshake with prefill {request.prefill_address} failed: {e.details()}",
-                )
+                ) from e
             node.lease_keeper.ensure_started()
             kv_params = RemotePrefillParams(request.transfer_id, request.prefill_address)
         embeds = None
@@ -257,7 +261,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 embeds = convert.tensor_from_pb(request.prompt_embeds)
             except PdserveError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}")
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}") from e
         mm_items: list[Any] = []
         if request.mm_items:
             try:
@@ -268,12 +272,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                         "carry no embeddings; send them to a prefill node (EC consumer) instead"
                     )
             except PdserveError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             mm_items = to_engine_items(wire, [it.embeds for it in wire])
             if any(it.embeds is None for it in wire):
                 node.no_recompute_ids.add(request.request_id)
         assert node.engine_loop is not None
-        gen = node.engine_loop.generate(
+        return node.engine_loop.generate(
             list(request.prompt_token_ids),
             params,
             request.request_id,
@@ -282,8 +286,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             prompt_embeds=embeds,
             mm_items=mm_items,
         )
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
+        node = self.node
+        try:
+            gen = await self._open(request)
+        except _Refusal as r:
+            await context.abort(r.code, r.details)
         try:
             async for d in gen:
+                if d.finish_reason == "error" and d.overloaded:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, d.error or "node is full")
                 if d.finish_reason == "error" and request.request_id in node.reprefill_ids:
                     node.reprefill_ids.discard(request.request_id)
                     context.set_trailing_metadata(((KV_LOAD_FAILED_KEY, "1"),))
@@ -298,6 +311,96 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             node.no_recompute_ids.discard(request.request_id)
             await gen.aclose()
 
+    async def Steps(
+        self, request_iterator: AsyncIterator[pb.StepCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepBatch]:
+        """Every request of one router connection on one stream (see node.proto's StepBatch).
+
+        Each request runs as a task that merges its deltas into the outbox; the writer sends the
+        whole outbox as one batch whenever the previous write is done. The engine thread never
+        waits for this: a slow reader only makes the next batch larger. The stream ending (the
+        router went away) cancels every request's task, which aborts it on the engine."""
+        outbox = _Outbox()
+        tasks: dict[str, asyncio.Task[None]] = {}
+
+        def admit(r: pb.DecodeRequest) -> None:
+            rid = r.request_id
+            gate = self.node.drain_gate
+            if gate is not None and gate.draining:
+                outbox.end(rid, grpc.StatusCode.UNAVAILABLE, "node is draining: Decode refused, use another")
+                return
+            if not rid or rid in tasks:
+                outbox.end(rid, grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or in use")
+                return
+            task = asyncio.get_running_loop().create_task(self._step_request(r, outbox), name=f"step-{rid}")
+            tasks[rid] = task
+
+            def done(_t: asyncio.Task[None], rid: str = rid) -> None:
+                tasks.pop(rid, None)
+                outbox.wake()
+
+            task.add_done_callback(done)
+
+        async def read() -> None:
+            async for cmd in request_iterator:
+                for r in cmd.start:
+                    admit(r)
+                for rid in cmd.abort:
+                    t = tasks.get(rid)
+                    if t is not None:
+                        t.cancel()
+
+        reader = asyncio.get_running_loop().create_task(read(), name="steps-reader")
+        try:
+            while True:
+                batch = await outbox.take(reader, lambda: reader.done() and not tasks)
+                if batch is None:
+                    break
+                yield batch
+        finally:
+            reader.cancel()
+            pending = list(tasks.values())
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(reader, *pending, return_exceptions=True)
+
+    async def _step_request(self, request: pb.DecodeRequest, outbox: _Outbox) -> None:
+        node = self.node
+        rid = request.request_id
+        gate = node.drain_gate
+        if gate is not None:
+            gate.active += 1
+        try:
+            try:
+                gen = await self._open(request)
+            except _Refusal as r:
+                outbox.end(rid, r.code, r.details)
+                return
+            try:
+                async for d in gen:
+                    if d.finish_reason == "error" and d.overloaded:
+                        outbox.end(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, d.error or "node is full")
+                        return
+                    if d.finish_reason == "error" and rid in node.reprefill_ids:
+                        node.reprefill_ids.discard(rid)
+                        outbox.end(
+                            rid,
+                            grpc.StatusCode.ABORTED,
+                            f"{d.error} (kv_load_failure_policy reprefill)",
+                            kv_load_failed=True,
+                        )
+                        return
+                    outbox.put(d)
+            except PdserveError as e:
+                outbox.end(rid, channel.error_to_status(e), str(e))
+            finally:
+                node.reprefill_ids.discard(rid)
+                node.no_recompute_ids.discard(rid)
+                await gen.aclose()
+        finally:
+            if gate is not None:
+                gate.active -= 1
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         assert self.node.engine_loop is not None
         ids = list(request.request_ids)
@@ -306,3 +409,46 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         return await self.node.answer_load(pb, context)
+
+
+class _Refusal(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _Outbox:
+    """What one Steps stream has not sent yet: per request its merged delta, then the ends."""
+
+    def __init__(self) -> None:
+        self._deltas: dict[str, GenerationDelta] = {}
+        self._ends: list[pb.StepEnd] = []
+        self._ready = asyncio.Event()
+
+    def put(self, d: GenerationDelta) -> None:
+        prev = self._deltas.get(d.request_id)
+        self._deltas[d.request_id] = d if prev is None else merge_deltas(prev, d)
+        self._ready.set()
+
+    def end(self, rid: str, code: grpc.StatusCode, details: str, *, kv_load_failed: bool = False) -> None:
+        self._ends.append(
+            pb.StepEnd(request_id=rid, code=code.value[0], details=details, kv_load_failed=kv_load_failed)
+        )
+        self._ready.set()
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    async def take(self, reader: asyncio.Task[None], done: Callable[[], bool]) -> pb.StepBatch | None:
+        """The next batch; None once ``done()`` (the router closed its side, no request left)."""
+        while not (self._deltas or self._ends):
+            if done():
+                return None
+            self._ready.clear()
+            waiter = asyncio.ensure_future(self._ready.wait())
+            await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        deltas, self._deltas = self._deltas, {}
+        ends, self._ends = self._ends, []
+        return pb.StepBatch(deltas=[convert.delta_to_pb(d) for d in deltas.values()], ends=ends)

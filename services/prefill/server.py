@@ -268,6 +268,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         assert first is not None
         if node.opts.faults.prefill_reply_delay_s:  # test-only: a slow prefill (bench/chaos.py)
             await asyncio.sleep(node.opts.faults.prefill_reply_delay_s)
+        if first.finish_reason == "error" and first.overloaded:
+            # Queue limit / queue wait (max_queue_*): nothing was computed or held; a 503 upstream.
+            node.producer.forget(tid)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, first.error or "prefill node is full")
         if first.finish_reason == "error":
             # A node fault (engine step failed, engine thread died), not the request's: a status
             # the router retries on another prefill node, instead of a "first token" that is an error.

@@ -25,12 +25,13 @@ from services.router.serving import (
     collect,
     fan_out,
     new_request_id,
+    primed_sse,
     resolve_max_tokens,
     sampling_params,
     stream_events,
     usage,
 )
-from services.router.streams import SSEResponse, until_disconnect
+from services.router.streams import until_disconnect
 from services.router.tools import ToolMode, tool_message, tool_mode
 
 
@@ -132,7 +133,8 @@ async def create_chat_completion(
                 choice["stop_reason"] = delta.stop_reason
             return {"choices": [choice]}
 
-        return SSEResponse(
+        return await primed_sse(
+            receive,
             stream_events(
                 ctx,
                 reqs,
@@ -142,7 +144,7 @@ async def create_chat_completion(
                 _tool_chunks(mode) if mode is not None else make_chunk,
                 prompt.num_tokens,
                 body.include_usage,
-            )
+            ),
         )
 
     results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))

@@ -23,12 +23,13 @@ from services.router.serving import (
     collect,
     fan_out,
     new_request_id,
+    primed_sse,
     resolve_max_tokens,
     sampling_params,
     stream_events,
     usage,
 )
-from services.router.streams import SSEResponse, until_disconnect
+from services.router.streams import until_disconnect
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
@@ -126,7 +127,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
                 choice["stop_reason"] = None if echo_only else delta.stop_reason
             return {"choices": [choice]}
 
-        return SSEResponse(
+        return await primed_sse(
+            receive,
             stream_events(
                 ctx,
                 reqs,
@@ -138,7 +140,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
                 body.include_usage,
                 num_prompts=len(prompts),
                 count_tokens=(lambda d: 0) if echo_only else None,
-            )
+            ),
         )
 
     results = await until_disconnect(receive, collect(ctx, reqs, arrival_s))

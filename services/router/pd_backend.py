@@ -35,6 +35,7 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
 from services.router.breaker import CircuitBreaker, is_node_fault
+from services.router.step_mux import StepMux
 
 logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.5
@@ -57,6 +58,7 @@ class NodeHandle:
     epoch: str = ""  # from GetLoad; a change means the node restarted
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
     pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
+    mux: StepMux | None = None  # decode-capable nodes: the shared Steps stream (made on first use)
 
     @property
     def available(self) -> bool:
@@ -85,6 +87,13 @@ class RouterPolicy:
     inter_token_timeout_s: float = 15.0  # between two deltas of a decode stream
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
+    # multiplexed: every decode leg on a node shares one Steps stream (batched deltas, issue 12);
+    # per_request: one Decode stream per leg (one message per token).
+    decode_stream: str = "multiplexed"
+
+    def __post_init__(self) -> None:
+        if self.decode_stream not in ("multiplexed", "per_request"):
+            raise ValueError(f"decode_stream {self.decode_stream!r}: use multiplexed or per_request")
 
 
 class PDBackend:
@@ -160,6 +169,8 @@ class PDBackend:
                 await self._poller
         await asyncio.gather(*self._tasks, return_exceptions=True)  # the background aborts
         for n in self.prefill + self.decode:
+            if n.mux is not None:
+                await n.mux.close()
             await n.channel.close()
 
     async def _poll_one(self, n: NodeHandle) -> None:
@@ -428,7 +439,13 @@ class PDBackend:
             mm_items=_mm_items_pb(req, with_tensors=transfer_id is None),
         )
         d_node.in_flight += 1
-        call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
+        call: Any
+        if self.policy.decode_stream == "multiplexed":
+            if d_node.mux is None:
+                d_node.mux = StepMux(d_node.channel, self._md)
+            call = d_node.mux.open(msg, self.policy.request_timeout_s)
+        else:
+            call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
         finished = errored = streamed = False
         deadline = self.policy.decode_first_token_timeout_s
         try:
@@ -481,6 +498,12 @@ class PDBackend:
             )
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT and transfer_id is None:
                 raise InvalidRequestError(e.details() or "invalid request") from e
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not streamed:
+                # The node's queue limit / queue wait (max_queue_*): nothing was generated and
+                # the node holds nothing; a 503 for the client. errored: prefill's hold (P/D)
+                # is released in the finally below.
+                finished = errored = True
+                raise CapacityError(e.details() or f"decode node {d_node.name} is full; retry later") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 d_node.healthy = False
                 if transfer_id is None and not finished and not streamed:

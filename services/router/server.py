@@ -46,6 +46,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
             inter_token_timeout_s=r.inter_token_timeout_s,
             breaker_failures=r.breaker_failures,
             breaker_open_s=r.breaker_open_s,
+            decode_stream=r.decode_stream,
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,

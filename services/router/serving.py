@@ -10,20 +10,22 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from starlette.types import Receive
 
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import PdserveError, PromptTooLongError
+from pdserve.errors import CapacityError, PdserveError, PromptTooLongError
 from services.router.backend import BackendRequest, GenerateBackend
 from services.router.errors import APIError, bad_request, to_api_error
 from services.router.limits import RequestLimits
 from services.router.logprobs import TokenTexts
 from services.router.metrics import RouterMetrics
 from services.router.protocol import SamplingFields
-from services.router.streams import run_sequences, sse_event
+from services.router.streams import SSEResponse, run_sequences, sse_event, until_disconnect
 from services.router.structured import structured_of
 
 if TYPE_CHECKING:
@@ -239,19 +241,28 @@ async def stream_events(
     extra = {"usage": None} if include_usage else {}
     num_completion_tokens = 0
     cached = [0] * len(reqs)
+    seqs = run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s)
+    sent = False  # nothing yielded yet: a refusal (CapacityError) is raised, not an error event
     try:
+        # The first delta before any event: ``primed_sse`` sends the 200 only once it is here.
+        first = await anext(seqs, None)
+        sent = True
         for chunk in first_chunks:
             yield sse_event(_dumps({**header, **chunk, **extra}))
-        async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s):
+        while first is not None:
+            i, delta = first
             if delta.finish_reason in ("error", "abort"):
                 raise _failure(delta)
             num_completion_tokens += len(delta.token_ids) if count_tokens is None else count_tokens(delta)
             cached[i] = max(cached[i], delta.num_cached_tokens)
             yield sse_event(_dumps({**header, **make_chunk(i, delta), **extra}))
+            first = await anext(seqs, None)
         if include_usage:
             u = usage(num_prompt_tokens, num_completion_tokens, cached_tokens(cached, num_prompts))
             yield sse_event(_dumps({**header, "choices": [], "usage": u}))
     except (APIError, PdserveError) as e:
+        if not sent and isinstance(e, CapacityError):
+            raise  # before the 200: primed_sse lets the app answer 503 with the error body
         err = to_api_error(e)
         ctx.metrics.http_errors.labels(status=str(err.status)).inc()
         yield sse_event(_dumps(err.body()))
@@ -259,4 +270,32 @@ async def stream_events(
         logger.exception("stream %s failed", header.get("id"))
         ctx.metrics.http_errors.labels(status="500").inc()
         yield sse_event(_dumps(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
+    finally:
+        await seqs.aclose()  # stops (and aborts) every sequence still running
     yield sse_event("[DONE]")
+
+
+async def primed_sse(receive: Receive, events: AsyncIterator[str]) -> SSEResponse:
+    """An SSE response whose status goes out with its first event (the first token).
+
+    A request the nodes refuse before generating (overload: queue limit or queue wait) is then a
+    plain 503 with OpenAI's error body, not an error event inside a 200 stream. A client that
+    leaves while waiting is noticed (``until_disconnect``) and its sequences are aborted.
+    """
+    agen = cast(AsyncGenerator[str, None], events)
+    try:
+        first = await until_disconnect(receive, anext(agen, None))
+    except BaseException:
+        await agen.aclose()
+        raise
+
+    async def chained() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield first
+            async for e in agen:
+                yield e
+        finally:
+            await agen.aclose()
+
+    return SSEResponse(chained())

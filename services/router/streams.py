@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
@@ -56,7 +56,7 @@ class _SequenceTimer:
 
 async def run_sequences(
     backend: GenerateBackend, reqs: list[BackendRequest], metrics: RouterMetrics, arrival_s: float
-) -> AsyncIterator[tuple[int, GenerationDelta]]:
+) -> AsyncGenerator[tuple[int, GenerationDelta], None]:
     """Yield ``(position in reqs, delta)`` as deltas arrive, interleaved, until all have finished."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 

