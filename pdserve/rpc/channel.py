@@ -31,6 +31,9 @@ SERVER_OPTIONS = [
     *OPTIONS,
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # gRPC sets SO_REUSEPORT by default: a second node started on a port already taken would
+    # silently share it (and answer the first one's clients). Refuse the bind instead.
+    ("grpc.so_reuseport", 0),
 ]
 
 
