@@ -63,7 +63,8 @@ for p in "${parts[@]}"; do
     pd-ipc) part gpu_pd_ipc "${PD_LIMIT:-150}" python3 bench/gpu_pd.py --out "$OUT" --transport cuda_ipc ;;
     served) part served "${SERVED_LIMIT:-560}" python3 bench/served.py --out "$OUT/served.json" --device cuda \
       --shape llama-1b --dtype bfloat16 --prompt-tokens 512 --max-tokens 128 --ignore-eos \
-      --concurrency 1 16 64 256 --reps 1 --requests-per-level 2 --client-procs 8 --skip-vllm ${SERVED_ARGS:-} ;;
+      --concurrency 1 16 64 256 --reps 1 --requests-per-level 2 --client-procs 8 --skip-vllm \
+      --kv-transport cuda_ipc ${SERVED_ARGS:-} ;;
     kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac

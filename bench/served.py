@@ -336,6 +336,8 @@ class Cluster:
             "kv_cache_memory_bytes": args.kv_bytes,
             "max_model_len": args.prompt_tokens + args.max_tokens + 16,
         }
+        if args.kv_transport != "tcp":
+            node["kv_transport"] = args.kv_transport
         topology, _, transport = kind.partition("+")
         if topology == "colocated":
             nodes = [
@@ -366,7 +368,8 @@ class Cluster:
         if name:
             cmd += ["--node", name]
         logf = open(self.run_dir / f"{self.kind}-{name or 'router'}.log", "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)  # keeps carried wheels
         if self.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.torch_threads)  # the same as the in-process engine
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -484,6 +487,12 @@ def main() -> None:
         "--kv-bytes", type=int, default=None, help="kv_cache_memory_bytes (default: 256 MiB on CPU)"
     )
     ap.add_argument("--client-procs", type=int, default=2)
+    ap.add_argument(
+        "--kv-transport",
+        default="tcp",
+        choices=["tcp", "rdma", "cuda_ipc"],
+        help="the P/D variant's KV transport (cuda_ipc: P and D on one GPU, no Mooncake wheel needed)",
+    )
     ap.add_argument(
         "--variants",
         nargs="+",
