@@ -213,6 +213,11 @@ def test_engine_death_of_prefill_is_absorbed(cluster, want) -> None:
         assert err is None and toks == want
         assert b.path_total.labels("reprefill_local")._value.get() == 1
         assert took < REPLY_DELAY_S + 10
+        # the dead node is out of the router's rotation within seconds (GetLoad fails)
+        t0 = time.monotonic()
+        while b.prefill[0].available:
+            assert time.monotonic() - t0 < 3, "a node whose engine died stayed in rotation"
+            await asyncio.sleep(0.1)
         await b.close()
 
     try:
