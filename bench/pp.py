@@ -95,12 +95,12 @@ def transfer_run(p_pp: int, d_pp: int, layers: int, tokens: int, reps: int = 5) 
     return statistics.median(times)
 
 
-def start_cluster(model: Path, p_pp: int, d_pp: int, run_dir: Path, **node: object):  # type: ignore[no-untyped-def]
+def start_cluster(model: Path, p_pp: int, d_pp: int, run_dir: Path, port_hint: int, **node: object):  # type: ignore[no-untyped-def]
     """router + prefill-0 (pp=p_pp) + decode-0 (pp=d_pp) as real processes; returns (cluster, children)."""
     from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
     from pdserve.launcher import pick_base_port, start_child, wait_ready
 
-    base = pick_base_port("127.0.0.1", 34000 + 10 * p_pp + d_pp)
+    base = pick_base_port("127.0.0.1", port_hint)  # a different block per cluster: no TIME_WAIT clash
     data = default_local_cluster(model, base).model_dump(mode="json", exclude_unset=True)
     data["router"]["local_prefill_max_tokens"] = 0  # every request goes prefill -> decode
     for n in data["nodes"]:
@@ -134,7 +134,7 @@ def served_run(model: Path, pp: int, args: argparse.Namespace, run_dir: Path) ->
 
     from pdserve.launcher import stop_children
 
-    cluster, children = start_cluster(model, pp, pp, run_dir, max_model_len=512)
+    cluster, children = start_cluster(model, pp, pp, run_dir, 34000 + 100 * pp, max_model_len=512)
     name = cluster.served_name(cluster.model)
     prompts = [[(13 * i + j) % 400 + 3 for j in range(args.prompt_len)] for i in range(args.num_requests)]
 
@@ -164,7 +164,7 @@ def served_run(model: Path, pp: int, args: argparse.Namespace, run_dir: Path) ->
         res = await asyncio.gather(*(one(p, t0) for p in prompts))
         dt = time.perf_counter() - t0
         await client.close()
-        return sum(n for n, _ in res) / dt, pct([t for _, t in res], 50)
+        return sum(n for n, _ in res) / dt, pct([t for _, t in res], 0.5)
 
     try:
         return asyncio.run(load())
@@ -181,7 +181,13 @@ def served_transfer_run(
     from pdserve.launcher import stop_children
 
     cluster, children = start_cluster(
-        model, p_pp, d_pp, run_dir, max_model_len=args.transfer_tokens + 16, max_num_batched_tokens=4096
+        model,
+        p_pp,
+        d_pp,
+        run_dir,
+        35000 + 100 * p_pp + 10 * d_pp,
+        max_model_len=args.transfer_tokens + 16,
+        max_num_batched_tokens=4096,
     )
     d = cluster.node("decode-0")
     murl = f"http://127.0.0.1:{d.metrics_port}/metrics"
@@ -225,13 +231,19 @@ def main() -> None:
     ap.add_argument("--transfer-reps", type=int, default=5)
     ap.add_argument("--transfer-hidden", type=int, default=512)
     ap.add_argument("--skip-served", action="store_true", help="parts 1 and 4 only (no node processes)")
+    ap.add_argument("--skip-engine", action="store_true", help="no part 1")
+    ap.add_argument("--transfer-only", action="store_true", help="part 3 (and 4) only")
     args = ap.parse_args()
     print(f"load average before: {loadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model("llama", Path(tmp) / "m", num_layers=args.layers, hidden_size=args.hidden)
-        engine_run(model, 1, args)  # warm-up: first-use costs (allocator, kernels) stay out of PP 1's row
+        args.skip_engine = args.skip_engine or args.transfer_only
+        if not args.skip_engine:
+            engine_run(model, 1, args)  # warm-up: first-use costs (allocator, kernels) stay out of PP 1's row
         print(f"{'pp':>3} {'tok/s':>9} {'TTFT p50 ms':>12}")
-        for _round in range(args.rounds):  # interleaved rounds: a shared host's load shifts
+        for _round in range(
+            0 if args.skip_engine else args.rounds
+        ):  # interleaved rounds: a shared host's load shifts
             for pp in (1, 2, 4):
                 if pp > args.layers:
                     continue
@@ -241,7 +253,7 @@ def main() -> None:
             print(f"\nserved: router + prefill pp=N + decode pp=N, {args.num_requests} concurrent streams")
             print(f"{'pp':>3} {'tok/s':>9} {'TTFT p50 ms':>12}")
             rows: dict[int, tuple[float, float]] = {}
-            for pp in (1, 2, 4):
+            for pp in () if args.transfer_only else (1, 2, 4):
                 if pp <= args.layers:
                     rows[pp] = served_run(model, pp, args, Path(tmp) / f"served{pp}")
                     tps, ttft = rows[pp]

@@ -40,9 +40,11 @@ class PhasedBackend(PDBackend):
             self._fired.add((phase, req_id))
             await self.hook(phase, {"request_id": req_id, **info})
 
-    async def _prefill_leg(self, p: NodeHandle, req: BackendRequest, transfer_id: str) -> GenerationDelta:
+    async def _prefill_leg(
+        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
+    ) -> GenerationDelta:
         await self._fire("before_prefill", req.request_id, node=p.name, transfer_id=transfer_id)
-        first = await super()._prefill_leg(p, req, transfer_id)
+        first = await super()._prefill_leg(p, req, transfer_id, d_pp)
         await self._fire("after_prefill", req.request_id, node=p.name, transfer_id=transfer_id)
         return first
 
