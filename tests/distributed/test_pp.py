@@ -82,15 +82,3 @@ def test_split_must_match_pp():
 
     with pytest.raises(ConfigError, match=r"pp_layer_split \[2, 2\] .* pp=1"):
         ParallelConfig(pp_layer_split=(2, 2))
-
-
-def test_pp_kv_nodes_refuse_what_their_stages_cannot_do(llama4):
-    from pdserve.config.engine import EngineConfig, ParallelConfig
-    from pdserve.errors import ConfigError
-    from services.node import NodeBase, NodeOptions
-
-    cfg = EngineConfig(model=str(llama4), device="cpu", parallel=ParallelConfig(pipeline_parallel_size=2))
-    with pytest.raises(ConfigError, match="kv_transport 'cuda_ipc' with pp=2 on a prefill node"):
-        NodeBase(NodeOptions(name="p0", role="prefill", engine=cfg, kv_transport="cuda_ipc"))
-    with pytest.raises(ConfigError, match="kv_checksum with pp=2 on a decode node"):
-        NodeBase(NodeOptions(name="d0", role="decode", engine=cfg, kv_checksum=True))
