@@ -1,7 +1,7 @@
 """Grammar masking cost: decode tok/s at batch N, constrained vs unconstrained, same run.
 
     PYTHONPATH=$PWD .venv/bin/python bench/structured_cpu.py [--batch 16] [--tokens 64] [--reps 3]
-    python3 bench/structured_cpu.py --device cuda --batch 64      # the H200 row of the issue
+    python3 bench/structured_cpu.py --device cuda --batch 64 [--model DIR]   # the H200 row
 
 The name is historical: ``--device`` (default cpu) also runs it on a GPU.
 
@@ -46,6 +46,11 @@ def run(llm: LLM, batch: int, tokens: int, structured: tuple[str, str] | None) -
     return n / dt, n
 
 
+def model_vocab(model_dir: str) -> int:
+    with open(f"{model_dir}/config.json") as f:
+        return int(json.load(f)["vocab_size"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16)
@@ -53,9 +58,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--model", default=None, help="a checkpoint folder instead of the tiny model (--vocab ignored)"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        path = make_tiny_model("llama", d, hidden_size=128, head_dim=32, vocab_size=args.vocab)
+        if args.model:
+            path = args.model
+            args.vocab = model_vocab(path)
+        else:
+            path = make_tiny_model("llama", d, hidden_size=128, head_dim=32, vocab_size=args.vocab)
         llm = LLM(str(path), max_model_len=512, device=args.device)
         for mode in MODES.values():  # warm-up: grammar compile, first allocations
             run(llm, 2, 4, mode)
