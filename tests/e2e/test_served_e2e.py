@@ -181,11 +181,11 @@ def test_steps_stream_merges_aborts_refuses_and_ends(cluster) -> None:
 
 @pytest.fixture(scope="module")
 def small_cluster(tiny_models, tmp_path_factory, _own_ports):
-    """One sequence at a time on decode-0, at most 2 queued, at most 0.6 s in the queue."""
+    """One sequence at a time on decode-0, at most 2 queued, at most 0.25 s in the queue."""
     cfg = make_cluster_config(
         tiny_models["llama"],
         router={"local_prefill_max_tokens": 10_000},
-        **{"decode-0": {"max_num_seqs": 1, "max_queue_len": 2, "max_queue_wait_s": 0.6}},
+        **{"decode-0": {"max_num_seqs": 1, "max_queue_len": 2, "max_queue_wait_s": 0.25}},
     )
     with running_cluster(cfg, tmp_path_factory.mktemp("served-overload")) as rc:
         yield rc
@@ -193,7 +193,9 @@ def small_cluster(tiny_models, tmp_path_factory, _own_ports):
 
 def test_overload_is_a_503_with_an_openai_body_and_holds_nothing(small_cluster) -> None:
     rc = small_cluster
-    body = {"model": rc.model_name, "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+    # 1,200 tokens keep the one running sequence busy well past the 0.25 s queue wait, also on a
+    # quiet machine (400 tokens once finished first, and the queued requests ran instead of expiring).
+    body = {"model": rc.model_name, "max_tokens": 1200, "ignore_eos": True, "temperature": 0.0}
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as h:
