@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.config.cluster import FaultsConfig
@@ -26,9 +26,8 @@ from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
-from pdserve.rpc import channel
 from pdserve.rpc.malformed import MalformedRequestInterceptor
-from services.node_lifecycle import LIVENESS_SERVICE, DrainGate, drain, start_membership
+from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
@@ -205,21 +204,16 @@ class NodeBase:
         gate = self.drain_gate = DrainGate()
         # token first (an unauthenticated call learns nothing), then the drain gate, then the
         # malformed-request guard innermost (it wraps the deserializers the gate re-wraps)
-        interceptors: list[grpc.aio.ServerInterceptor] = [gate, MalformedRequestInterceptor()]
-        if self.opts.shared_token:
-            interceptors.insert(0, channel.TokenAuthInterceptor(self.opts.shared_token))
-        server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
-        self.add_servicers(server)
-        health_servicer = self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        addr = f"{self.opts.host}:{self.opts.grpc_port}"
-        if server.add_insecure_port(addr) == 0:
-            raise OSError(f"cannot bind gRPC port {addr}")
-        await server.start()
-        if self.opts.metrics_port:
-            start_http_server(self.opts.metrics_port, addr=self.opts.host, registry=self.registry)
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        server, health_servicer, addr = await start_grpc_server(
+            self.opts.host,
+            self.opts.grpc_port,
+            [gate, MalformedRequestInterceptor()],
+            self.add_servicers,
+            shared_token=self.opts.shared_token,
+            metrics_port=self.opts.metrics_port,
+            registry=self.registry,
+        )
+        self._health = health_servicer
         membership = await start_membership(self)
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)

@@ -160,3 +160,38 @@ async def drain(
     if membership is not None:
         await membership.stop()
     return not left
+
+
+async def start_grpc_server(
+    host: str,
+    port: int,
+    interceptors: list[grpc.aio.ServerInterceptor],
+    add_servicers: Callable[[grpc.aio.Server], None],
+    *,
+    shared_token: str | None,
+    metrics_port: int | None,
+    registry: Any,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
+    """A node's gRPC server, started: the token check first (an unauthenticated call learns
+    nothing), then ``interceptors``; the servicers, standard health (readiness ``""`` and
+    liveness), ``/metrics`` on ``metrics_port``. Returns (server, health servicer, address)."""
+    from grpc_health.v1 import health_pb2_grpc
+    from prometheus_client import start_http_server
+
+    from pdserve.rpc import channel
+
+    if shared_token:
+        interceptors = [channel.TokenAuthInterceptor(shared_token), *interceptors]
+    server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
+    add_servicers(server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    addr = f"{host}:{port}"
+    if server.add_insecure_port(addr) == 0:
+        raise OSError(f"cannot bind gRPC port {addr}")
+    await server.start()
+    if metrics_port:
+        start_http_server(metrics_port, addr=host, registry=registry)
+    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    return server, hs, addr

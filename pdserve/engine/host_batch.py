@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -273,3 +273,15 @@ def apply_feed(
         return
     idx = staging.to_device(array("q", dst + src), torch.int64)
     input_ids.index_copy_(0, idx[:k], prev_sampled.index_select(0, idx[k:]))
+
+
+def copy_to_host(
+    t: torch.Tensor | None, host_like: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | None:
+    """``t`` copied into a host tensor made by ``host_like`` (pinned on CUDA: the copy is queued
+    behind the step's work and does not block the host; read it once the step's event passed)."""
+    if t is None:
+        return None
+    h = host_like(t)
+    h.copy_(t, non_blocking=True)
+    return h

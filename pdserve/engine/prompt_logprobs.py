@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.host_batch import copy_to_host
 from pdserve.engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -73,11 +74,7 @@ class PromptLogprobTensors:
         the step's work, so reading them after the step's event waits for nothing later)."""
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            h = host_like(t)
-            h.copy_(t, non_blocking=True)
-            return h
+            return copy_to_host(t, host_like)
 
         chosen = host(self.chosen)
         assert chosen is not None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import kernels
-from pdserve.engine.host_batch import PinnedStaging
+from pdserve.engine.host_batch import PinnedStaging, copy_to_host
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import GrammarState, apply_masks
@@ -79,11 +79,7 @@ class SampledTensors:
         do not block the host; read them only once the stream's work up to here has finished)."""
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            h = host_like(t)
-            h.copy_(t, non_blocking=True)
-            return h
+            return copy_to_host(t, host_like)
 
         token_ids = host(self.token_ids)
         assert token_ids is not None

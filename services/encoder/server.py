@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.embedcache.connector import EmbeddingProducer
 from pdserve.embedcache.index import EmbeddingIndex
@@ -31,12 +31,11 @@ from pdserve.kvtransfer.backend import TransferError
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.models.image_processor import ClipImageProcessor, ImageLimits
-from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.encoder.core import EncoderCore, EncoderMetrics, ImageInput
-from services.node_lifecycle import LIVENESS_SERVICE
+from services.node_lifecycle import start_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +105,15 @@ class EncoderNode:
         ).set_function(lambda: self.producer.bytes_used)
 
     async def serve(self, ready: asyncio.Event | None = None) -> None:
-        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
-        if self.opts.shared_token:
-            interceptors.insert(0, channel.TokenAuthInterceptor(self.opts.shared_token))
-        server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
-        pb_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(self), server)
-        hs = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-        addr = f"{self.opts.host}:{self.opts.grpc_port}"
-        if server.add_insecure_port(addr) == 0:
-            raise OSError(f"cannot bind gRPC port {addr}")
-        await server.start()
-        if self.opts.metrics_port:
-            start_http_server(self.opts.metrics_port, addr=self.opts.host, registry=self.registry)
-        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
-        await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        server, hs, addr = await start_grpc_server(
+            self.opts.host,
+            self.opts.grpc_port,
+            [MalformedRequestInterceptor()],
+            lambda s: pb_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(self), s),
+            shared_token=self.opts.shared_token,
+            metrics_port=self.opts.metrics_port,
+            registry=self.registry,
+        )
         print(f"pdserve encoder node {self.opts.name} ready on {addr}", flush=True)
         if ready is not None:
             ready.set()
