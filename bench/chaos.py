@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -503,7 +504,7 @@ async def http_serves(rc: Any) -> bool:
 
 # -- the encoder part: image requests through the real router (encoder -> prefill -> decode) ----
 ENC_NODES = ["prefill-0", "decode-0"]  # the nodes that hold KV / embedding reservations
-ENC_SCENARIOS = ("kill9", "sigstop", "sigstop_long", "restart")
+ENC_SCENARIOS = ("kill9", "sigstop", "sigstop_long", "restart", "disconnect")
 ENC_PHASES = ("before_admission", "during_encode", "during_push", "after_embeddings", "concurrent")
 ENC_DELAY_S = 1.0  # faults.encode_delay_s and faults.ec_push_delay_s on the encoder
 ENC_TOKENS = 24
@@ -568,10 +569,15 @@ async def run_encoder_cell(chaos: Chaos, ref: Any, redis_url: str, scenario: str
         base_url=rc.base_url, api_key="unused", max_retries=0, timeout=REQUEST_DEADLINE_S
     )
     fired: list[str] = []
+    held_at_end = ""
+    tasks: list[asyncio.Task[str]] = []
 
     async def fault() -> None:
         if not fired:
             fired.append(phase)
+            if scenario == "disconnect":  # the client goes away: its HTTP connection closes
+                tasks[0].cancel()
+                return
             await chaos.fault(scenario, "encoder-0")
 
     async def one(i: int) -> str:
@@ -603,7 +609,7 @@ async def run_encoder_cell(chaos: Chaos, ref: Any, redis_url: str, scenario: str
     t0 = time.monotonic()
     if phase == "before_admission":
         await fault()
-    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    tasks += [asyncio.ensure_future(one(i)) for i in range(n)]
 
     async def trigger() -> None:
         if phase in ("during_encode", "during_push"):
@@ -622,9 +628,16 @@ async def run_encoder_cell(chaos: Chaos, ref: Any, redis_url: str, scenario: str
         if t not in done:
             t.cancel()
             outcomes.append("hang")
+        elif t.cancelled():
+            outcomes.append("cancelled")
         else:
             outcomes.append(t.result())
     await client.close()
+    await asyncio.sleep(1.0)  # released at once (not by a lease)? read before the repair
+    with contextlib.suppress(Exception):
+        now = await asyncio.to_thread(ec_state, rc)
+        if any(now):
+            held_at_end = f"1 s after the end: blocks {now[0]}, stranded {now[1]}, ec reservations {now[2]}"
     # repair (thaw / restart the encoder), then a lease: nothing reserved, held, stranded, indexed
     await chaos.repair()
     await asyncio.sleep(LEASE_S + 1.5)
@@ -633,7 +646,8 @@ async def run_encoder_cell(chaos: Chaos, ref: Any, redis_url: str, scenario: str
     text_ok = await http_serves(rc)
     image_ok = await enc_image_serves(rc, ref)
     outcome, note = summarize(outcomes, False, fired)
-    extra = [f"ec reservations {ec}"] if ec else []
+    extra = [held_at_end] if held_at_end else []
+    extra += [f"ec reservations {ec}"] if ec else []
     extra += [f"{len(keys)} index entries left"] if keys else []
     extra += [] if image_ok else ["no image request served after"]
     return Cell(
@@ -688,6 +702,7 @@ async def encoder_main(args: argparse.Namespace, root: Path) -> list[Cell]:
         **{**ROUTER, "encode_timeout_s": 10.0, "request_timeout_s": REQUEST_DEADLINE_S},
     )
     todo = [(sc, ph) for sc in ENC_SCENARIOS for ph in ENC_PHASES]
+    todo.remove(("disconnect", "before_admission"))  # no request to leave yet
     if args.quick:
         todo = [("kill9", "during_push"), ("sigstop_long", "during_push"), ("restart", "concurrent")]
     todo = [c for c in todo if not args.scenario or c[0] in args.scenario]
