@@ -18,6 +18,7 @@ Scenarios (the fault hits the node of the request's leg on ``target``):
 
     kill9          SIGKILL, then the node is restarted (fresh epoch)
     sigstop        SIGSTOP for 6 s (a frozen peer), then SIGCONT
+    sigstop_long   SIGSTOP for 15 s, past every deadline (encoder part only), then SIGCONT
     restart        SIGKILL and an immediate restart (the node is back during the request)
     slow_peer      SIGSTOP for 1 s (below the deadlines: slower, must still succeed)
     engine_death   the node's engine thread dies (SIGUSR1, faults.engine_death_on_sigusr1): the
@@ -31,7 +32,18 @@ concurrent (4 clients at once, the fault fires at after_prefill of the first).
 Phases (http): first_token (the client has prefill's token: the KV is held or being pulled),
 during_transfer, during_decode (after 5 chunks), concurrent (4 clients, fault at the first
 PushKV seen in flight).
-The encoder is not part of the matrix: its gRPC service is being built in parallel (issue 14).
+Part "encoder" (``--part encoder``; also the last part of ``all``): its own cluster, a tiny LLaVA
+with encoder-0 -> prefill-0 -> decode-0, a real redis-server (embedding-cache index), leases 3 s,
+the encoder with ``faults.encode_delay_s`` 1 and ``faults.ec_push_delay_s`` 1 (a window for each
+phase), router ``encode_timeout_s`` 10. Streaming chat requests with a fresh image_url each (a
+cache miss), through the real router with the openai client, compared with transformers'
+LlavaForConditionalGeneration. Scenarios kill9 / sigstop / sigstop_long / restart of the encoder; phases
+before_admission (the fault before the request is sent), during_encode (the encoder serves the
+Encode, nothing reserved on prefill yet), during_push (prefill holds an embedding reservation
+the encoder is pushing into), after_embeddings (the client has its first token), concurrent (4
+clients, fault at the first Encode seen). "blocks left" there also counts prefill's embedding
+reservations (``num_ec_reservations``) and Redis index entries left after the lease; "serves
+after" needs a text request and an image request served through the router.
 
 Per cell: outcome (ok = every token, equal to the undisturbed greedy run; retried = ok through
 reprefill / local fallback / another prefill; error = a clean error delta; cancelled = the client
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -159,6 +172,8 @@ class Chaos:
             self.restart(node, wait=False)
         elif scenario == "sigstop":
             await freeze_for(self.rc, node, 6.0)
+        elif scenario == "sigstop_long":  # frozen past every deadline (encoder part)
+            await freeze_for(self.rc, node, 15.0)
         elif scenario == "slow_peer":
             await freeze_for(self.rc, node, 1.0)
         elif scenario == "engine_death":
@@ -487,6 +502,231 @@ async def http_serves(rc: Any) -> bool:
         await client.close()
 
 
+# -- the encoder part: image requests through the real router (encoder -> prefill -> decode) ----
+ENC_NODES = ["prefill-0", "decode-0"]  # the nodes that hold KV / embedding reservations
+ENC_SCENARIOS = ("kill9", "sigstop", "sigstop_long", "restart", "disconnect")
+ENC_PHASES = ("before_admission", "during_encode", "during_push", "after_embeddings", "concurrent")
+ENC_DELAY_S = 1.0  # faults.encode_delay_s and faults.ec_push_delay_s on the encoder
+ENC_TOKENS = 24
+ENC_TEXT = "What is in the picture?"
+_image_n = [0]
+
+
+def fresh_image() -> bytes:
+    """An image no earlier request sent: the encoder's cache would skip the encoding otherwise."""
+    from tests.e2e.epd_cluster import png
+
+    _image_n[0] += 1
+    return png(1000 + _image_n[0])
+
+
+async def _encoder_phase(rc: Any, phase: str) -> None:
+    """Until the image request reaches ``phase``: the encoder serves an Encode with no embedding
+    reserved on prefill yet (during_encode), or prefill holds a reservation for an embedding the
+    encoder is pushing (during_push)."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(rc.node("encoder-0").grpc_address) as ch:
+        stub = pb_grpc.EncoderServiceStub(ch)
+        while True:
+            try:
+                p = await asyncio.to_thread(rc.load, "prefill-0")
+                if phase == "during_push" and p.num_ec_reservations > 0:
+                    return
+                if phase == "during_encode" and p.num_ec_reservations == 0:
+                    e = await stub.GetLoad(pb.LoadRequest(), timeout=1.0)
+                    if e.num_in_flight > 0:
+                        return
+            except Exception:
+                pass
+            await asyncio.sleep(0.02)
+
+
+def ec_state(rc: Any) -> tuple[int, int, int]:
+    """(KV blocks used + held for transfer, stranded blocks, embedding reservations) on P and D."""
+    blocks = stranded = ec = 0
+    for name in ENC_NODES:
+        r = rc.load(name)
+        blocks += r.num_blocks_used + r.num_blocks_held_for_transfer
+        stranded += r.stranded_kv_blocks
+        ec += r.num_ec_reservations
+    return blocks, stranded, ec
+
+
+async def run_encoder_cell(chaos: Chaos, ref: Any, redis_url: str, scenario: str, phase: str) -> Cell:
+    import openai
+
+    from pdserve.embedcache.index import EmbeddingIndex
+    from tests.e2e.epd_cluster import image_part
+
+    rc = chaos.rc
+    n = 4 if phase == "concurrent" else 1
+    images = [fresh_image() for _ in range(n)]
+    wants = [
+        ref.tok.decode(ref.greedy(ENC_TEXT, [im], ENC_TOKENS), skip_special_tokens=True) for im in images
+    ]
+    client = openai.AsyncOpenAI(
+        base_url=rc.base_url, api_key="unused", max_retries=0, timeout=REQUEST_DEADLINE_S
+    )
+    fired: list[str] = []
+    held_at_end = ""
+    tasks: list[asyncio.Task[str]] = []
+
+    async def fault() -> None:
+        if not fired:
+            fired.append(phase)
+            if scenario == "disconnect":  # the client goes away: its HTTP connection closes
+                tasks[0].cancel()
+                return
+            await chaos.fault(scenario, "encoder-0")
+
+    async def one(i: int) -> str:
+        text, finish = "", None
+        try:
+            stream = await client.chat.completions.create(
+                model=rc.model_name,
+                messages=[{"role": "user", "content": [image_part(images[i]), {"type": "text", "text": ENC_TEXT}]}],
+                max_tokens=ENC_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                if i == 0 and phase == "after_embeddings" and text:
+                    await fault()  # prefill's first token is out: the embeddings are consumed
+        except openai.APIStatusError as e:
+            return (
+                "internal_error"
+                if e.status_code >= 500 and e.status_code != 503
+                else f"error: {e.status_code} {e.message}"
+            )
+        except openai.APIError as e:  # an error event in the stream
+            return "internal_error" if "internal error" in str(e.message) else f"error: {e.message}"
+        if finish != "length":
+            return f"error: finish_reason {finish}"
+        return "ok" if text == wants[i] else "wrong_tokens"
+
+    t0 = time.monotonic()
+    if phase == "before_admission":
+        await fault()
+    tasks += [asyncio.ensure_future(one(i)) for i in range(n)]
+
+    async def trigger() -> None:
+        if phase in ("during_encode", "during_push"):
+            await _encoder_phase(rc, phase)
+            await fault()
+        elif phase == "concurrent":  # 4 clients; the fault once one of them is being encoded
+            await _encoder_phase(rc, "during_encode")
+            await fault()
+
+    trig = asyncio.ensure_future(trigger())
+    done, _ = await asyncio.wait(tasks, timeout=REQUEST_DEADLINE_S)
+    seconds = time.monotonic() - t0
+    trig.cancel()
+    outcomes = []
+    for t in tasks:
+        if t not in done:
+            t.cancel()
+            outcomes.append("hang")
+        elif t.cancelled():
+            outcomes.append("cancelled")
+        else:
+            outcomes.append(t.result())
+    await client.close()
+    await asyncio.sleep(1.0)  # released at once (not by a lease)? read before the repair
+    with contextlib.suppress(Exception):
+        now = await asyncio.to_thread(ec_state, rc)
+        if any(now):
+            held_at_end = f"1 s after the end: blocks {now[0]}, stranded {now[1]}, ec reservations {now[2]}"
+    # repair (thaw / restart the encoder), then a lease: nothing reserved, held, stranded, indexed
+    await chaos.repair()
+    await asyncio.sleep(LEASE_S + 1.5)
+    blocks, stranded, ec = await asyncio.to_thread(ec_state, rc)
+    keys = await asyncio.to_thread(lambda: EmbeddingIndex.from_url(redis_url).keys())
+    text_ok = await http_serves(rc)
+    image_ok = await enc_image_serves(rc, ref)
+    outcome, note = summarize(outcomes, False, fired)
+    extra = [held_at_end] if held_at_end else []
+    extra += [f"ec reservations {ec}"] if ec else []
+    extra += [f"{len(keys)} index entries left"] if keys else []
+    extra += [] if image_ok else ["no image request served after"]
+    return Cell(
+        "encoder", scenario, "encoder", phase, outcome, round(seconds, 2), blocks + ec + len(keys), stranded,
+        text_ok and image_ok, "; ".join([*extra, note] if note else extra),
+    )  # fmt: skip
+
+
+async def enc_image_serves(rc: Any, ref: Any) -> bool:
+    """A new image request through the router gets the reference tokens (a poll may lag a restart)."""
+    import openai
+
+    from tests.e2e.epd_cluster import image_part
+
+    img = fresh_image()
+    want = ref.tok.decode(ref.greedy(ENC_TEXT, [img], 4), skip_special_tokens=True)
+    client = openai.AsyncOpenAI(base_url=rc.base_url, api_key="unused", max_retries=0, timeout=30)
+    try:
+        for _ in range(5):
+            try:
+                out = await client.chat.completions.create(
+                    model=rc.model_name,
+                    messages=[{"role": "user", "content": [image_part(img), {"type": "text", "text": ENC_TEXT}]}],
+                    max_tokens=4, temperature=0, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                if out.choices[0].message.content == want:
+                    return True
+            except openai.APIError:
+                pass
+            await asyncio.sleep(2)
+        return False
+    finally:
+        await client.close()
+
+
+async def encoder_main(args: argparse.Namespace, root: Path) -> list[Cell]:
+    from pdserve.models.make_model import make_tiny_model
+    from tests.e2e.epd_cluster import LlavaReference, epd_config
+    from tests.registry.redis_proc import RedisProcess
+
+    model = make_tiny_model("llava", root / "llava")
+    ref = LlavaReference(model)
+    redis = RedisProcess().start()
+    cfg = epd_config(
+        model,
+        redis.url,
+        lease_s=LEASE_S,
+        extra={
+            "encoder-0": {"faults": {"encode_delay_s": ENC_DELAY_S, "ec_push_delay_s": ENC_DELAY_S}},
+            "prefill-0": {"kv_lease_s": LEASE_S},
+        },
+        **{**ROUTER, "encode_timeout_s": 10.0, "request_timeout_s": REQUEST_DEADLINE_S},
+    )
+    todo = [(sc, ph) for sc in ENC_SCENARIOS for ph in ENC_PHASES]
+    todo.remove(("disconnect", "before_admission"))  # no request to leave yet
+    if args.quick:
+        todo = [("kill9", "during_push"), ("sigstop_long", "during_push"), ("restart", "concurrent")]
+    todo = [c for c in todo if not args.scenario or c[0] in args.scenario]
+    results = []
+    try:
+        with running_cluster(cfg, root / "run-encoder", router=True) as rc:
+            chaos = Chaos(rc)
+            for sc, ph in todo:
+                try:
+                    cell = await run_encoder_cell(chaos, ref, redis.url, sc, ph)
+                except Exception as e:
+                    log(f"encoder {sc} {ph}: bench error {e!r}; restarting every node")
+                    for name in ("encoder-0", *ENC_NODES):
+                        await asyncio.to_thread(chaos.restart, name, False)
+                    await asyncio.to_thread(chaos.wait_all)
+                    cell = Cell("encoder", sc, "encoder", ph, "bench_error", 0.0, -1, -1, False, repr(e)[:80])
+                log(f"encoder {sc:8s} {ph:17s} -> {cell.outcome:12s} {cell.seconds:6.2f} s  left "
+                    f"{cell.blocks_left} stranded {cell.stranded} serves_after {cell.serves_after} {cell.note[:80]}")  # fmt: skip
+                results.append(cell)
+    finally:
+        redis.stop()
+    return results
+
+
 def markdown(results: list[Cell], took_s: float) -> str:
     lines = [
         "| path | scenario | target | phase | outcome | s to end | blocks left | stranded | serves after |",
@@ -515,6 +755,8 @@ async def main_async(args: argparse.Namespace) -> list[Cell]:
     from pdserve.models.make_model import make_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    if args.part == "encoder":
+        return await encoder_main(args, root)
     model = make_tiny_model("llama", root / "model")
     faults = {"push_delay_s": PUSH_DELAY_S, "engine_death_on_sigusr1": True}
     cfg = two_prefill_config(
@@ -541,6 +783,7 @@ async def main_async(args: argparse.Namespace) -> list[Cell]:
         todo = [("backend", c) for c in cells(args.quick)] if args.part in ("all", "backend") else []
         if args.part in ("all", "http"):
             todo += [("http", c) for c in cells(args.quick, HTTP_SCENARIOS, HTTP_PHASES)]
+        todo = [c for c in todo if not args.scenario or c[1][0] in args.scenario]
         for path, (sc, t, ph) in todo:
             try:
                 if path == "backend":
@@ -558,13 +801,16 @@ async def main_async(args: argparse.Namespace) -> list[Cell]:
             log(f"{path:7s} {sc:13s} {t:7s} {ph:15s} -> {cell.outcome:12s} {cell.seconds:6.2f} s  "
                 f"left {cell.blocks_left} stranded {cell.stranded} serves_after {cell.serves_after} {cell.note[:60]}")  # fmt: skip
             results.append(cell)
+    if args.part == "all":
+        results += await encoder_main(args, root)
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few representative cells of each part")
-    ap.add_argument("--part", choices=("all", "backend", "http"), default="all")
+    ap.add_argument("--part", choices=("all", "backend", "http", "encoder"), default="all")
+    ap.add_argument("--scenario", action="append", help="run only this scenario's cells (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"))
     ap.add_argument(
         "--markdown", type=Path, default=None, help="write the table into this file's chaos section"
@@ -580,7 +826,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps([asdict(c) for c in results], indent=1))
     if args.markdown is not None:
-        start, end = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+        tag = "chaos-encoder" if args.part == "encoder" else "chaos"  # the encoder part: its own table
+        start, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
         text = args.markdown.read_text()
         a, b = text.index(start) + len(start), text.index(end)
         args.markdown.write_text(text[:a] + "\n" + table + "\n" + text[b:])

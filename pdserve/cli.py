@@ -159,6 +159,8 @@ def serve(
                 shared_token=cluster.shared_token,
                 drain_timeout_s=n.drain_timeout_s,
                 advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
+                encode_delay_s=n.faults.encode_delay_s,
+                push_delay_s=n.faults.ec_push_delay_s,
             )
         )
         return

@@ -113,6 +113,10 @@ class FaultsConfig(_Frozen):
     push_delay_s: float = Field(default=0.0, ge=0)
     # prefill: every Prefill answers this long after its first token is ready (a slow prefill)
     prefill_reply_delay_s: float = Field(default=0.0, ge=0)
+    # encoder: every Encode waits this long before encoding (a window to fault "while encoding")
+    encode_delay_s: float = Field(default=0.0, ge=0)
+    # encoder: every PushEmbeddings waits this long before its write into prefill (a push window)
+    ec_push_delay_s: float = Field(default=0.0, ge=0)
 
 
 class NodeConfig(_Frozen):
@@ -219,6 +223,11 @@ class NodeConfig(_Frozen):
             raise ConfigError(
                 f"node {self.name!r}: faults.push_delay_s / faults.prefill_reply_delay_s act on "
                 f"prefill nodes only, not on role {self.role}; remove them"
+            )
+        if (f.encode_delay_s or f.ec_push_delay_s) and self.role != "encoder":
+            raise ConfigError(
+                f"node {self.name!r}: faults.encode_delay_s / faults.ec_push_delay_s act on "
+                f"encoder nodes only, not on role {self.role}; remove them"
             )
         if f.engine_death_on_sigusr1 and self.role == "encoder":
             raise ConfigError(

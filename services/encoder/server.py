@@ -59,6 +59,9 @@ class EncoderOptions:
     shared_token: str | None = None
     drain_timeout_s: float = 30.0
     advertise_address: str | None = None  # host:port consumers dial (k8s: the pod IP); None: host:port
+    # test-only faults (cluster file ``faults.encode_delay_s`` / ``faults.ec_push_delay_s``)
+    encode_delay_s: float = 0.0
+    push_delay_s: float = 0.0
 
 
 class EncoderNode:
@@ -151,6 +154,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         images = [ImageInput(im.data, im.uuid or None) for im in request.images]
         node.in_flight += 1
         try:
+            if node.opts.encode_delay_s:
+                await asyncio.sleep(node.opts.encode_delay_s)
             out = await asyncio.to_thread(node.core.encode, images)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -171,6 +176,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         t0 = time.monotonic()
         node.in_flight += 1
         try:
+            if node.opts.push_delay_s:
+                await asyncio.sleep(node.opts.push_delay_s)
             await asyncio.to_thread(
                 node.producer.push,
                 request.key,

@@ -461,3 +461,15 @@ def test_keepalive_must_beat_the_lease(tmp_path) -> None:
     del data["nodes"][1]["kv_keepalive_s"]  # derived: a third of the shortest lease, at most 5 s
     c = ClusterConfig.from_dict(data)
     assert c.keepalive_s(c.node("decode-0")) == 4.0 / 3
+
+
+def test_encoder_faults_act_on_encoder_nodes_only() -> None:
+    data = _cluster(_node("e0", "encoder", 1000), _node("d0", "decode", 1002))
+    data["redis_url"] = "redis://127.0.0.1:6379/0"
+    data["nodes"][0]["faults"] = {"encode_delay_s": 1.0, "ec_push_delay_s": 0.5}
+    e = ClusterConfig.from_dict(data).node("e0")
+    assert e.faults.encode_delay_s == 1.0 and e.faults.ec_push_delay_s == 0.5
+    for fault in ("encode_delay_s", "ec_push_delay_s"):
+        d = {**data, "nodes": [data["nodes"][0], {**data["nodes"][1], "faults": {fault: 1.0}}]}
+        with pytest.raises(ConfigError, match="encoder nodes only, not on role decode"):
+            ClusterConfig.from_dict(d)

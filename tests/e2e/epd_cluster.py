@@ -34,7 +34,13 @@ def image_part(data: bytes, mime: str = "png") -> dict[str, Any]:
 
 
 def epd_config(
-    model_dir: Path, redis_url: str | None, *, encoder: bool = True, lease_s: float = 3.0, **router: Any
+    model_dir: Path,
+    redis_url: str | None,
+    *,
+    encoder: bool = True,
+    lease_s: float = 3.0,
+    extra: dict[str, dict[str, Any]] | None = None,  # node name -> more node settings
+    **router: Any,
 ) -> ClusterConfig:
     base = pick_base_port("127.0.0.1", e2e_cluster._next_base[0], span=8)
     e2e_cluster._next_base[0] = base + 10
@@ -50,6 +56,8 @@ def epd_config(
         {"name": "decode-0", "role": "decode", "grpc_port": base + 3, "metrics_port": base + 4}
         | {"device": "cpu", "dtype": "float32"},
     ]
+    for n in nodes:
+        n.update((extra or {}).get(n["name"], {}))
     data: dict[str, Any] = {
         "model": str(model_dir),
         "router": {"host": "127.0.0.1", "port": base, "local_prefill_max_tokens": 0, **router},
