@@ -47,7 +47,27 @@ def redis_url():
 def epd(llava_dir, redis_url, tmp_path_factory):
     cfg = epd_config(llava_dir, redis_url, lease_s=LEASE_S)
     with running_cluster(cfg, tmp_path_factory.mktemp("epd-e2e")) as rc:
+        _wait_for_the_image_path(rc)
         yield rc
+
+
+def _wait_for_the_image_path(rc, timeout_s: float = 60.0) -> None:
+    """The router's /ready needs a decode node only; image requests also need the prefill node,
+    which the router learns from the Redis registry a moment later (until then they get a clean
+    503). Send one image request until it is served, so the tests start with every node known."""
+    client = openai.OpenAI(base_url=rc.base_url, api_key="unused", max_retries=0, timeout=60)
+    content = [image_part(png(seed=4242)), {"type": "text", "text": "warm-up"}]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.chat.completions.create(
+                model=rc.model_name, messages=[{"role": "user", "content": content}], max_tokens=1
+            )
+            return
+        except openai.APIStatusError as e:
+            if e.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
