@@ -15,6 +15,7 @@ oldest entries when its buffer is full (and removes them from the index first).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 
@@ -25,6 +26,8 @@ from pdserve.embedcache.index import DTYPE_BYTES, EmbeddingEntry, EmbeddingIndex
 from pdserve.embedcache.reservation import Reservation, ReservationTable
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
+
+logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,10 +132,24 @@ class EmbeddingProducer:
         self.bytes_pushed.inc(entry.nbytes)
 
     def close(self) -> None:
+        """Take this encoder's entries out of the index (their bytes go with it). Redis being
+        gone already (a stack stopping together) is logged, not raised: the entries expire with
+        their lease anyway, and a node must still stop cleanly."""
+        from redis.exceptions import RedisError
+
         with self._lock:
-            for key in list(self._slots):
-                self.index.remove(key)
+            keys = list(self._slots)
             self._slots.clear()
+        for i, key in enumerate(keys):
+            try:
+                self.index.remove(key)
+            except (RedisError, OSError) as e:
+                logger.warning(
+                    "embedding index unreachable at close: %d entries left to expire with their lease (%s)",
+                    len(keys) - i,
+                    e,
+                )
+                return
 
 
 class EmbeddingConsumer:
