@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import log, pct  # noqa: E402
+from bench.engine_cpu import MODEL as ENGINE_CPU_MODEL  # noqa: E402
+from bench.gpu_decode import MODEL_SHAPE as LLAMA_1B_SHAPE  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "served.json"
 DEFAULT_VLLM_VENV = ROOT / ".bench-venvs" / "vllm"
@@ -56,28 +58,10 @@ SERVED_NAME = "bench-llama"
 NUM_SPECIAL_TOKENS = 3  # make_model's special tokens are ids 0..2
 
 SHAPES: dict[str, dict[str, Any]] = {
-    # the CPU model: hidden 128, head_dim 64 (as bench/engine_cpu.py)
-    "tiny": dict(
-        hidden_size=128,
-        num_layers=4,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=2048,
-    ),
-    # Llama-3.2-1B's shape with random weights (as bench/gpu_decode.py)
-    "llama-1b": dict(
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        max_position_embeddings=4096,
-    ),
+    # the CPU model: hidden 128, head_dim 64 (bench/engine_cpu.py's, without seed / dtype)
+    "tiny": {k: v for k, v in ENGINE_CPU_MODEL.items() if k not in ("seed", "dtype")},
+    # Llama-3.2-1B's shape with random weights (bench/gpu_decode.py's)
+    "llama-1b": dict(LLAMA_1B_SHAPE, max_position_embeddings=4096),
 }
 
 
