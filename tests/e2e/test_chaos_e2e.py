@@ -166,7 +166,12 @@ def test_http_disconnect_during_the_transfer_frees_both_legs(cluster) -> None:
     assert cluster.load("decode-0").num_aborted_total > before
     for name in NODES:
         assert health_status(cluster.node(name).grpc_address) == "SERVING"
-    out = c.completions.create(model=cluster.model_name, prompt="after the disconnect " * 8, max_tokens=4)
+    out = c.completions.create(
+        model=cluster.model_name,
+        prompt="after the disconnect " * 8,
+        max_tokens=4,
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "length"
 
 
