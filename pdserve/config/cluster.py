@@ -91,9 +91,19 @@ class RouterConfig(_Frozen):
     # How decode legs reach a node (issue 12): multiplexed = one Steps stream per node carrying
     # batched deltas of every leg; per_request = one Decode stream per leg (a message per token).
     decode_stream: Literal["multiplexed", "per_request"] = "multiplexed"
+    # Non-streaming requests on the multiplexed stream: the node holds their tokens and sends them
+    # at most every this many ms (and at their end) instead of with every step; 0 = every step.
+    # Must stay well under inter_token_timeout_s, which also bounds the gap between their messages.
+    nonstream_flush_ms: int = Field(default=100, ge=0, le=60_000)
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
+        if self.nonstream_flush_ms / 1000.0 > self.inter_token_timeout_s / 2:
+            raise ConfigError(
+                f"router.nonstream_flush_ms ({self.nonstream_flush_ms}) is over half of "
+                f"router.inter_token_timeout_s ({self.inter_token_timeout_s} s): a held request "
+                "would look like a stalled node; lower it"
+            )
         if self.prefill_timeout_s > self.request_timeout_s:
             raise ConfigError(
                 f"router.prefill_timeout_s ({self.prefill_timeout_s}) exceeds router.request_timeout_s "

@@ -49,7 +49,9 @@ class EngineLoop:
         self._on_kv_loads = on_kv_loads
         self._on_step = on_step  # runs on the engine thread after each step (metrics, leases)
         self._cmds: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[GenerationDelta]] = {}
+        # request id -> where its deltas go, called on the event loop in step order: a queue's
+        # put_nowait (generate) or a consumer's callback (start: one Steps stream for many)
+        self._streams: dict[str, Callable[[GenerationDelta], None]] = {}
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._stopped = threading.Event()
         self._on_death = on_death  # runs on the event loop once the engine thread has died
@@ -156,9 +158,55 @@ class EngineLoop:
         mm_items: Sequence[MultiModalItem] = (),
     ) -> AsyncGenerator[GenerationDelta, None]:
         """Admit a request and yield its deltas; closing the generator aborts the request."""
-        self.check_alive()
         q: asyncio.Queue[GenerationDelta] = asyncio.Queue()
-        self._streams[request_id] = q
+        await self.admit(
+            prompt_token_ids,
+            params,
+            request_id,
+            q.put_nowait,
+            kv_transfer_params=kv_transfer_params,
+            output_token_ids=output_token_ids,
+            priority=priority,
+            prompt_embeds=prompt_embeds,
+            mm_items=mm_items,
+        )
+        finished = False
+        try:
+            while True:
+                d = await q.get()
+                # Everything this stream's steps made while its reader was busy, as one delta:
+                # a slow reader gets larger deltas, never a waiting engine (the queue is unbounded).
+                while d.finish_reason is None and not q.empty():
+                    d = merge_deltas(d, q.get_nowait())
+                yield d
+                if d.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self.release(request_id, abort=not finished)
+
+    async def admit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        on_delta: Callable[[GenerationDelta], None],
+        *,
+        kv_transfer_params: KVTransferParams | None = None,
+        output_token_ids: list[int] | None = None,
+        priority: int = 0,
+        prompt_embeds: Any | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
+    ) -> None:
+        """Admit a request whose deltas go to ``on_delta`` (on the event loop, in order, the last
+        one with a finish_reason); returns once it is admitted, raises if refused.
+
+        The per-request consumer without a task or a queue (issue 12): a Steps stream calls this
+        for all its requests, so a step costs the event loop one callback per request. The caller
+        must :meth:`release` the request: after its finishing delta, or with ``abort=True``
+        when it gives up on it."""
+        self.check_alive()
+        self._streams[request_id] = on_delta
         try:
             await self.call(
                 lambda e: e.add_request(
@@ -182,29 +230,24 @@ class EngineLoop:
         except BaseException:
             self._streams.pop(request_id, None)  # refused: never abort, the id may be another's
             raise
-        finished = False
-        try:
-            while True:
-                d = await q.get()
-                # Everything this stream's steps made while its reader was busy, as one delta:
-                # a slow reader gets larger deltas, never a waiting engine (the queue is unbounded).
-                while d.finish_reason is None and not q.empty():
-                    d = merge_deltas(d, q.get_nowait())
-                yield d
-                if d.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.dead is None:
-                self.post(lambda e: e.abort([request_id]))
+
+    def release(self, request_id: str, *, abort: bool) -> None:
+        """Stop delivering ``request_id``'s deltas; ``abort`` also ends it on the engine (a no-op
+        for a request that already finished there)."""
+        self._streams.pop(request_id, None)
+        if abort and self.dead is None:
+            self.post(lambda e: e.abort([request_id]))
 
     # -- the engine thread -----------------------------------------------------------------------
     def _dispatch(self, deltas: list[GenerationDelta]) -> None:
+        streams = self._streams
         for d in deltas:
-            q = self._streams.get(d.request_id)
-            if q is not None:
-                q.put_nowait(d)
+            sink = streams.get(d.request_id)
+            if sink is not None:
+                try:
+                    sink(d)
+                except Exception:  # one consumer's bug must not starve the others' deltas
+                    logger.exception("delivering a delta of %s failed", d.request_id)
 
     def _run(self) -> None:
         try:
@@ -228,10 +271,8 @@ class EngineLoop:
     def _after_death(self, e: BaseException) -> None:
         """Event loop: end every open stream with an error now, then tell the node."""
         message = f"the engine thread of this node died ({type(e).__name__}: {e}); retry elsewhere"
-        for rid, q in list(self._streams.items()):
-            q.put_nowait(
-                GenerationDelta(request_id=rid, token_ids=[], text="", finish_reason="error", error=message)
-            )
+        for rid, sink in list(self._streams.items()):
+            sink(GenerationDelta(request_id=rid, token_ids=[], text="", finish_reason="error", error=message))
         if self._on_death is not None:
             self._on_death(e)
 

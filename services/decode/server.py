@@ -6,14 +6,16 @@ Also serves colocated requests (``remote_prefill`` false): prefill runs here, no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from pdserve.distributed.pp_stage import StageEndpoint
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
@@ -225,9 +227,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
 
-    async def _open(self, request: pb.DecodeRequest) -> AsyncGenerator[GenerationDelta, None]:
-        """Check a DecodeRequest, handshake with its prefill node, and start it on the engine
-        (the deltas' generator); a refusal raises ``_Refusal`` with the gRPC status."""
+    async def _open(self, request: pb.DecodeRequest) -> _Admission:
+        """Check a DecodeRequest and handshake with its prefill node: what to admit on the engine;
+        a refusal raises ``_Refusal`` with the gRPC status."""
         node = self.node
         try:
             params = convert.sampling_from_pb(request.sampling)
@@ -276,23 +278,26 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             mm_items = to_engine_items(wire, [it.embeds for it in wire])
             if any(it.embeds is None for it in wire):
                 node.no_recompute_ids.add(request.request_id)
-        assert node.engine_loop is not None
-        return node.engine_loop.generate(
+        return _Admission(
             list(request.prompt_token_ids),
             params,
             request.request_id,
-            kv_transfer_params=kv_params,
-            output_token_ids=list(request.output_token_ids) or None,
-            prompt_embeds=embeds,
-            mm_items=mm_items,
+            dict(
+                kv_transfer_params=kv_params,
+                output_token_ids=list(request.output_token_ids) or None,
+                prompt_embeds=embeds,
+                mm_items=mm_items,
+            ),
         )
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
         node = self.node
         try:
-            gen = await self._open(request)
+            adm = await self._open(request)
         except _Refusal as r:
             await context.abort(r.code, r.details)
+        assert node.engine_loop is not None
+        gen = node.engine_loop.generate(adm.prompt_token_ids, adm.params, adm.request_id, **adm.kwargs)
         try:
             async for d in gen:
                 if d.finish_reason == "error" and d.overloaded:
@@ -365,6 +370,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await asyncio.gather(reader, *pending, return_exceptions=True)
 
     async def _step_request(self, request: pb.DecodeRequest, outbox: _Outbox) -> None:
+        """One request of a Steps stream: admit it, then let the engine loop hand its deltas
+        straight to the outbox (a callback per step, no task wake-up per step); this task only
+        waits for the end. Cancelling it (router abort, stream gone) aborts the request."""
         node = self.node
         rid = request.request_id
         gate = node.drain_gate
@@ -372,31 +380,51 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             gate.active += 1
         try:
             try:
-                gen = await self._open(request)
+                adm = await self._open(request)
             except _Refusal as r:
                 outbox.end(rid, r.code, r.details)
                 return
+            loop = node.engine_loop
+            assert loop is not None
+            ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            interval = request.flush_interval_ms / 1000.0
+
+            def on_delta(d: GenerationDelta) -> None:
+                if ended.done():
+                    return
+                if d.finish_reason == "error" and d.overloaded:
+                    outbox.end(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, d.error or "node is full")
+                elif d.finish_reason == "error" and rid in node.reprefill_ids:
+                    node.reprefill_ids.discard(rid)
+                    outbox.end(
+                        rid,
+                        grpc.StatusCode.ABORTED,
+                        f"{d.error} (kv_load_failure_policy reprefill)",
+                        kv_load_failed=True,
+                    )
+                else:
+                    outbox.put(d, interval)
+                    if d.finish_reason is None:
+                        return
+                ended.set_result(None)
+
             try:
-                async for d in gen:
-                    if d.finish_reason == "error" and d.overloaded:
-                        outbox.end(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, d.error or "node is full")
-                        return
-                    if d.finish_reason == "error" and rid in node.reprefill_ids:
-                        node.reprefill_ids.discard(rid)
-                        outbox.end(
-                            rid,
-                            grpc.StatusCode.ABORTED,
-                            f"{d.error} (kv_load_failure_policy reprefill)",
-                            kv_load_failed=True,
-                        )
-                        return
-                    outbox.put(d)
+                await loop.admit(adm.prompt_token_ids, adm.params, rid, on_delta, **adm.kwargs)
             except PdserveError as e:
-                outbox.end(rid, channel.error_to_status(e), str(e))
-            finally:
                 node.reprefill_ids.discard(rid)
                 node.no_recompute_ids.discard(rid)
-                await gen.aclose()
+                outbox.end(rid, channel.error_to_status(e), str(e))
+                return
+            finished = False
+            try:
+                await ended
+                finished = True
+            finally:
+                loop.release(rid, abort=not finished)
+                if not finished:
+                    outbox.drop(rid)
+                node.reprefill_ids.discard(rid)
+                node.no_recompute_ids.discard(rid)
         finally:
             if gate is not None:
                 gate.active -= 1
@@ -418,20 +446,71 @@ class _Refusal(Exception):
         self.details = details
 
 
+@dataclasses.dataclass
+class _Admission:
+    """What ``LLMEngine.add_request`` gets for a checked DecodeRequest."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    kwargs: dict[str, Any]
+
+
 class _Outbox:
-    """What one Steps stream has not sent yet: per request its merged delta, then the ends."""
+    """What one Steps stream has not sent yet: per request its merged delta, then the ends.
+
+    A request with a flush interval (``DecodeRequest.flush_interval_ms``) has its deltas held
+    here and merged until the interval has passed or it finishes."""
 
     def __init__(self) -> None:
         self._deltas: dict[str, GenerationDelta] = {}
         self._ends: list[pb.StepEnd] = []
         self._ready = asyncio.Event()
+        self._held: dict[str, GenerationDelta] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._started: set[str] = set()  # held requests whose first delta was sent
 
-    def put(self, d: GenerationDelta) -> None:
-        prev = self._deltas.get(d.request_id)
-        self._deltas[d.request_id] = d if prev is None else merge_deltas(prev, d)
+    def put(self, d: GenerationDelta, interval_s: float = 0.0) -> None:
+        rid = d.request_id
+        held = self._held.pop(rid, None)
+        if held is not None:
+            d = merge_deltas(held, d)
+        if interval_s > 0 and d.finish_reason is None and rid in self._started:
+            self._held[rid] = d
+            if rid not in self._timers:
+                self._timers[rid] = asyncio.get_running_loop().call_later(interval_s, self._flush, rid)
+            return
+        if d.finish_reason is None:
+            if interval_s > 0:
+                self._started.add(rid)  # its first tokens went at once (the time to first token)
+        else:
+            self._started.discard(rid)
+        timer = self._timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
+        prev = self._deltas.get(rid)
+        self._deltas[rid] = d if prev is None else merge_deltas(prev, d)
         self._ready.set()
 
+    def _flush(self, rid: str) -> None:
+        self._timers.pop(rid, None)
+        held = self._held.pop(rid, None)
+        if held is not None:
+            prev = self._deltas.get(rid)
+            self._deltas[rid] = held if prev is None else merge_deltas(prev, held)
+            self._ready.set()
+
+    def drop(self, rid: str) -> None:
+        """A request the router gave up on: what was held for it is not sent."""
+        self._held.pop(rid, None)
+        self._started.discard(rid)
+        timer = self._timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
+
     def end(self, rid: str, code: grpc.StatusCode, details: str, *, kv_load_failed: bool = False) -> None:
+        self._flush(rid)  # tokens held for it go first, as the deltas of a batch precede its ends
+        self._started.discard(rid)
         self._ends.append(
             pb.StepEnd(request_id=rid, code=code.value[0], details=details, kv_load_failed=kv_load_failed)
         )

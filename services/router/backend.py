@@ -30,6 +30,9 @@ class BackendRequest:
     # Images (services.router.multimodal.RouterMmItem): placeholder runs of prompt_token_ids with
     # their cache keys; prefill gets them (and fetches embeddings), decode only their keys.
     mm_items: list[Any] = field(default_factory=list)
+    # False: the client reads the answer only at its end (non-streaming); the decode node may then
+    # batch its tokens over time (router.nonstream_flush_ms) instead of sending every step.
+    streamed: bool = True
 
     @property
     def mm_needs_ec(self) -> bool:

@@ -90,6 +90,7 @@ class RouterPolicy:
     # multiplexed: every decode leg on a node shares one Steps stream (batched deltas, issue 12);
     # per_request: one Decode stream per leg (one message per token).
     decode_stream: str = "multiplexed"
+    nonstream_flush_ms: int = 100  # multiplexed, BackendRequest.streamed false: node-side batching
 
     def __post_init__(self) -> None:
         if self.decode_stream not in ("multiplexed", "per_request"):
@@ -437,6 +438,8 @@ class PDBackend:
             # Keys only when prefill computed the prompt (the KV holds the images); tensors only
             # when decode prefills it itself (precomputed image_embeds on a cluster without P).
             mm_items=_mm_items_pb(req, with_tensors=transfer_id is None),
+            # Tokens nobody reads before the end travel in a few messages, not one per step.
+            flush_interval_ms=0 if req.streamed else self.policy.nonstream_flush_ms,
         )
         d_node.in_flight += 1
         call: Any

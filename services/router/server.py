@@ -47,6 +47,7 @@ async def serve_router(cluster: ClusterConfig) -> None:
             breaker_failures=r.breaker_failures,
             breaker_open_s=r.breaker_open_s,
             decode_stream=r.decode_stream,
+            nonstream_flush_ms=r.nonstream_flush_ms,
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,

@@ -182,6 +182,8 @@ def _failure(delta: GenerationDelta) -> APIError:
 
 async def collect(ctx: ServingContext, reqs: list[BackendRequest], arrival_s: float) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in reqs]
+    for req in reqs:
+        req.streamed = False
     async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s):
         if delta.finish_reason in ("error", "abort"):
             raise _failure(delta)  # leaving run_sequences aborts the other choices
