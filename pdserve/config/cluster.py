@@ -95,6 +95,9 @@ class RouterConfig(_Frozen):
     # at most every this many ms (and at their end) instead of with every step; 0 = every step.
     # Must stay well under inter_token_timeout_s, which also bounds the gap between their messages.
     nonstream_flush_ms: int = Field(default=100, ge=0, le=60_000)
+    # Router worker processes sharing the HTTP port (issue 12): each runs its own event loop,
+    # node connections and registry view; /metrics adds them up. 1 = the router is one process.
+    workers: int = Field(default=1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:

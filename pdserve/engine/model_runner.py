@@ -261,14 +261,21 @@ class ModelRunner:
             row += c.num_tokens
         return out
 
-    def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
+        seed = request.sampling_params.seed
         if seed is None:
             return None
-        g = self._generators.get(req_id)
+        g = self._generators.get(request.request_id)
         if g is None:
             g = torch.Generator(device=self.device)
             g.manual_seed(seed)
-            self._generators[req_id] = g
+            # Tokens it already has were sampled elsewhere from the same seed (prefill's first
+            # token on P/D, a recompute): skip their draws, one row of vocab_size per token as the
+            # sampler draws them, so the stream goes on where that node left it, not from its start.
+            skip = torch.empty(vocab_size, device=self.device)
+            for _ in range(len(request.output_token_ids)):
+                skip.exponential_(generator=g)
+            self._generators[request.request_id] = g
         return g
 
     def drop_finished(self, request_ids: list[str]) -> None:
@@ -371,7 +378,7 @@ class ModelRunner:
                     params=c.request.sampling_params,
                     prompt_token_ids=c.request.prompt_token_ids,
                     output_token_ids=c.request.output_token_ids,
-                    generator=self._generator(c.request.request_id, c.request.sampling_params.seed),
+                    generator=self._generator(c.request, logits.shape[1]),
                     eos_token_ids=c.request.eos_token_ids,
                     grammar=self._grammar(c.request, logits.shape[1]),
                 )

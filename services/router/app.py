@@ -9,13 +9,14 @@ optional API key); ``POST /tokenize``, ``POST /detokenize``;
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
 from pdserve.errors import CapacityError
@@ -153,6 +154,18 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(_exposed(metrics)), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _exposed(metrics: RouterMetrics) -> CollectorRegistry:
+    """What /metrics shows: with router workers (PROMETHEUS_MULTIPROC_DIR set by the parent
+    process), every worker's values added up; else this process's registry."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return metrics.registry
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry

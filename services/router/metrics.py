@@ -48,7 +48,10 @@ class RouterMetrics:
         )
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", registry=r)
         self.num_requests_running = Gauge(
-            "pdserve:num_requests_running", "Sequences in flight on the nodes.", registry=r
+            "pdserve:num_requests_running",
+            "Sequences in flight on the nodes.",
+            registry=r,
+            multiprocess_mode="livesum",  # router workers: their sum
         )
         self.http_errors = Counter(
             "pdserve:http_request_errors",

@@ -133,7 +133,11 @@ class PDBackend:
             registry=reg,
         )
         self.node_load = Gauge(
-            "pdserve:router_node_load", "Sequences per node as the router sees them.", ["node"], registry=reg
+            "pdserve:router_node_load",
+            "Sequences per node as the router sees them.",
+            ["node"],
+            registry=reg,
+            multiprocess_mode="livemax",  # router workers: the largest view
         )
         self.node_restarts = Counter(
             "pdserve:router_node_restarts",
@@ -146,6 +150,7 @@ class PDBackend:
             "1 while the node answers GetLoad and its circuit breaker is not open.",
             ["node"],
             registry=reg,
+            multiprocess_mode="livemin",  # router workers: 0 if any worker took it out
         )
 
     # -- node state ------------------------------------------------------------------------------

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
+import socket
+import sys
+import tempfile
+import time
 
 import uvicorn
 
@@ -20,7 +27,8 @@ from services.router.pd_backend import PDBackend, RouterPolicy
 logger = logging.getLogger(__name__)
 
 
-async def serve_router(cluster: ClusterConfig) -> None:
+async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None) -> None:
+    """One router process; ``sock``: the listening socket its parent shares with other workers."""
     from pdserve.models.config import ModelArchConfig
     from pdserve.models.loader import load_tokenizer
 
@@ -103,9 +111,10 @@ async def serve_router(cluster: ClusterConfig) -> None:
             timeout_keep_alive=int(r.http_keepalive_s),
         )
     )
-    print(f"pdserve router ready on http://{r.host}:{r.port}/v1", flush=True)
+    if sock is None:
+        print(f"pdserve router ready on http://{r.host}:{r.port}/v1", flush=True)
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         await discovery.close()
         await backend.close()
@@ -121,4 +130,65 @@ def run_router(cluster: ClusterConfig) -> None:
     # handlers a clean stop would read as "killed" (143) to compose and Kubernetes.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
-    asyncio.run(serve_router(cluster))
+    if cluster.router.workers == 1:
+        asyncio.run(serve_router(cluster))
+    else:
+        sys.exit(run_router_workers(cluster))
+
+
+def _worker_main(cluster: ClusterConfig, sock: socket.socket, index: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s router[{index}] %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve_router(cluster, sock))
+
+
+def run_router_workers(cluster: ClusterConfig) -> int:
+    """``router.workers`` processes accepting on one listening socket (as uvicorn's and
+    gunicorn's workers do): each has its own event loop, node connections (one Steps stream per
+    node each) and registry view. The router is one unit: when a worker dies the others are
+    stopped and the router exits non-zero, for the supervisor to restart it whole. /metrics of
+    any worker shows the sum over all (prometheus_client's multiprocess mode)."""
+    r = cluster.router
+    metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the spawned workers
+    sock = socket.create_server((r.host, r.port), backlog=2048, reuse_port=False)
+    sock.set_inheritable(True)
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or loops
+    workers = [
+        ctx.Process(target=_worker_main, args=(cluster, sock, i), name=f"pdserve-router-{i}", daemon=False)
+        for i in range(r.workers)
+    ]
+    for w in workers:
+        w.start()
+    logger.info("router: %d workers on %s:%d (pids %s)", r.workers, r.host, r.port, [w.pid for w in workers])
+    print(f"pdserve router ready on http://{r.host}:{r.port}/v1 ({r.workers} workers)", flush=True)
+    code = 0
+    try:
+        while True:
+            dead = [w for w in workers if not w.is_alive()]
+            if dead:
+                w = dead[0]
+                code = w.exitcode if w.exitcode else 1
+                logger.error(
+                    "router worker %s (pid %s) exited with %s; stopping the router", w.name, w.pid, w.exitcode
+                )
+                break
+            time.sleep(0.2)
+    except SystemExit:  # SIGTERM / SIGINT: a clean stop of every worker
+        code = 0
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()  # SIGTERM: each worker shuts uvicorn down gracefully
+        deadline = time.monotonic() + 15.0
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+            if w.is_alive():
+                w.kill()
+                w.join()
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return code

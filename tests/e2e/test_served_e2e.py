@@ -41,7 +41,8 @@ def _own_ports():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, _own_ports):
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16})
+    # Two router workers on one port: every request below crosses one of them (issue 12).
+    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16, "workers": 2})
     with running_cluster(cfg, tmp_path_factory.mktemp("served-e2e")) as rc:
         yield rc
 
@@ -177,6 +178,127 @@ def test_steps_stream_merges_aborts_refuses_and_ends(cluster) -> None:
         cmds.put(None)  # the router's side closes: the stream ends once nothing is left
         assert list(call) == []
     _wait_free(cluster)
+
+
+def _steps(addr: str, reqs: list[pb.DecodeRequest]) -> dict[str, list[list[int]]]:
+    """Run ``reqs`` on one Steps stream: per request, the token ids of each batch that had some."""
+    cmds: queue.SimpleQueue[pb.StepCommand | None] = queue.SimpleQueue()
+
+    def commands():
+        while (c := cmds.get()) is not None:
+            yield c
+
+    out: dict[str, list[list[int]]] = {r.request_id: [] for r in reqs}
+    left = set(out)
+    with grpc.insecure_channel(addr) as ch:
+        call = pb_grpc.DecodeServiceStub(ch).Steps(commands(), timeout=60)
+        cmds.put(pb.StepCommand(start=reqs))
+        for batch in call:
+            assert not batch.ends, batch.ends
+            for d in batch.deltas:
+                if d.token_ids:
+                    out[d.request_id].append(list(d.token_ids))
+                if d.finish_reason:
+                    left.discard(d.request_id)
+            if not left:
+                break
+        cmds.put(None)
+        assert list(call) == []
+    return out
+
+
+def test_a_flush_interval_batches_tokens_on_the_node_and_changes_none(cluster) -> None:
+    addr = cluster.node("decode-0").grpc_address
+
+    def req(rid: str, flush_ms: int) -> pb.DecodeRequest:
+        s = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        return pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=[9, 8, 7], sampling=s, flush_interval_ms=flush_ms
+        )
+
+    got = _steps(addr, [req("every-step", 0), req("held", 150)])
+    every, held = got["every-step"], got["held"]
+    flat = [t for b in every for t in b]
+    assert len(flat) == 200 and [t for b in held for t in b] == flat  # the same tokens
+    assert len(held[0]) == 1  # the first token is not held (time to first token)
+    # 200 tokens over a few 150 ms windows: far fewer messages than steps, the end not delayed
+    assert len(held) < len(every) and len(held) < 40, (len(held), len(every))
+    _wait_free(cluster)
+
+
+def test_router_workers_add_up_their_metrics_and_die_together(cluster, tmp_path) -> None:
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from pdserve.config.cluster import ClusterConfig, write_cluster_config
+
+    def tokens() -> float:
+        m = re.search(
+            r"^pdserve:generation_tokens_total ([0-9.e+]+)$",
+            httpx.get(cluster.cluster.router_url + "/metrics").text,
+            re.M,
+        )
+        assert m, "no generation_tokens in /metrics"
+        return float(m.group(1))
+
+    before = tokens()
+    bodies = [
+        {"model": cluster.model_name, "prompt": [4, 5, 6 + i], "max_tokens": 8, "ignore_eos": True}
+        for i in range(6)
+    ]
+    for b in bodies:  # a new connection each: the kernel hands them to either worker
+        assert httpx.post(cluster.base_url + "/completions", json=b, timeout=60).status_code == 200
+    # any worker's /metrics is the sum over both (each scrape may land on either)
+    for _ in range(4):
+        assert tokens() - before == 6 * 8
+
+    # A second router (2 workers) on other ports: kill one worker, the router stops as a whole.
+    data = cluster.cluster.model_dump(mode="json", exclude_unset=True)
+    from pdserve.launcher import pick_base_port
+
+    data["router"] = {
+        **data["router"],
+        "port": pick_base_port("127.0.0.1", 40000 + os.getpid() % 5000),
+        "workers": 2,
+    }
+    cfg = write_cluster_config(ClusterConfig.from_dict(data), tmp_path / "router2.yaml")
+    log = open(tmp_path / "router2.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "router", "--config", str(cfg)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{data['router']['port']}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "router2.log").read_text()
+            time.sleep(0.3)
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [
+            int(k) for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read().replace("\0", " ")
+        ]
+        assert len(workers) == 2, kids
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0  # the router exits non-zero for its supervisor
+        assert (
+            not os.path.exists(f"/proc/{workers[1]}")
+            or open(f"/proc/{workers[1]}/stat").read().split()[2] == "Z"
+        )
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
 
 
 @pytest.fixture(scope="module")
