@@ -300,6 +300,16 @@ def http_level(
     return summarize(name, level, recs, wall)
 
 
+def _variant(v: str) -> str:
+    topology, *mods = v.split("+")
+    ok = topology in ("colocated", "pd") and all(
+        m == "per_request" or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1) for m in mods
+    )
+    if not ok:
+        raise argparse.ArgumentTypeError(f"variant {v!r}: colocated | pd, then optionally +per_request, +wN")
+    return v
+
+
 # -- servers -----------------------------------------------------------------------------------
 class Cluster:
     """Router + nodes as ``pdserve serve`` processes (colocated, or prefill + decode)."""
@@ -322,7 +332,9 @@ class Cluster:
         }
         if args.kv_transport != "tcp":
             node["kv_transport"] = args.kv_transport
-        topology, _, transport = kind.partition("+")
+        topology, *mods = kind.split("+")
+        transport = "per_request" if "per_request" in mods else ""
+        workers = next((int(m[1:]) for m in mods if m[:1] == "w" and m[1:].isdigit()), args.router_workers)
         if topology == "colocated":
             nodes = [
                 dict(node, name="colo-0", role="colocated", grpc_port=free_port(), metrics_port=free_port())
@@ -335,6 +347,8 @@ class Cluster:
         router: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "local_prefill_max_tokens": 0}
         if transport:
             router["decode_stream"] = transport
+        if workers > 1:
+            router["workers"] = workers
         cfg = {"model": str(model_dir), "served_model_name": SERVED_NAME, "router": router, "nodes": nodes}
         self.kind = kind = kind.replace("+", "-")
         self.cfg_path = run_dir / f"{kind}.yaml"
@@ -481,10 +495,12 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["colocated", "pd"],
-        choices=["colocated", "pd", "colocated+per_request", "pd+per_request"],
-        help="+per_request: the router's decode_stream per_request (one Decode stream per leg, the "
-        "design before issue 12) instead of the multiplexed Steps stream",
+        type=_variant,
+        help="colocated | pd, each optionally with +per_request (the router's decode_stream "
+        "per_request: one Decode stream per leg, the design before issue 12, instead of the "
+        "multiplexed Steps stream) and +wN (N router worker processes, router.workers)",
     )
+    ap.add_argument("--router-workers", type=int, default=1, help="router.workers of variants without +wN")
     ap.add_argument("--modes", nargs="+", default=["stream", "nostream"], choices=["stream", "nostream"])
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)

@@ -35,7 +35,7 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
 from services.router.breaker import CircuitBreaker, is_node_fault
-from services.router.step_mux import StepMux
+from services.router.step_mux import StepLeg, StepMux
 
 logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.5
@@ -459,7 +459,10 @@ class PDBackend:
         try:
             while True:
                 try:
-                    m = await asyncio.wait_for(call.read(), deadline)
+                    if isinstance(call, StepLeg):  # one timer for both deadlines, none if queued
+                        m = await call.read(deadline)
+                    else:
+                        m = await asyncio.wait_for(call.read(), deadline)
                 except TimeoutError:
                     # A frozen (SIGSTOPped) or wedged decode node: noticed within the leg's
                     # deadline, not by the request timeout; both legs are cancelled below.

@@ -62,18 +62,29 @@ class StepLeg:
         self._held: grpc.aio.AioRpcError | None = None
         self._deadline = asyncio.get_running_loop().time() + timeout_s
 
-    async def read(self) -> pb.Delta:
-        """The next delta, with everything else already queued for this leg merged into it."""
+    async def read(self, timeout_s: float | None = None) -> pb.Delta:
+        """The next delta, with everything else already queued for this leg merged into it.
+
+        ``timeout_s``: the caller's own wait (the leg's inter-token deadline); past it
+        ``TimeoutError`` is raised and the leg stays open. Past the request's deadline the leg
+        is cancelled and DEADLINE_EXCEEDED raised. A delta already queued is returned at once,
+        without a timer (a lagging reader pays nothing per delta for the deadlines)."""
         if self._held is not None:
             raise self._held
-        remaining = self._deadline - asyncio.get_running_loop().time()
-        try:
-            if remaining <= 0:
-                raise TimeoutError
-            item = await asyncio.wait_for(self._q.get(), remaining)
-        except TimeoutError:
-            self.cancel()
-            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if not self._q.empty():
+            item = self._q.get_nowait()
+        else:
+            remaining = self._deadline - asyncio.get_running_loop().time()
+            wait = remaining if timeout_s is None else min(remaining, timeout_s)
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                item = await asyncio.wait_for(self._q.get(), wait)
+            except TimeoutError:
+                if timeout_s is not None and timeout_s < remaining:
+                    raise
+                self.cancel()
+                raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         if isinstance(item, grpc.aio.AioRpcError):
             raise item
         while not item.finish_reason and not self._q.empty():
