@@ -112,6 +112,7 @@ def summarize(name: str, level: int, recs: list[dict], wall: float) -> dict:
     toks = sum(r["n"] for r in recs)
     ttfts = [r["ttft"] for r in recs if r.get("ttft") is not None]
     itls = [g for r in recs for g in r.get("itl", [])]
+    e2es = [r["t1"] - r["t0"] for r in recs if "t1" in r and "t0" in r]
     return {
         "variant": name,
         "concurrency": level,
@@ -124,6 +125,8 @@ def summarize(name: str, level: int, recs: list[dict], wall: float) -> dict:
         "ttft_p99_ms": round(1000 * pct(ttfts, 0.99), 1) if ttfts else None,
         "itl_p50_ms": round(1000 * pct(itls, 0.5), 2) if itls else None,
         "itl_p99_ms": round(1000 * pct(itls, 0.99), 2) if itls else None,
+        "e2e_p50_ms": round(1000 * pct(e2es, 0.5), 1) if e2es else None,
+        "e2e_max_ms": round(1000 * max(e2es), 1) if e2es else None,
         "tokens_per_chunk": round(toks / max(1, sum(r.get("chunks", 0) for r in recs)), 2)
         if any(r.get("chunks") for r in recs)
         else None,
@@ -598,7 +601,11 @@ def main() -> None:
                         label = f"{name} {mode}"
                         r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label)
                         raw.setdefault((label, lv), []).append(r)
-                        log(f"rep {rep} {label} c={lv}: {r['output_tok_s']} tok/s")
+                        log(
+                            f"rep {rep} {label} c={lv}: {r['output_tok_s']} tok/s, wall {r['wall_s']} s, "
+                            f"errors {r['errors']}, TTFT p50/p99 {r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms, "
+                            f"ITL p99 {r['itl_p99_ms']} ms, e2e p50/max {r['e2e_p50_ms']}/{r['e2e_max_ms']} ms"
+                        )
         rows.extend(median_row(rs) for rs in raw.values())
     finally:
         for cl in clusters:
