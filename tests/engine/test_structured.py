@@ -133,7 +133,8 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
     """Seeded constrained rows of three kinds beside unconstrained ones: every output is valid,
     the engine stayed asynchronous, and each deferred mask was filled only after the previous
     step's tokens were read (launch N, result N-1, sample N), never from a stale matcher."""
-    llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True, device="cpu")
+    # The default device: on a GPU machine this runs the CUDA path (side-stream copy, Triton mask).
+    llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
     rows = _mixed(32, temperature=1.0)
     events = _record(llm)
     outs = llm.generate(["The answer is"] * len(rows), [sp for _, sp in rows])
