@@ -248,6 +248,16 @@ class PinnedStaging:
             return torch.empty(t.shape, dtype=t.dtype)
         return self._take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
 
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor for the host to fill and then copy to the device: in this
+        step's pinned slot on CUDA (a plain tensor on CPU devices)."""
+        if not self.pinned:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return self._take(nbytes).view(dtype).view(shape)
+
     def to_device(self, values: array, dtype: torch.dtype) -> torch.Tensor:
         """``values`` on the device (1-D), queued without waiting for the device."""
         return self.stage(values, dtype).to(self.device, non_blocking=True)

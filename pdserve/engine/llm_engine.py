@@ -9,6 +9,13 @@ by then, so the host's work hides behind the GPU's:
     host   | sched N+1 | launch N+1 | wait N, process N | sched N+2 | launch N+2 | wait N+1 ...
     GPU    |  ... step N ............|.. step N+1 ...............................| step N+2
 
+A step with grammar-constrained rows is launched in two halves (as vLLM does): the forward
+first, then, once the previous step's tokens are on the host and have advanced the matchers,
+the bitmask fill and the sampler, while that forward runs on the device:
+
+    host   | sched N+1 | fwd N+1 | wait N, update N | fill masks N+1, sample N+1 | detok N | sched N+2
+    GPU    |  ... step N .........|.. fwd N+1 ......................| mask + sample N+1 |  fwd N+2
+
 ``step()`` therefore returns the deltas of the step before the one it launched. When the next
 step cannot be scheduled ahead (``Scheduler.can_schedule_ahead``: penalties, min_tokens, memory
 short enough that a preemption may be needed), the in-flight step is completed first, which is
@@ -429,8 +436,13 @@ class LLMEngine:
             self.runner.drop_finished(sched.finished_req_ids)
             self.fence.advance(sched.step_seq)
             return deltas
+        runner = self.runner
         try:
-            pending = self.runner.launch(sched)
+            if self.async_scheduling:
+                assert isinstance(runner, ModelRunner)
+                pending = runner.launch(sched, defer_masks=True)
+            else:
+                pending = runner.launch(sched)
         except BaseException:
             # The step never completes (e.g. a pipeline stage died): fail_all() passes its fence
             # so the blocks freed for its requests are not deferred forever.
@@ -438,8 +450,15 @@ class LLMEngine:
             raise
         if not self.async_scheduling:
             return self._complete(sched, pending)
+        assert isinstance(runner, ModelRunner)
         prev, self._inflight = self._inflight, (sched, pending)
-        return self._complete(*prev) if prev is not None else []
+        if prev is None:
+            if pending.deferred is not None:
+                runner.sample_deferred(pending)  # every token it depends on is on the host
+            return []
+        # A step with grammar rows came back with its sampler not launched: the previous step's
+        # tokens advance the matchers first, then the masks are filled (its forward runs meanwhile).
+        return self._complete(*prev, then=pending if pending.deferred is not None else None)
 
     def _complete_inflight(self) -> list[GenerationDelta]:
         if self._inflight is None:
@@ -447,8 +466,12 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         return self._complete(*prev)
 
-    def _complete(self, sched: SchedulerOutput, pending: PendingStep) -> list[GenerationDelta]:
-        """Wait for a launched step, then advance the fence and process its samples."""
+    def _complete(
+        self, sched: SchedulerOutput, pending: PendingStep, then: PendingStep | None = None
+    ) -> list[GenerationDelta]:
+        """Wait for a launched step, then advance the fence and process its samples. ``then``: the
+        next step, launched with its sampler deferred; launched here once this step's tokens are
+        in the requests' histories and before detokenizing (the host's work that can wait)."""
         out = pending.result()
         self.fence.advance(sched.step_seq)
         self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
@@ -457,6 +480,9 @@ class LLMEngine:
             if tr is not None and tr.prompt_logprobs is not None:
                 tr.prompt_logprobs[start : start + len(entries)] = entries
         touched = self.scheduler.update_from_output(sched, out.sampled)
+        if then is not None:
+            assert isinstance(self.runner, ModelRunner)
+            self.runner.sample_deferred(then)
         return self._process(touched, out.logprobs)
 
     def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:

@@ -32,8 +32,8 @@ from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_logprobs, prompt_logprob_spans
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
-from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.engine.structured import GrammarCompiler, GrammarState
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.structured import GrammarCompiler, GrammarState, advance, fill_bitmask
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors
@@ -80,6 +80,17 @@ class RunnerOutput:
 
 
 @dataclass
+class SampleJob:
+    """A launched step's logits and what its sampler needs. Kept when the step has grammar rows
+    whose masks can only be filled once the previous step's tokens are on the host."""
+
+    logits: torch.Tensor  # [num_sampled, vocab]: the weights' dtype when ``argmax``, else fp32
+    chunks: list[ScheduledChunk]  # the sampling chunks, one per logits row
+    argmax: bool  # every row is argmax_only: masked rows too take the argmax of these logits
+    grammar_rows: list[int]  # logits rows of requests with a structured-output constraint
+
+
+@dataclass
 class PendingStep:
     """A launched step: its device work is queued, its samples are being copied to the host.
 
@@ -96,8 +107,14 @@ class PendingStep:
 
     timeout_s: float = 300.0  # EngineConfig.step_timeout_s
     prompt: PromptLogprobTensors | None = None  # host copies (pinned on CUDA); read after the event
+    # Set while the sampler is not launched yet (ModelRunner.sample_deferred launches it).
+    deferred: SampleJob | None = None
 
     def result(self) -> RunnerOutput:
+        if self.deferred is not None:  # only on a fault path (the engine failed between the halves)
+            if self.deferred.logits.is_cuda:
+                torch.cuda.synchronize(self.deferred.logits.device)  # its forward still writes KV
+            raise RuntimeError("the step's sampler was never launched (its grammar masks were not filled)")
         if self.event is not None:
             wait_event(self.event, self.timeout_s, "a launched step")
         if self.staging is not None:
@@ -139,6 +156,7 @@ class ModelRunner:
         # next step feeds them to rows whose input token is still in flight.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        self._copy_stream: torch.cuda.Stream | None = None  # grammar bitmasks' host-to-device copies
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -284,12 +302,11 @@ class ModelRunner:
             self._generators.pop(rid, None)
             self._grammars.pop(rid, None)
 
-    def _grammar(self, request: Request, vocab_size: int) -> GrammarState | None:
-        """The request's matcher, built on first sight and caught up with its output tokens (on
-        decode after P/D: the first token prefill sampled under the same grammar)."""
+    def _grammar(self, request: Request, vocab_size: int) -> GrammarState:
+        """The request's matcher, built on first sight (``advance`` then feeds it the output
+        tokens so far; on decode after P/D: the first token prefill sampled under the grammar)."""
         structured = request.sampling_params.structured
-        if structured is None:
-            return None
+        assert structured is not None
         state = self._grammars.get(request.request_id)
         if state is None:
             if self._grammar_compiler is None:
@@ -300,8 +317,54 @@ class ModelRunner:
                 )
             state = self._grammar_compiler.matcher(*structured)
             self._grammars[request.request_id] = state
-        state.catch_up(request.output_token_ids)
         return state
+
+    def _apply_grammar_masks(self, job: SampleJob) -> None:
+        """Advance the matchers of ``job``'s grammar rows with their requests' output tokens, fill
+        the live ones' bitmask (one batched call, into pinned memory), copy it to the device on a
+        side stream and mask those rows of the logits in place. Rows of requests that finished
+        while the step was in flight are skipped (their tokens are dropped)."""
+        vocab = job.logits.shape[1]
+        pairs: list[tuple[GrammarState, list[int]]] = []
+        rows: list[int] = []
+        for i in job.grammar_rows:
+            req = job.chunks[i].request
+            if req.is_finished:
+                continue
+            # Only this step's own token may be in flight: every earlier one is in the history,
+            # so the mask is never built from a stale matcher.
+            assert req.num_output_placeholders == 1, (req.request_id, req.num_output_placeholders)
+            pairs.append((self._grammar(req, vocab), req.output_token_ids))
+            rows.append(i)
+        advance(pairs)
+        live = [(row, state) for row, (state, _) in zip(rows, pairs, strict=True) if state.live]
+        if not live:
+            return
+        host = self.staging.host_empty((len(live), (vocab + 31) // 32), torch.int32)
+        fill_bitmask([state for _, state in live], host)
+        bitmask = self._bitmask_to_device(host)
+        live_rows = [row for row, _ in live]
+        idx = (
+            None
+            if live_rows[-1] == len(live_rows) - 1  # rows 0..k-1 (increasing, distinct)
+            else self.staging.to_device(array("q", live_rows), torch.int64)
+        )
+        kernels.apply_token_bitmask_(job.logits, bitmask, idx)
+
+    def _bitmask_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """On CUDA a non-blocking copy on a side stream, so it overlaps the forward still running
+        on the compute stream (which waits for it before the mask kernel); the host ``host``
+        lives in this step's staging slot, reused only after the step's event."""
+        if not self.staging.pinned:
+            return host
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            dev = host.to(self.device, non_blocking=True)
+        main.wait_stream(self._copy_stream)
+        dev.record_stream(main)
+        return dev
 
     def execute(
         self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -310,9 +373,19 @@ class ModelRunner:
         return self.launch(sched, intermediate).result()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> PendingStep:
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        intermediate: IntermediateTensors | None = None,
+        *,
+        defer_masks: bool = False,
+    ) -> PendingStep:
         """Queue one step's device work and the copy of its samples to the host; returns at once
-        on CUDA (nothing here waits for the device, so the host can prepare the next step)."""
+        on CUDA (nothing here waits for the device, so the host can prepare the next step).
+
+        ``defer_masks`` (asynchronous scheduling): when a sampling row has a grammar, stop after
+        the logits and return a step whose ``deferred`` job ``sample_deferred`` finishes once the
+        previous step's tokens are on the host (the forward runs on the device meanwhile)."""
         self.drop_finished(sched.finished_req_ids)
         if sched.is_empty:
             return PendingStep([], None, None)
@@ -367,37 +440,52 @@ class ModelRunner:
             [c for c in sched.chunks if c.sample] if len(sample_idx) < batch.num_seqs else sched.chunks
         )
         reqs = [c.request for c in sampling_chunks]
-        if all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs):
-            # bf16 -> fp32 is exact: the argmax (first maximum on ties) is the same without the cast
-            logits = self.model.compute_logits(hidden, upcast=False)
-            samples = SampledTensors(kernels.argmax_rows(logits), [], [])  # no SamplerInput rows to build
+        argmax = all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs)
+        # bf16 -> fp32 is exact: the argmax (first maximum on ties) is the same without the cast
+        logits = self.model.compute_logits(hidden, upcast=not argmax)  # [num_sampled, vocab]
+        grammar_rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured is not None]
+        pending = PendingStep(
+            [r.request_id for r in reqs],
+            None,
+            None,
+            timeout_s=self.config.step_timeout_s,
+            prompt=prompt,
+            deferred=SampleJob(logits, sampling_chunks, argmax, grammar_rows),
+        )
+        if not (defer_masks and grammar_rows):
+            self.sample_deferred(pending)
+        return pending
+
+    @torch.inference_mode()
+    def sample_deferred(self, pending: PendingStep) -> None:
+        """Launch ``pending``'s sampler: grammar masks (in place), argmax or the sampler, the
+        copy of the samples to the host and the step's event. Nothing waits for the device."""
+        job = pending.deferred
+        assert job is not None, "the step's sampler was already launched"
+        pending.deferred = None
+        if job.grammar_rows:
+            self._apply_grammar_masks(job)
+        if job.argmax:
+            samples = SampledTensors(kernels.argmax_rows(job.logits), [], [])  # no SamplerInput rows
         else:
-            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
             inputs = [
                 SamplerInput(
                     params=c.request.sampling_params,
                     prompt_token_ids=c.request.prompt_token_ids,
                     output_token_ids=c.request.output_token_ids,
-                    generator=self._generator(c.request, logits.shape[1]),
+                    generator=self._generator(c.request, job.logits.shape[1]),
                     eos_token_ids=c.request.eos_token_ids,
-                    grammar=self._grammar(c.request, logits.shape[1]),
                 )
-                for c in sampling_chunks
+                for c in job.chunks
             ]
-            samples = self.sampler.sample(logits, inputs)
-        req_ids = [c.request.request_id for c in sampling_chunks]
+            samples = self.sampler.sample(job.logits, inputs)
         # The next step may feed these tokens to its rows before the host has read them.
-        self._prev_sampled, self._prev_rows = samples.token_ids, {rid: i for i, rid in enumerate(req_ids)}
+        self._prev_sampled = samples.token_ids
+        self._prev_rows = {rid: i for i, rid in enumerate(pending.req_ids)}
         if not self.staging.pinned:
-            return PendingStep(req_ids, samples, None, prompt=prompt)
-        host = samples.copy_to_host(self.staging.host_like)
-        event = self.staging.end_step()
+            pending.samples = samples
+            return
+        pending.samples = samples.copy_to_host(self.staging.host_like)
+        pending.event = self.staging.end_step()
         slot = self.staging.slot
-        return PendingStep(
-            req_ids,
-            host,
-            event,
-            staging=(self.staging, slot, self.staging.generation(slot)),
-            timeout_s=self.config.step_timeout_s,
-            prompt=prompt,
-        )
+        pending.staging = (self.staging, slot, self.staging.generation(slot))

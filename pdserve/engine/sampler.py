@@ -2,7 +2,8 @@
 
 Per row, in this order (vLLM / OpenAI semantics)::
 
-    logits ─► repetition penalty         prompt + output tokens: x > 0 → x / r, else x · r
+    logits ─► grammar mask               done by the model runner, in place, before this module
+           ─► repetition penalty         prompt + output tokens: x > 0 → x / r, else x · r
            ─► presence / frequency        output tokens only:     x -= p·[count > 0] + f·count
            ─► min_tokens mask             eos (unless ignore_eos) and stop_token_ids → -inf
            ─► logprobs taken here         log_softmax in float32: after penalties, before temperature
@@ -29,7 +30,6 @@ from pdserve import kernels
 from pdserve.engine.host_batch import PinnedStaging, copy_to_host
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import GrammarState, apply_masks
 
 
 @dataclass
@@ -43,8 +43,6 @@ class SamplerInput:
     # for the request's lifetime. None: the default generator.
     generator: torch.Generator | None
     eos_token_ids: frozenset[int]
-    # Structured outputs: the request's matcher, caught up with output_token_ids. None: free.
-    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -114,13 +112,13 @@ class SampledTensors:
 
 def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's token is the plain argmax of its logits (the sampler's fast path): greedy,
-    no penalties, no logprobs, min_tokens reached."""
+    no penalties, no logprobs, min_tokens reached. A grammar does not leave this path: the model
+    runner masks the row's logits in place before the argmax."""
     return (
         params.temperature == 0.0
         and params.logprobs is None
         and not params.has_penalties
         and num_output_tokens >= params.min_tokens
-        and params.structured is None
     )
 
 
@@ -158,14 +156,11 @@ class Sampler:
         min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
-        grammars = [(i, x.grammar) for i, x in enumerate(inputs) if x.grammar is not None]
 
         put = self._to_device(logits.device)
 
-        if penalised or min_tokens or grammars:
+        if penalised or min_tokens:
             logits = logits.clone()
-            if grammars:
-                apply_masks(logits, grammars)
             if penalised:
                 _apply_penalties(logits, [inputs[i] for i in penalised], penalised, put)
             if min_tokens:

@@ -186,10 +186,12 @@ class Scheduler:
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled while the last one's tokens are still in flight.
 
-        No: a request with a token in flight samples from its token history (penalties, a grammar, or
+        No: a request with a token in flight samples from its token history (penalties, or
         min_tokens not yet reached: the host's history lacks the in-flight token), or the free
         blocks might not cover every running request's next chunk (a preemption would have to
         wait for the in-flight step). The engine then completes the in-flight step first.
+        A grammar does not need this: its mask is filled after the in-flight step's tokens
+        reached the host, while the next step's forward already runs (``LLMEngine``).
         """
         bound = 0  # an upper bound of the blocks needed: 1 per decode, ceil(gap / bs) + 1 else
         bs = self.kv.block_size
@@ -198,7 +200,7 @@ class Scheduler:
             ph = req.num_output_placeholders
             if ph:
                 sp = req.sampling_params
-                if sp.has_penalties or sp.structured is not None or len(req.output_token_ids) < sp.min_tokens:
+                if sp.has_penalties or len(req.output_token_ids) < sp.min_tokens:
                     return False
             gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
             if gap > 0:

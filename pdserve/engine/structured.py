@@ -4,7 +4,10 @@ A request's constraint is a ``(kind, spec)`` pair on its SamplingParams (kinds b
 grammar is checked where the params are built (the router, or a node reading the proto), so a
 bad schema or regex is a 400 / INVALID_ARGUMENT naming the problem before anything runs.
 
-The sampler masks each constrained row with the matcher's token bitmask before sampling. The
+The model runner masks each constrained row's logits in place with its matcher's token bitmask
+before the argmax or the sampler (``kernels.apply_token_bitmask_``). Under asynchronous
+scheduling the mask of step N+1 is filled while N+1's forward runs on the device, after step N's
+tokens reached the host and advanced the matchers (``LLMEngine.execute_scheduled``). The
 matcher is rebuilt from the request's output tokens so far whenever the runner first sees the
 request: on the P/D path prefill samples the first token under the grammar, and decode replays
 that token into a fresh matcher before its first step. Compiled grammars are cached per
@@ -95,16 +98,20 @@ class GrammarState:
     num_accepted: int = 0
     failed: bool = field(default=False)
 
+    @property
+    def live(self) -> bool:
+        """Whether the next token is constrained (not failed, grammar not terminated)."""
+        return not self.failed and not self.matcher.is_terminated()
+
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Feed the tokens generated since the last call (all of them for a fresh matcher)."""
         for t in output_token_ids[self.num_accepted :]:
-            if self.matcher.is_terminated():
+            if self.failed or self.matcher.is_terminated():
                 break
             # A token the mask allowed is always accepted; a rejection means the history came
             # from outside the mask (e.g. replayed) and the row is left unconstrained from then on.
             if not self.matcher.accept_token(t):
                 self.failed = True
-                break
         self.num_accepted = len(output_token_ids)
 
 
@@ -115,16 +122,26 @@ def _batch_matcher() -> Any:  # -> xgrammar.BatchGrammarMatcher
     return xgr.BatchGrammarMatcher(max_threads="auto")
 
 
-def apply_masks(logits: Any, states: list[tuple[int, GrammarState]]) -> None:
-    """Mask ``logits`` [rows, V] in place: row i keeps only the tokens its grammar allows.
-
-    One batched fill (xgrammar's thread pool) for all constrained rows, one masked write."""
-    import xgrammar as xgr
-
-    live = [(row, s) for row, s in states if not s.failed and not s.matcher.is_terminated()]
-    if not live:
+def advance(states: list[tuple[GrammarState, list[int]]]) -> None:
+    """Catch each matcher up with its request's output tokens. The steady state (one new token
+    per matcher since the last step) is one batched accept; anything else goes token by token."""
+    one: list[GrammarState] = []
+    tokens: list[int] = []
+    for state, out in states:
+        if len(out) == state.num_accepted + 1 and state.live:
+            one.append(state)
+            tokens.append(out[-1])
+        else:
+            state.catch_up(out)
+    if not one:
         return
-    rows = [row for row, _ in live]
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [rows, ceil(V/32)] int32, CPU
-    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, indices=rows)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    accepted = _batch_matcher().batch_accept_token([s.matcher for s in one], tokens)
+    for state, ok in zip(one, accepted, strict=True):
+        state.num_accepted += 1
+        state.failed = state.failed or not ok
+
+
+def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
+    """Row i of ``bitmask`` ([len(states), ceil(V / 32)] int32, host) := state i's allowed next
+    tokens; one call, on xgrammar's thread pool."""
+    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)

@@ -1,9 +1,10 @@
 """Kernels: Triton on GPUs, pure-torch twins on CPU (and as test references).
 
 Call sites use only the dispatching functions below (``rms_norm``, ``fused_add_rms_norm``,
-``gated_rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``argmax_rows``); which implementation runs
+``gated_rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``argmax_rows``, ``apply_token_bitmask_``); which implementation runs
 is decided by each family's one capability predicate (``triton_can_run``, ``rotary_can_run``,
-``silu_and_mul_can_run``, ``argmax_unsupported_reason``); ``set_backend``/``use_backend`` force a
+``silu_and_mul_can_run``, ``argmax_unsupported_reason``,
+``bitmask_unsupported_reason``); ``set_backend``/``use_backend`` force a
 side for all of them.
 """
 
@@ -17,6 +18,7 @@ from pdserve.kernels.activation import (
 )
 from pdserve.kernels.argmax import argmax_rows, argmax_unsupported_reason
 from pdserve.kernels.backend import Backend, get_backend, set_backend, use_backend
+from pdserve.kernels.bitmask import apply_token_bitmask_, bitmask_unsupported_reason
 from pdserve.kernels.rmsnorm import (
     MAX_HIDDEN,
     fused_add_rms_norm,
@@ -43,8 +45,10 @@ __all__ = [
     "Backend",
     "apply_rotary",
     "apply_rotary_torch",
+    "apply_token_bitmask_",
     "argmax_rows",
     "argmax_unsupported_reason",
+    "bitmask_unsupported_reason",
     "fused_add_rms_norm",
     "fused_add_rms_norm_torch",
     "gated_rms_norm",

@@ -60,3 +60,177 @@ def test_json_schema_output_validates(tiny_models, make_llm) -> None:
 def test_invalid_constraint_names_the_problem(structured, needle) -> None:
     with pytest.raises(InvalidRequestError, match=needle):
         SamplingParams(structured=structured)
+
+
+# -- asynchronous scheduling: the mask of step N+1 is filled after step N's tokens are known --
+
+PATTERN = r"[a-c]{2,5}-[0-9]{3}"
+CHOICES = ["red", "green", "blue sky"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["color", "n"],
+    "additionalProperties": False,
+}
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(PATTERN, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    obj = json.loads(text)
+    return obj["color"] in ("red", "green") and 0 <= obj["n"] <= 9 and set(obj) == {"color", "n"}
+
+
+def _mixed(n: int, temperature: float) -> list[tuple[str | None, SamplingParams]]:
+    """Constrained rows of three kinds between unconstrained ones (greedy and sampled)."""
+    specs = {"regex": PATTERN, "choice": json.dumps(CHOICES), "json_schema": json.dumps(SCHEMA)}
+    out: list[tuple[str | None, SamplingParams]] = []
+    for i in range(n):
+        kind = [None, "regex", "choice", "json_schema"][i % 4]
+        if kind is None:
+            t = 0.0 if i % 8 == 0 else 1.0
+            out.append((None, SamplingParams(temperature=t, seed=i, max_tokens=12 + i % 5, ignore_eos=True)))
+        else:
+            sp = SamplingParams(
+                temperature=temperature, seed=i, max_tokens=120, structured=(kind, specs[kind])
+            )
+            out.append((kind, sp))
+    return out
+
+
+def _record(llm) -> list[tuple[str, int]]:
+    """Log ('launch' | 'result' | 'sample', step_seq) of the runner; 'sample' = a deferred sampler."""
+    runner = llm.engine.runner
+    events: list[tuple[str, int]] = []
+    launch, sample = runner.launch, runner.sample_deferred
+
+    def recording_launch(sched, *a, **kw):
+        pending = launch(sched, *a, **kw)
+        events.append(("launch", sched.step_seq))
+        pending.step_seq = sched.step_seq
+        result = pending.result
+
+        def recording_result():
+            events.append(("result", sched.step_seq))
+            return result()
+
+        pending.result = recording_result
+        return pending
+
+    def recording_sample(pending):
+        seq = getattr(pending, "step_seq", None)  # None: called inside launch (not deferred)
+        if seq is not None:
+            events.append(("sample", seq))
+        return sample(pending)
+
+    runner.launch, runner.sample_deferred = recording_launch, recording_sample
+    return events
+
+
+def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, make_llm) -> None:
+    """Seeded constrained rows of three kinds beside unconstrained ones: every output is valid,
+    the engine stayed asynchronous, and each deferred mask was filled only after the previous
+    step's tokens were read (launch N, result N-1, sample N), never from a stale matcher."""
+    # The default device: on a GPU machine this runs the CUDA path (side-stream copy, Triton mask).
+    llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
+    rows = _mixed(32, temperature=1.0)
+    events = _record(llm)
+    outs = llm.generate(["The answer is"] * len(rows), [sp for _, sp in rows])
+    for (kind, sp), o in zip(rows, outs, strict=True):
+        if kind is None:
+            assert len(o.token_ids) == sp.max_tokens and o.finish_reason == "length"
+        else:
+            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+    assert len({o.text for (k, _), o in zip(rows, outs, strict=True) if k == "regex"}) > 1  # sampled
+    # The first step has no previous one to wait for: its sampler follows its launch at once.
+    deferred = [s for e, s in events if e == "sample" and ("result", s - 1) in events]
+    assert len(deferred) >= 10, events
+    for s in deferred:
+        launch_at, sample_at = events.index(("launch", s)), events.index(("sample", s))
+        assert launch_at < events.index(("result", s - 1)) < sample_at, (s, events)
+    assert not llm.engine.runner._grammars or llm.engine.scheduler._finished_since_last_step
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_async_constrained_tokens_equal_the_synchronous_engine(temperature, tiny_models, make_llm) -> None:
+    rows = _mixed(16, temperature)
+    params = [sp for _, sp in rows]
+    got = {}
+    for mode in (False, True):
+        llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=mode, device="cpu")
+        got[mode] = [
+            (o.token_ids, o.text, o.finish_reason) for o in llm.generate(["Say"] * len(rows), params)
+        ]
+    assert got[True] == got[False]
+    for (kind, _), (_, text, _) in zip(rows, got[True], strict=True):
+        assert kind is None or _valid(kind, text), (kind, text)
+
+
+def test_greedy_constrained_rows_keep_the_argmax_path_and_mask_only_their_rows(
+    tiny_models, make_llm, monkeypatch
+) -> None:
+    """No fp32 sampler for greedy rows with a grammar; the mask kernel gets the grammar rows only."""
+    from pdserve import kernels
+
+    llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device="cpu")
+    runner = llm.engine.runner
+    calls: list[list[int] | None] = []
+    apply = kernels.apply_token_bitmask_
+
+    def spy(logits, bitmask, rows=None):
+        calls.append(None if rows is None else rows.tolist())
+        assert bitmask.shape[0] == (len(calls[-1]) if rows is not None else bitmask.shape[0])
+        return apply(logits, bitmask, rows)
+
+    monkeypatch.setattr(kernels, "apply_token_bitmask_", spy)
+    monkeypatch.setattr(runner.sampler, "sample", lambda *a: pytest.fail("the sampler ran"))
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    regex = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, structured=("regex", "[ab]+"))
+    outs = llm.generate(["x"] * 4, [free, regex, free, regex])
+    assert all(re.fullmatch("[ab]+", o.text) for o in outs[1::2])
+    assert calls and all(c == [1, 3] for c in calls), calls
+
+
+def test_finishing_and_aborted_constrained_rows_with_a_step_in_flight(tiny_models, make_llm) -> None:
+    """A grammar that ends (EOS forced), max_tokens mid-grammar, a stop string and an abort, each
+    while the next step is already launched: right outputs, nothing held afterwards."""
+    llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device="cpu")
+    eng = llm.engine
+    specs = {
+        "ends": SamplingParams(
+            temperature=1.0, seed=1, max_tokens=60, structured=("choice", json.dumps(CHOICES))
+        ),
+        "length": SamplingParams(temperature=1.0, seed=2, max_tokens=5, structured=("regex", "[a-c]{20,40}")),
+        "stop": SamplingParams(
+            temperature=1.0, seed=3, max_tokens=60, stop=["c"], structured=("regex", "[a-c]{20,40}")
+        ),
+        "abort": SamplingParams(temperature=1.0, seed=4, max_tokens=60, structured=("regex", "[a-c]{20,40}")),
+        "free": SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    }
+    for rid, sp in specs.items():
+        eng.add_request("The answer is", sp, rid)
+    text = dict.fromkeys(specs, "")
+    reasons: dict[str, str | None] = {}
+    for _ in range(4):
+        for d in eng.step():
+            text[d.request_id] += d.text
+            if d.finish_reason is not None:
+                reasons[d.request_id] = d.finish_reason
+    assert eng._inflight is not None and "abort" not in reasons
+    for d in eng.abort(["abort"]):
+        reasons[d.request_id] = d.finish_reason
+    aborted_text = text["abort"]
+    while eng.has_unfinished():
+        for d in eng.step():
+            text[d.request_id] += d.text
+            if d.finish_reason is not None:
+                reasons[d.request_id] = d.finish_reason
+    assert reasons == {"abort": "abort", "ends": "stop", "length": "length", "stop": "stop", "free": "length"}
+    assert text["ends"] in CHOICES
+    assert re.fullmatch("[a-c]{5}", text["length"]) or len(text["length"]) >= 5, text["length"]
+    assert re.fullmatch("[ab]*", text["stop"]), text["stop"]
+    assert text["abort"] == aborted_text and re.fullmatch("[a-c]*", text["abort"])
+    eng.step()  # the finished ids reach the runner with the next schedule
+    assert eng.runner._grammars == {} and eng.kv.pool.num_used_blocks == 0 and eng.kv.num_deferred_blocks == 0

@@ -1,0 +1,90 @@
+"""Grammar token masks: ``apply_token_bitmask_`` dispatch, torch twin and capability predicate.
+
+    apply_token_bitmask_(logits, bitmask, rows)
+        logits  [num_rows, V] fp16 / bf16 / fp32, written in place
+        bitmask [k, ceil(V / 32)] int32: bit j of word w is token 32 * w + j, 1 = allowed
+        rows    [k] int64 on the logits' device: the logits row of each bitmask row; None = 0..k-1
+
+A token whose bit is 0 becomes -inf in its row; rows not named keep their logits untouched, so a
+mixed batch pays only for its constrained rows. The bitmask is compact (one row per constrained
+request, xgrammar's layout), not one row per batch row. The Triton kernel is one launch over
+(k, vocabulary chunks); the torch twin unpacks the bits into a [k, V] mask.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pdserve.errors import UnsupportedError
+from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_triton
+
+_triton_impl: ModuleType | None = None
+
+
+def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    assert logits.dim() == 2 and bitmask.dim() == 2, (tuple(logits.shape), tuple(bitmask.shape))
+    assert bitmask.dtype == torch.int32 and bitmask.shape[1] * 32 >= logits.shape[1], (
+        bitmask.dtype,
+        tuple(bitmask.shape),
+        tuple(logits.shape),
+    )
+    k = bitmask.shape[0]
+    assert (rows is None and k <= logits.shape[0]) or (rows is not None and rows.shape == (k,)), k
+
+
+def bitmask_unsupported_reason(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
+) -> str | None:
+    """Why the Triton kernel cannot run this case, or None if it can."""
+    reason = device_unsupported_reason(logits, bitmask, *(() if rows is None else (rows,)))
+    if reason is not None:
+        return reason
+    if logits.dtype not in TRITON_DTYPES:
+        return f"dtype {logits.dtype} is not one of fp16/bf16/fp32"
+    if logits.stride(1) != 1 or not bitmask.is_contiguous():
+        return "logits rows and the bitmask must be contiguous"
+    return None
+
+
+def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    k, vocab = bitmask.shape[0], logits.shape[1]
+    if k == 0:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    banned = ((bitmask.unsqueeze(-1) >> shifts) & 1) == 0  # [k, W, 32]
+    banned = banned.view(k, -1)[:, :vocab]  # [k, V]
+    if rows is None:
+        logits[:k].masked_fill_(banned, float("-inf"))
+        return
+    sub = logits.index_select(0, rows)  # [k, V]
+    sub.masked_fill_(banned, float("-inf"))
+    logits.index_copy_(0, rows, sub)
+
+
+def _triton() -> ModuleType:
+    global _triton_impl
+    if _triton_impl is None:
+        from pdserve.kernels import triton_bitmask
+
+        _triton_impl = triton_bitmask
+    return _triton_impl
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """Set the disallowed tokens of ``logits[rows]`` to -inf, in place (no host sync)."""
+    _check(logits, bitmask, rows)
+    if not wants_triton(logits):
+        apply_token_bitmask_torch(logits, bitmask, rows)
+        return
+    reason = bitmask_unsupported_reason(logits, bitmask, rows)
+    if reason is not None:
+        raise UnsupportedError(
+            f"no bitmask kernel for {tuple(logits.shape)} {logits.dtype} on {logits.device}: {reason}; "
+            "use the torch backend (kernels.set_backend('torch')) or a supported case"
+        )
+    if bitmask.shape[0]:
+        _triton().apply_token_bitmask_fwd(logits, bitmask, rows)

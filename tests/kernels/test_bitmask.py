@@ -1,0 +1,67 @@
+"""Grammar bitmask kernel vs a per-token reference: compact rows, row indices, ragged vocabulary,
+several chunks, dtypes, dispatch. On CPU under TRITON_INTERPRET=1 (tests/kernels/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.kernels import apply_token_bitmask_, bitmask_unsupported_reason
+from pdserve.kernels.bitmask import apply_token_bitmask_torch
+from pdserve.kernels.triton_bitmask import BLOCK
+
+CUDA = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+def _reference(logits: torch.Tensor, allowed: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    for r, row in enumerate(rows):
+        out[row][~allowed[r]] = float("-inf")
+    return out
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[k, V] bool -> [k, ceil(V / 32)] int32 (bit j of word w = token 32 w + j), xgrammar's layout."""
+    k, vocab = allowed.shape
+    words = -(-vocab // 32)
+    padded = torch.zeros(k, words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    packed = (padded.view(k, words, 32) * weights).sum(-1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_rows", "vocab", "rows"), [(4, 37, [2, 0]), (5, BLOCK + 77, [4, 1, 3]), (3, 512, None)]
+)
+def test_bitmask_matches_reference(force_triton, device, dtype, num_rows, vocab, rows) -> None:
+    torch.manual_seed(vocab)
+    logits = torch.randn(num_rows, vocab).to(dtype)
+    k = len(rows) if rows is not None else num_rows
+    allowed = torch.rand(k, vocab) < 0.3
+    allowed[:, -1] = True  # the ragged last word
+    want = _reference(logits, allowed, rows if rows is not None else list(range(k)))
+    bitmask = _pack(allowed)
+    for impl in ("triton", "torch"):
+        x = logits.to(device)
+        idx = torch.tensor(rows, device=device) if rows is not None else None
+        if impl == "triton":
+            assert bitmask_unsupported_reason(x, bitmask.to(device), idx) is None
+            apply_token_bitmask_(x, bitmask.to(device), idx)
+        else:
+            apply_token_bitmask_torch(x, bitmask.to(device), idx)
+        assert torch.equal(x.cpu(), want), impl  # rows not named are untouched, allowed values kept
+
+
+def test_dispatch_and_empty(device) -> None:
+    x = torch.zeros(2, 40, device=device)
+    bitmask = torch.zeros(0, 2, dtype=torch.int32, device=device)
+    apply_token_bitmask_(x, bitmask, torch.empty(0, dtype=torch.long, device=device))
+    assert torch.equal(x, torch.zeros(2, 40, device=device))
+    with kernels.use_backend("torch"):
+        one = torch.tensor([[1 << 3, 0]], dtype=torch.int32, device=device)  # only token 3
+        apply_token_bitmask_(x, one)
+    assert torch.isinf(x[0]).sum() == 39 and x[0, 3] == 0 and not torch.isinf(x[1]).any()
