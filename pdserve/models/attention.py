@@ -23,6 +23,8 @@ Two implementations, picked once per runner by ``select_attention_backend`` (the
     ---------------   -------------   --------------------------------------------------------
     auto              CPU             torch (gather the context, SDPA)
     auto              CUDA            Triton (pdserve.kernels.triton_attention); unsupported: raise
+                                      (prefill steps of fresh prompts: cuDNN, cudnn_prefill.py;
+                                      small prefill steps: FA2 varlen, flash_prefill.py)
     triton            any             Triton (CPU needs TRITON_INTERPRET=1); unsupported: raise
     torch             any             torch
 
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import UnsupportedError
-from pdserve.models import flash_prefill
+from pdserve.models import cudnn_prefill, flash_prefill
 
 AttentionBackend = Literal["torch", "triton"]
 TRITON_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,6 +73,8 @@ class AttentionMetadata:
     _ctx_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     # Flash prefill path (flash_prefill.py): each key's block and offset, cumulative key counts.
     _flash_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # cuDNN prefill path (cudnn_prefill.py): its split of the step into fresh and other rows.
+    _dense_plan: object | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -80,6 +84,7 @@ class AttentionMetadata:
         """The device tensors were overwritten in place for a new step: drop derived caches."""
         self._ctx_index = None
         self._flash_index = None
+        self._dense_plan = None
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -255,7 +260,10 @@ def attend_cached(
     """Causal attention of each request's query tokens over its paged context, this step's K/V
     already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``."""
     if meta.backend == "triton":
-        out = flash_prefill.attend(q, kv_cache, meta, scale)  # None: not a step for flash
+        # prefill steps: cuDNN for fresh prompts, else flash for small steps (None: not for it)
+        out = cudnn_prefill.attend(q, kv_cache, meta, scale)
+        if out is None:
+            out = flash_prefill.attend(q, kv_cache, meta, scale)
         return out if out is not None else _attend_triton(q, kv_cache, meta, scale)
     assert meta.backend == "torch", f"attention backend {meta.backend!r}"
     num_tokens, num_heads, head_dim = q.shape
