@@ -30,17 +30,18 @@ _CHUNK_ITERS = 8  # inner iterations per program: 128 KiB per program
 
 @triton.jit
 def _batched_copy_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    # desc row i: (src - base, dst - base, length), all in int32 words; base is 16-byte aligned
+    # desc row i: (src - base, dst - base, length) in 16-byte units; base is 16-byte aligned, so
+    # every address below is a multiple of 4 int32 words (the compiler sees it: 128-bit accesses)
     i = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * (BLOCK * ITERS)
-    words = tl.load(desc_ptr + i * 3 + 2)
+    words = tl.load(desc_ptr + i * 3 + 2) * 4
     if start < words:
-        src = tl.multiple_of(tl.load(desc_ptr + i * 3), 4)
-        dst = tl.multiple_of(tl.load(desc_ptr + i * 3 + 1), 4)
+        src = base_ptr + tl.load(desc_ptr + i * 3) * 4
+        dst = base_ptr + tl.load(desc_ptr + i * 3 + 1) * 4
         for it in range(ITERS):
             offs = start + it * BLOCK + tl.arange(0, BLOCK)
             mask = offs < words
-            tl.store(base_ptr + dst + offs, tl.load(base_ptr + src + offs, mask=mask), mask=mask)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def aligned(copies: Sequence[tuple[int, int, int]]) -> bool:
@@ -65,7 +66,7 @@ def batched_copy(
         desc = torch.empty((len(copies), 3), dtype=torch.int64, device=device)
         base = desc.data_ptr()  # any 16-byte aligned device address will do as the origin
         host = torch.tensor(
-            [[(s - base) // _WORD, (d - base) // _WORD, n // _WORD] for s, d, n in copies],
+            [[(s - base) // ALIGN, (d - base) // ALIGN, n // ALIGN] for s, d, n in copies],
             dtype=torch.int64,
         ).pin_memory()
         desc.copy_(host, non_blocking=True)
