@@ -11,7 +11,7 @@ and the relative error against the paged Triton kernel's output on the same data
   cudnn-varlen    aten._cudnn_attention_forward with cumulative lengths, GQA and K/V expanded
   sdpa-<backend>  torch SDPA on dense [B, H, S, D] forced to one backend, GQA and expanded
   njt-cudnn       SDPA on jagged nested tensors with the cuDNN backend
-  cudnn-per-seq   SDPA (cuDNN) once per prompt
+  cudnn-per-seq   SDPA (cuDNN) once per prompt on [1, H, S, D] views (models/cudnn_prefill.py)
 
 Then the chunked-prefill case: one prompt whose last 500 queries come after 1,500 cached keys,
 run through the varlen ops, to see which causal alignment they apply (the engine needs bottom-
@@ -172,13 +172,14 @@ def main() -> None:
             for i in range(b):
                 sl = slice(i * s, (i + 1) * s)
                 o = F.scaled_dot_product_attention(
-                    q[sl].transpose(0, 1),
-                    kx[sl].transpose(0, 1),
-                    vx[sl].transpose(0, 1),
+                    q[sl].unsqueeze(0).transpose(1, 2),
+                    k[sl].unsqueeze(0).transpose(1, 2),
+                    v[sl].unsqueeze(0).transpose(1, 2),
                     is_causal=True,
                     scale=scale,
+                    enable_gqa=True,
                 )
-                out[sl] = o.transpose(0, 1)
+                out[sl] = o[0].transpose(0, 1)
         return out
 
     rec("cudnn-per-seq", per_seq)
@@ -271,7 +272,28 @@ def main() -> None:
                 entry[tag] = f"{type(e).__name__}: {str(e)[:200]}"
         cold.append(entry)
         log(f"cudnn varlen cold/warm ms {entry}")
+    # dense per-prompt calls (what cudnn_prefill does): first call of a new length vs repeats
+    dense_cold: list[dict[str, Any]] = []
+    for n in (1280, 1536, 1792, 2048):
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(
+                    q[:n].unsqueeze(0).transpose(1, 2),
+                    k[:n].unsqueeze(0).transpose(1, 2),
+                    v[:n].unsqueeze(0).transpose(1, 2),
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        dense_cold.append({"len": n, "ms": times})
+        log(f"cudnn dense [1, H, {n}, D] first / repeat ms {times}")
     res = {
+        "dense_cold_shapes": dense_cold,
         "cold_shapes": cold,
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),

@@ -211,8 +211,10 @@ def rotary_and_store_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k by position, store the new tokens' rotated K and V in the cache; return q.
+    ``k_out`` ([n, Hkv, D], contiguous): the rotated k is also written there (cudnn_prefill).
 
     ``kernels.apply_rotary`` followed by ``write_kv_cache``. On the Triton path this is one launch
     (``triton_rotary.rotary_store_kv_fwd``): the KV store rides along with the rotation.
@@ -224,10 +226,12 @@ def rotary_and_store_kv(
 
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         return triton_rotary.rotary_store_kv_fwd(
-            q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping
+            q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping, k_out
         )
     q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
     _store_kv(k, v, kv_cache, meta)
+    if k_out is not None:
+        k_out.copy_(k)
     return q
 
 
@@ -255,13 +259,20 @@ def paged_attention(
 
 
 def attend_cached(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged context, this step's K/V
-    already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``."""
+    already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``.
+    ``k``, ``v``: optionally this step's rotated keys and values in token order ([n, Hkv, D]),
+    which the cuDNN prefill path reads instead of gathering them from the cache."""
     if meta.backend == "triton":
         # prefill steps: cuDNN for fresh prompts, else flash for small steps (None: not for it)
-        out = cudnn_prefill.attend(q, kv_cache, meta, scale)
+        out = cudnn_prefill.attend(q, kv_cache, meta, scale, k, v)
         if out is None:
             out = flash_prefill.attend(q, kv_cache, meta, scale)
         return out if out is not None else _attend_triton(q, kv_cache, meta, scale)

@@ -27,21 +27,25 @@ def _reference(q, cache, meta, backend, monkeypatch):
             meta.refilled()
 
 
-@pytest.mark.parametrize("gqa", [True, False])
+@pytest.mark.parametrize("pass_keys", [True, False])
 @pytest.mark.parametrize(
     "qlens,seqlens",
     [
-        ([2000, 1000, 37], [2000, 1000, 37]),  # fresh prompts only: one cuDNN call
-        ([512, 1500, 1, 300, 17], [900, 1500, 400, 300, 17]),  # chunk after context, decode row
+        ([2000, 1024, 300], [2000, 1024, 300]),  # fresh prompts only (1024: no padding needed)
+        # a chunk after context, a short fresh prompt (Triton), a decode row, two fresh prompts
+        ([512, 1500, 100, 1, 1300, 17], [900, 1500, 100, 400, 1300, 30]),
     ],
 )
-def test_cudnn_prefill_matches_triton_and_torch(qlens, seqlens, gqa, monkeypatch):
-    monkeypatch.setattr(cudnn_prefill, "GQA", gqa)
+def test_cudnn_prefill_matches_triton_and_torch(qlens, seqlens, pass_keys, monkeypatch):
     q, cache, meta = _batch(qlens, seqlens, torch.bfloat16)
     assert cudnn_prefill.applicable(q, meta)
-    out = attend_cached(q, cache, meta, D**-0.5)
+    k = v = None
+    if pass_keys:  # what the model passes: the step's keys and values in token order
+        blk, off = meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size
+        k, v = cache[blk, 0, off].clone(), cache[blk, 1, off].clone()
+    out = attend_cached(q, cache, meta, D**-0.5, k, v)
     assert cudnn_prefill._broken is None, cudnn_prefill._broken
-    assert meta._dense_plan is not None  # the cuDNN path ran
+    assert meta._dense_plan is not None and meta._dense_plan.num_fresh >= 1024  # the cuDNN path ran
     assert out.shape == q.shape and torch.isfinite(out).all()
     for backend in ("triton", "torch"):
         ref = _reference(q, cache, meta, backend, monkeypatch)
@@ -60,3 +64,5 @@ def test_cudnn_prefill_stays_off_for_small_steps_graphs_fp32_and_decodes():
     assert not cudnn_prefill.applicable(q, meta)  # below MIN_FRESH_TOKENS
     q, cache, meta = _batch([1500, 1500], [1600, 2000], torch.bfloat16)  # no fresh row
     assert cudnn_prefill.attend(q, cache, meta, D**-0.5) is None
+    q, cache, meta = _batch([200] * 8, [200] * 8, torch.bfloat16)  # fresh, but every prompt short
+    assert not cudnn_prefill.applicable(q, meta)
