@@ -346,7 +346,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
         (out / "gpu_prefill.json").write_text(json.dumps(res, indent=1))  # partial results survive a timeout
-    flash_prefill.ENABLED = cudnn_prefill.ENABLED = True
+    flash_prefill.ENABLED, cudnn_prefill.ENABLED = True, False
     if not args.skip_sweep:
         res["sweep"] = attention_sweep(8, args.prompt_len)
         ok = sorted((r for r in res["sweep"] if "ms" in r), key=lambda r: r["ms"])

@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENABLED = True
+# Off by default: this dense per-prompt form has not run on the GPU yet (the varlen form it
+# replaces measured 0.037 of peak in the engine, docs/benchmarks.md); turn on after measuring.
+ENABLED = False
 _broken: str | None = None  # why the cuDNN op failed in this process, if it did
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)  # what cuDNN's fused attention kernels take on Hopper, checked on the H200

@@ -14,6 +14,11 @@ from tests.gpu.test_flash_prefill import D, _batch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.fixture(autouse=True)
+def _cudnn_on(monkeypatch):
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)  # off by default until measured
+
+
 def _reference(q, cache, meta, backend, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(cudnn_prefill, "ENABLED", False)
