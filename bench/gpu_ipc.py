@@ -94,7 +94,14 @@ def main() -> None:
         ][:nblk],
     }
     res: dict = {"prompt_tokens": args.prompt_tokens, "blocks": nblk, "rows": []}
-    for name, dst_blocks in layouts.items():
+    from pdserve.kvtransfer import cuda_ipc
+
+    runs = [(name, dst, cuda_ipc.BATCHED_COPY_MIN) for name, dst in layouts.items()]
+    # the same scattered blocks as one cudaMemcpyAsync each (the path before the batched kernel)
+    runs.append(("scattered, memcpy per block", layouts["scattered"], 1 << 30))
+    batched_min = cuda_ipc.BATCHED_COPY_MIN
+    for name, dst_blocks, copy_min in runs:
+        cuda_ipc.BATCHED_COPY_MIN = copy_min
         counter = [0]
         # The engine holds a finished prompt's blocks before any push: not part of the transfer,
         # so every hold is made before the timed pushes (each push then frees its own hold).
@@ -119,6 +126,7 @@ def main() -> None:
                 "GBps": r.bytes / ms / 1e6,
             }
         )
+    cuda_ipc.BATCHED_COPY_MIN = batched_min
     # The backend's write alone (descriptors built once): the copy plus the ctypes / directory
     # cost, without KVProducer's validation and descriptor building.
     descs = build_descriptors(align_regions(src_regions, dst_regions), src_blocks, layouts["consecutive"])

@@ -1,13 +1,14 @@
 """Prefill throughput on one GPU: pdserve's engine vs transformers' forward pass, per-kernel profile.
 
     PYTHONPATH=. python3 bench/gpu_prefill.py --out DIR [--budgets 2048 16384 65536]
-        [--triton-budgets 16384] [--num-prompts 32] [--prompt-len 2000] [--skip-transformers] [--skip-sweep] [--skip-profile]
+        [--triton-budgets 16384] [--runs 16384:cudnn 16384:flash] [--profile 16384:auto] [--num-prompts 32] [--prompt-len 2000] [--skip-transformers] [--skip-sweep] [--skip-profile]
 
 Same Llama-1B-shaped random bf16 checkpoint as gpu_decode.py (``--model-dir``). Parts:
   engine     32 fresh prompts of 2,000 random tokens, ``max_tokens=1``, prefix caching off,
              through ``engine.step()`` at each token budget (``max_num_batched_tokens``; prompts
              longer than the budget's share are chunked), after a warm-up with the same shapes;
-             attention by the flash prefill path, and at ``--triton-budgets`` again with it off.
+             attention as the engine picks it (cuDNN / flash / Triton), at ``--triton-budgets``
+             again with the Triton kernel alone, and ``--runs BUDGET:MODE`` with one path forced.
   flops      matmuls (2 * N * K per token) + causal attention (4 * H * D * (ctx + 1) per token,
              summed over positions) + the LM head for the last token of each prompt, over the
              989 TFLOP/s bf16 dense peak (and over a cuBLAS 8192^3 bf16 GEMM measured here).
@@ -40,6 +41,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 PEAK_TFLOPS = 989.0
+# auto: cuDNN for fresh prompts + flash for small steps + Triton (the engine's default)
+MODES = ("auto", "cudnn", "flash", "triton")
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
 
@@ -247,6 +250,13 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/pdserve-gpu-decode-model")
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 16384, 65536])
     ap.add_argument("--triton-budgets", type=int, nargs="*", default=[16384], help="again, flash prefill off")
+    ap.add_argument(
+        "--runs", nargs="*", default=[], help="more runs, BUDGET:MODE (mode: " + " ".join(MODES) + ")"
+    )
+    ap.add_argument(
+        "--profile", nargs="*", default=[], help="BUDGET:MODE runs to profile (default: last --budgets)"
+    )
+    ap.add_argument("--cudnn-gqa", type=int, default=1, help="1: KV heads as they are, 0: expanded")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--hf-batch", type=int, default=4)
@@ -269,12 +279,22 @@ def main() -> None:
     }
     log(f"cuBLAS 8192^3 bf16: {res['gemm_tflops']:.0f} TFLOP/s")
     tokens_ref = None
-    from pdserve.models import flash_prefill
+    profile_at = {(int(x.partition(":")[0]), x.partition(":")[2] or "auto") for x in args.profile}
+    if not args.profile and args.budgets:
+        profile_at = {(args.budgets[-1], "auto")}
+    from pdserve.models import cudnn_prefill, flash_prefill
 
-    runs = [(b, True) for b in args.budgets] + [(b, False) for b in args.triton_budgets]
-    for budget, flash in runs:
+    runs = [(b, "auto") for b in args.budgets] + [(b, "triton") for b in args.triton_budgets]
+    for spec in args.runs:
+        b, _, mode = spec.partition(":")
+        assert mode in MODES, f"--runs {spec!r}: mode must be one of {MODES}"
+        runs.append((int(b), mode))
+    for budget, mode in runs:
         p: dict[str, Any] | None = None
+        flash = mode in ("auto", "flash")
         flash_prefill.ENABLED = flash
+        cudnn_prefill.ENABLED = mode in ("auto", "cudnn")
+        cudnn_prefill.GQA = args.cudnn_gqa
         engine = make_engine(model_dir, budget, args.num_prompts)
         run_prompts(engine, prompts[: max(2, budget // args.prompt_len + 1)], "warm")
         run_prompts(engine, prompts, "warm2")
@@ -284,13 +304,18 @@ def main() -> None:
             times.append(dt)
         dt = min(times)
         tokens_ref = tokens_ref or toks
+        cudnn_ran = cudnn_prefill.ENABLED and cudnn_prefill._broken is None
+        flash_ran = flash and flash_prefill._broken is None and budget <= flash_prefill.MAX_FLASH_TOKENS
         row = {
             "budget": budget,
-            # what ran: the flash path takes only steps of at most MAX_FLASH_TOKENS tokens
-            "attention": "flash"
-            if flash and flash_prefill._broken is None and budget <= flash_prefill.MAX_FLASH_TOKENS
-            else "triton",
+            "mode": mode,
+            # what ran: cuDNN takes steps with >= MIN_FRESH_TOKENS fresh tokens (others fall
+            # through), flash only steps of at most MAX_FLASH_TOKENS tokens
+            "attention": "+".join(
+                [n for n, ran in (("cudnn", cudnn_ran), ("flash", flash_ran)) if ran] or ["triton"]
+            ),
             "flash_error": flash_prefill._broken,
+            "cudnn_error": cudnn_prefill._broken,
             "seconds": dt,
             "steps": steps,
             "tok_s": args.num_prompts * args.prompt_len / dt,
@@ -300,11 +325,11 @@ def main() -> None:
         }
         res["engine"].append(row)
         log(
-            f"budget {budget} ({row['attention']} attention): {row['tok_s']:,.0f} prompt tok/s, {row['tflops']:.0f} TFLOP/s = "
+            f"budget {budget} {mode} ({row['attention']} attention): {row['tok_s']:,.0f} prompt tok/s, {row['tflops']:.0f} TFLOP/s = "
             f"{row['of_peak']:.3f} of peak ({steps} steps, first tokens same as budget {args.budgets[0]}: "
             f"{row['first_tokens_equal_first_budget']})"
         )
-        if flash and budget == args.budgets[-1] and not args.skip_profile:
+        if (budget, mode) in profile_at and not args.skip_profile:
             try:
                 res["profile"] = p = profile_engine(engine, prompts)
             except (RuntimeError, AttributeError) as e:  # a profiler API difference must not sink the run
@@ -321,7 +346,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
         (out / "gpu_prefill.json").write_text(json.dumps(res, indent=1))  # partial results survive a timeout
-    flash_prefill.ENABLED = True
+    flash_prefill.ENABLED, cudnn_prefill.ENABLED = True, False
     if not args.skip_sweep:
         res["sweep"] = attention_sweep(8, args.prompt_len)
         ok = sorted((r for r in res["sweep"] if "ms" in r), key=lambda r: r["ms"])

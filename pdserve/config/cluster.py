@@ -41,6 +41,12 @@ KV_ROLE_OF_ROLE: dict[str, KvRole | None] = {
     "encoder": None,
 }
 DECODE_CAPABLE_ROLES = ("decode", "colocated")
+# Token budget of one step when the file sets none. A prefill node only turns prompts into KV:
+# large steps keep the tensor cores busy (H200, Llama-1B shape, 2k-token prompts: 0.545 of the
+# bf16 peak at 8,192-16,384 tokens against 0.337 at 2,048, docs/benchmarks.md issue 17). Every
+# other role keeps 2,048, which bounds the inter-token latency of the decodes sharing a step.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+PREFILL_MAX_NUM_BATCHED_TOKENS = 16384
 _NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -150,7 +156,10 @@ class NodeConfig(_Frozen):
     kv_transport: Literal["tcp", "rdma", "cuda_ipc"] = "tcp"  # Mooncake TCP / RDMA, or same-host CUDA IPC
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
     max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Token budget of one engine step. None: derived from the role by the resolver (prefill
+    # PREFILL_MAX_NUM_BATCHED_TOKENS, every other role DEFAULT_MAX_NUM_BATCHED_TOKENS); a value
+    # written in the file is kept.
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     # Overload (issue 12): requests that do not fit wait in the queue; past max_queue_len waiting
     # (admitted, never scheduled) a new one is refused, and one waiting longer than
     # max_queue_wait_s is dropped: both reach the client as the router's 503 (OpenAI error body),

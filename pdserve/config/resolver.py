@@ -14,6 +14,14 @@ warning naming the node, the field, the hand-set value and the derived one.
     accept_mm_embeds = allow_missing_mm_embeds = ec_consumer or (KV consumer of a multimodal model)
     where "KV consumer" is kv_consumer or kv_both. accept_mm_embeds is only ever turned on:
     a hand-set True stays True even where it is not derived.
+
+Role-derived defaults (a value written in the file wins; these fill only what it leaves out):
+
+    max_num_batched_tokens   prefill: PREFILL_MAX_NUM_BATCHED_TOKENS (16,384): a prefill node's
+                             steps are all prompt tokens, and larger steps run closer to the
+                             tensor cores' peak; colocated / decode / encoder:
+                             DEFAULT_MAX_NUM_BATCHED_TOKENS (2,048), which bounds the
+                             inter-token latency of the decodes that share a step.
 """
 
 from __future__ import annotations
@@ -25,7 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.config.cluster import KV_ROLE_OF_ROLE, ClusterConfig, EcRole, KvRole, NodeConfig, Role
+from pdserve.config.cluster import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_ROLE_OF_ROLE,
+    PREFILL_MAX_NUM_BATCHED_TOKENS,
+    ClusterConfig,
+    EcRole,
+    KvRole,
+    NodeConfig,
+    Role,
+)
 from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.errors import ConfigError, InvalidRequestError
 
@@ -107,6 +124,12 @@ class ResolvedNode:
         return self.node.allow_missing_mm_embeds
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        """The step's token budget: the file's value, else the role's default (module docstring)."""
+        n = self.node.max_num_batched_tokens
+        return n if n is not None else default_max_num_batched_tokens(self.role)
+
+    @property
     def mm_policy(self) -> MmPolicy:
         return MmPolicy(
             self.name,
@@ -132,7 +155,7 @@ class ResolvedNode:
             cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=n.max_num_seqs,
-                max_num_batched_tokens=n.max_num_batched_tokens,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_queue_len=n.max_queue_len,
                 max_queue_wait_s=n.max_queue_wait_s,
             ),
@@ -143,6 +166,11 @@ class ResolvedNode:
                 pp_layer_split=n.pp_layer_split,
             ),
         )
+
+
+def default_max_num_batched_tokens(role: str) -> int:
+    """The token budget of a node of ``role`` whose file entry sets none."""
+    return PREFILL_MAX_NUM_BATCHED_TOKENS if role == "prefill" else DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def resolve_node_settings(
@@ -175,6 +203,9 @@ def resolve_node_settings(
     kv_consumer = kv_role in ("kv_consumer", "kv_both")
     mm_embeds = ec_role == "ec_consumer" or (kv_consumer and multimodal)
 
+    defaults: dict[str, Any] = {}  # role-derived defaults: only where the file sets nothing
+    if node.max_num_batched_tokens is None:
+        defaults["max_num_batched_tokens"] = default_max_num_batched_tokens(node.role)
     derived: dict[str, Any] = {
         "kv_role": kv_role,
         "ec_role": ec_role,
@@ -198,7 +229,7 @@ def resolve_node_settings(
             )
             overridden.append(field)
     return ResolvedNode(
-        node=node.model_copy(update=derived),
+        node=node.model_copy(update={**derived, **defaults}),
         cluster=cluster,
         served_model_name=cluster.served_name(node.model),
         is_multimodal=multimodal,

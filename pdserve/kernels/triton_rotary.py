@@ -108,6 +108,7 @@ def _rotary_store_kv_kernel(
     q_out_ptr,
     kv_ptr,
     slot_ptr,
+    k_out_ptr,  # STORE_K: the rotated k also goes here, [n, Hkv, D] contiguous
     q_tok_stride,
     q_head_stride,
     k_tok_stride,
@@ -126,10 +127,14 @@ def _rotary_store_kv_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STORE_K: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     cos, sin, d, d_mask = _rotate_q(q_ptr, pos_ptr, cache_ptr, q_out_ptr, tok, q_tok_stride, q_head_stride,
                                     cache_stride, NUM_Q_HEADS, HALF, HALF_PAD, BLOCK_HQ)  # fmt: skip
+    if STORE_K:
+        _rotate_heads(k_ptr, k_out_ptr + tok * NUM_KV_HEADS * (2 * HALF), tok, k_tok_stride, k_head_stride,
+                      2 * HALF, cos, sin, d, d_mask, NUM_KV_HEADS, HALF, BLOCK_HK)  # fmt: skip
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:  # slot < 0: padding row of a captured batch, nothing to store
         dst = kv_ptr + (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_pos
@@ -201,9 +206,12 @@ def rotary_store_kv_fwd(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotated q ([n, H, D], fresh); rotated k and v stored at ``slot_mapping`` in ``kv_cache`` (one
-    layer's view [num_blocks, 2, block_size, Hkv, D], head_dim unit-stride; mutated in place)."""
+    layer's view [num_blocks, 2, block_size, Hkv, D], head_dim unit-stride; mutated in place).
+    ``k_out`` ([n, Hkv, D] contiguous): the rotated k is also written there, token order (the
+    cuDNN prefill path reads the step's keys from it instead of gathering them from the cache)."""
     _check(q, k, positions, cos_sin_cache)
     n, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]
@@ -213,13 +221,15 @@ def rotary_store_kv_fwd(
     assert slot_mapping.shape == (n,) and slot_mapping.dtype == torch.int64, f"slots {slot_mapping.shape}"
     assert kv_cache.device == q.device == slot_mapping.device == v.device
     q_out = torch.empty((n, num_q_heads, dim), dtype=q.dtype, device=q.device)
+    if k_out is not None:
+        assert k_out.shape == k.shape and k_out.is_contiguous() and k_out.dtype == k.dtype, "k_out"
     if n == 0:
         return q_out
     _rotary_store_kv_kernel[(n,)](
-        q, k, v, positions, cos_sin_cache, q_out, kv_cache, slot_mapping,
+        q, k, v, positions, cos_sin_cache, q_out, kv_cache, slot_mapping, q_out if k_out is None else k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        BLOCK_SIZE=kv_cache.shape[2], **_launch_shape(num_q_heads, num_kv_heads, dim),
+        BLOCK_SIZE=kv_cache.shape[2], STORE_K=k_out is not None, **_launch_shape(num_q_heads, num_kv_heads, dim),
     )  # fmt: skip
     return q_out

@@ -23,6 +23,8 @@ Two implementations, picked once per runner by ``select_attention_backend`` (the
     ---------------   -------------   --------------------------------------------------------
     auto              CPU             torch (gather the context, SDPA)
     auto              CUDA            Triton (pdserve.kernels.triton_attention); unsupported: raise
+                                      (prefill steps of fresh prompts: cuDNN, cudnn_prefill.py;
+                                      small prefill steps: FA2 varlen, flash_prefill.py)
     triton            any             Triton (CPU needs TRITON_INTERPRET=1); unsupported: raise
     torch             any             torch
 
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import UnsupportedError
-from pdserve.models import flash_prefill
+from pdserve.models import cudnn_prefill, flash_prefill
 
 AttentionBackend = Literal["torch", "triton"]
 TRITON_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,6 +73,8 @@ class AttentionMetadata:
     _ctx_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     # Flash prefill path (flash_prefill.py): each key's block and offset, cumulative key counts.
     _flash_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # cuDNN prefill path (cudnn_prefill.py): its split of the step into fresh and other rows.
+    _dense_plan: object | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -80,6 +84,7 @@ class AttentionMetadata:
         """The device tensors were overwritten in place for a new step: drop derived caches."""
         self._ctx_index = None
         self._flash_index = None
+        self._dense_plan = None
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -206,8 +211,10 @@ def rotary_and_store_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k by position, store the new tokens' rotated K and V in the cache; return q.
+    ``k_out`` ([n, Hkv, D], contiguous): the rotated k is also written there (cudnn_prefill).
 
     ``kernels.apply_rotary`` followed by ``write_kv_cache``. On the Triton path this is one launch
     (``triton_rotary.rotary_store_kv_fwd``): the KV store rides along with the rotation.
@@ -219,10 +226,12 @@ def rotary_and_store_kv(
 
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         return triton_rotary.rotary_store_kv_fwd(
-            q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping
+            q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping, k_out
         )
     q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
     _store_kv(k, v, kv_cache, meta)
+    if k_out is not None:
+        k_out.copy_(k)
     return q
 
 
@@ -250,12 +259,22 @@ def paged_attention(
 
 
 def attend_cached(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged context, this step's K/V
-    already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``."""
+    already stored (``paged_attention`` without the write). Same shapes as ``paged_attention``.
+    ``k``, ``v``: optionally this step's rotated keys and values in token order ([n, Hkv, D]),
+    which the cuDNN prefill path reads instead of gathering them from the cache."""
     if meta.backend == "triton":
-        out = flash_prefill.attend(q, kv_cache, meta, scale)  # None: not a step for flash
+        # prefill steps: cuDNN for fresh prompts, else flash for small steps (None: not for it)
+        out = cudnn_prefill.attend(q, kv_cache, meta, scale, k, v)
+        if out is None:
+            out = flash_prefill.attend(q, kv_cache, meta, scale)
         return out if out is not None else _attend_triton(q, kv_cache, meta, scale)
     assert meta.backend == "torch", f"attention backend {meta.backend!r}"
     num_tokens, num_heads, head_dim = q.shape

@@ -28,6 +28,7 @@ from torch import nn
 from pdserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pdserve.errors import ConfigError
 from pdserve.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
+from pdserve.models import cudnn_prefill
 from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
 from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
 
@@ -159,8 +160,9 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
         q, k = self.qk_norm(q, k)  # before RoPE (Qwen3)
-        q = rotary_and_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta)  # rotated q, fresh
-        out = attend_cached(q, kv_cache, meta, self.scale)  # [n, H/tp, D]
+        k_out = cudnn_prefill.key_buffer(q, k, meta)  # the rotated keys too, for cuDNN prefill steps
+        q = rotary_and_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta, k_out)  # rotated q
+        out = attend_cached(q, kv_cache, meta, self.scale, k_out, v if k_out is not None else None)
         return row_parallel(self.o_proj, out.reshape(n, self.q_size))  # [n, hidden]
 
 

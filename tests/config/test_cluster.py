@@ -473,3 +473,31 @@ def test_encoder_faults_act_on_encoder_nodes_only() -> None:
         d = {**data, "nodes": [data["nodes"][0], {**data["nodes"][1], "faults": {fault: 1.0}}]}
         with pytest.raises(ConfigError, match="encoder nodes only, not on role decode"):
             ClusterConfig.from_dict(d)
+
+
+def test_token_budget_is_derived_from_the_role_unless_the_file_sets_it() -> None:
+    from pdserve.config.cluster import DEFAULT_MAX_NUM_BATCHED_TOKENS, PREFILL_MAX_NUM_BATCHED_TOKENS
+
+    c = ClusterConfig.from_dict(
+        _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062), _node("c0", "colocated", 50063))
+    )
+    assert c.node("p0").max_num_batched_tokens is None  # the file said nothing
+    budgets = {
+        name: resolve_node_settings(c, name, is_multimodal=_text)
+        .engine_config()
+        .scheduler.max_num_batched_tokens
+        for name in ("p0", "d0", "c0")
+    }
+    assert budgets == {
+        "p0": PREFILL_MAX_NUM_BATCHED_TOKENS,
+        "d0": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "c0": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    }
+    assert PREFILL_MAX_NUM_BATCHED_TOKENS > DEFAULT_MAX_NUM_BATCHED_TOKENS
+    r = resolve_node_settings(c, "p0", is_multimodal=_text)
+    assert r.node.max_num_batched_tokens == r.max_num_batched_tokens == PREFILL_MAX_NUM_BATCHED_TOKENS
+    assert r.overridden == ()  # a default filled in, nothing hand-set replaced
+    # a value written in the file is the user's: kept for every role, prefill too
+    set_ = ClusterConfig.from_dict(_1p1d(max_num_batched_tokens=1024))
+    r = resolve_node_settings(set_, "p0", is_multimodal=_text)
+    assert r.engine_config().scheduler.max_num_batched_tokens == 1024 and r.overridden == ()

@@ -149,3 +149,25 @@ def test_restarted_peer_is_refused_by_epoch(sender):
         assert second.digest() == digest_of(expect)
     finally:
         second.stop()
+
+
+def test_scattered_blocks_go_as_one_batched_copy_and_land_byte_exact(sender, peer, monkeypatch):
+    from pdserve.kernels import triton_copy
+    from pdserve.kvtransfer import cuda_ipc
+
+    launches = []
+    real = triton_copy.batched_copy
+    monkeypatch.setattr(triton_copy, "batched_copy", lambda c, *a: (launches.append(len(c)), real(c, *a)))
+    backend, kv = sender
+    src_regions = regions_for_kv_cache(kv.data_ptr(), NUM_BLOCKS, LAYERS, **GEOM)
+    prod = KVProducer(backend, src_regions, 16, lambda tid: None)
+    src_blocks = [30, 2, 17, 5, 11, 23, 8, 26, 14, 0]  # no two consecutive on either side
+    dst_blocks = [1, 29, 4, 19, 7, 12, 25, 9, 31, 15]
+    prod.on_hold("t8", src_blocks, need_send=1)
+    res = prod.push("t8", dst_blocks, 16 * len(src_blocks), peer.regions, peer.session)
+    assert res.ok, res.error
+    assert res.num_descriptors == len(src_blocks) >= cuda_ipc.BATCHED_COPY_MIN
+    assert launches == [len(src_blocks)], cuda_ipc._batched_unavailable
+    expect = torch.zeros_like(kv)
+    expect[dst_blocks] = kv[src_blocks]
+    assert peer.digest() == digest_of(expect)

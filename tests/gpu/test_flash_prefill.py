@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models import flash_prefill
+from pdserve.models import cudnn_prefill, flash_prefill
 from pdserve.models.attention import AttentionMetadata, attend_cached
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -58,7 +58,8 @@ def _batch(qlens: list[int], seqlens: list[int], dtype: torch.dtype, static: boo
         ([300, 512, 1, 17], [300, 900, 400, 17]),  # a chunk after context and a decode row
     ],
 )
-def test_flash_prefill_matches_triton(qlens, seqlens):
+def test_flash_prefill_matches_triton(qlens, seqlens, monkeypatch):
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", False)  # this test is about the flash path
     q, cache, meta = _batch(qlens, seqlens, torch.bfloat16)
     assert flash_prefill.applicable(q, meta)
     out = attend_cached(q, cache, meta, D**-0.5)

@@ -171,8 +171,11 @@ def test_rotary_and_store_kv_fused_equals_rotary_then_write(num_heads, num_kv_he
     for backend in ("torch", "triton"):
         cache = case.cache.clone()
         m = dataclasses.replace(meta, backend=backend)
-        q_rot = rotary_and_store_kv(case.q, case.k, case.v, positions, cos_sin, cache[:, 1], m)
+        k_out = torch.full(case.k.shape, float("nan"), dtype=case.k.dtype, device=dev)
+        q_rot = rotary_and_store_kv(case.q, case.k, case.v, positions, cos_sin, cache[:, 1], m, k_out)
         results[backend] = (q_rot, cache, attend_cached(q_rot, cache[:, 1], m, head_dim**-0.5))
+        # the rotated keys also in token order (cudnn_prefill's k_out), padding row included
+        torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5, msg=backend)
     torch.testing.assert_close(results["triton"][0], q_ref, rtol=1e-5, atol=1e-5)
     # (the "torch" attention path still rotates with the Triton kernel on CUDA: backend "auto")
     torch.testing.assert_close(results["torch"][0], q_ref, rtol=1e-5, atol=1e-5)
