@@ -107,6 +107,11 @@ class RouterConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
+        if self.decode_stream == "per_request" and "nonstream_flush_ms" in self.model_fields_set:
+            raise ConfigError(
+                f"router.nonstream_flush_ms ({self.nonstream_flush_ms}) needs router.decode_stream "
+                "multiplexed (the Steps stream); per_request sends every step's tokens"
+            )
         if self.nonstream_flush_ms / 1000.0 > self.inter_token_timeout_s / 2:
             raise ConfigError(
                 f"router.nonstream_flush_ms ({self.nonstream_flush_ms}) is over half of "

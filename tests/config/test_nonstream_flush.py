@@ -1,0 +1,16 @@
+"""router.nonstream_flush_ms: acted on (Steps stream) or refused at start (issue 12)."""
+
+import pytest
+
+from pdserve.config.cluster import RouterConfig
+
+
+def test_nonstream_flush_is_refused_with_the_per_request_stream() -> None:
+    with pytest.raises(ValueError, match="nonstream_flush_ms"):
+        RouterConfig(decode_stream="per_request", nonstream_flush_ms=50)
+    assert RouterConfig(decode_stream="per_request").nonstream_flush_ms == 100  # default: unused, allowed
+
+
+def test_nonstream_flush_over_half_the_inter_token_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="inter_token_timeout_s"):
+        RouterConfig(nonstream_flush_ms=8000, inter_token_timeout_s=15.0)
