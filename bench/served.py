@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -268,7 +269,10 @@ def _client_proc(
 
             ready.put(1)
             await asyncio.to_thread(go.wait)  # every client process starts at once
-            return list(await asyncio.gather(*(run(p) for p in prompts)))
+            c0 = time.process_time()
+            recs = list(await asyncio.gather(*(run(p) for p in prompts)))
+            recs[0]["client_cpu_s"] = time.process_time() - c0
+            return recs
 
     out.put(asyncio.run(main()))
 
@@ -281,6 +285,7 @@ def http_level(
     level: int,
     stream: bool,
     name: str,
+    server_pids: dict[str, int] | None = None,
 ) -> dict:
     nproc = max(1, min(args.client_procs, level))
     ctx = mp.get_context("spawn")
@@ -295,21 +300,53 @@ def http_level(
         for s, lv in zip(shares, levels, strict=True)
         if s
     ]
+    t_spawn = time.perf_counter()
     for p in procs:
         p.start()
     for _ in procs:  # every client imported, connected and waiting
         ready.get(timeout=300)
+    t_ready = time.perf_counter()
+    cpu0 = {k: proc_cpu_s(pid) for k, pid in (server_pids or {}).items()}
     go.set()
     recs: list[dict] = []
     for _ in procs:
         recs.extend(q.get(timeout=1800))
-    for p in procs:
-        p.join(timeout=30)
+    cpu = {k: round(proc_cpu_s(pid) - cpu0[k], 3) for k, pid in (server_pids or {}).items()}
+    cpu["clients"] = round(sum(r.get("client_cpu_s", 0.0) for r in recs), 3)
+    t_done = time.perf_counter()
+    for p in procs:  # a client that has handed over its records has nothing left to do
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    phases = (t_ready - t_spawn, t_done - t_ready, time.perf_counter() - t_done)
+    log(f"  {name} c={level}: clients up {phases[0]:.1f} s, load {phases[1]:.1f} s, exit {phases[2]:.1f} s")
     errors = [r["error"] for r in recs if r.get("error")]
     if errors:
         log(f"  {name} c={level}: {len(errors)} errors, first: {errors[0]}")
     wall = max(r["t1"] for r in recs) - min(r["t0"] for r in recs)
-    return summarize(name, level, recs, wall)
+    res = summarize(name, level, recs, wall)
+    # CPU seconds each process spent per 1,000 output tokens (user + system, children included):
+    # where a host with few cores spends what the served path costs.
+    ntok = sum(r["n"] for r in recs) or 1
+    res["cpu_ms_per_tok"] = {k: round(v * 1e3 / ntok, 3) for k, v in cpu.items()}
+    return res
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants (router workers, stage processes)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (t / "children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _variant(v: str) -> str:
@@ -318,7 +355,9 @@ def _variant(v: str) -> str:
         m == "per_request" or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1) for m in mods
     )
     if not ok:
-        raise argparse.ArgumentTypeError(f"variant {v!r}: colocated | pd, then optionally +per_request, +wN")
+        raise argparse.ArgumentTypeError(
+            f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers)"
+        )
     return v
 
 
@@ -330,6 +369,7 @@ class Cluster:
         import yaml
 
         self.kind = kind
+        self.name = kind  # the variant name servers[] uses
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -418,6 +458,35 @@ class Cluster:
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             f.close()
+
+
+def start_spies(cl: Cluster, run_dir: Path, tag: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy record (raw collapsed stacks, per thread) on every process of ``cl`` until stopped."""
+    # on PATH, next to this interpreter (a venv), or under a --target folder on sys.path (.whl)
+    near = [Path(sys.executable).parent / "py-spy"] + [Path(p) / "bin" / "py-spy" for p in sys.path if p]
+    exe = shutil.which("py-spy") or next((str(c) for c in near if c.is_file()), None)
+    if exe is None:
+        log("py-spy not found: --profile-level skipped")
+        return []
+    spies = []
+    for pname, pid in cl.pids().items():
+        out = run_dir / f"pyspy-{tag}-{pname}.txt"
+        cmd = [exe, "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--threads"]
+        cmd += ["--subprocesses", "--nonblocking", "--duration", "120", "--output", str(out)]
+        cmd += os.environ.get("PYSPY_ARGS", "").split()  # e.g. --gil: only samples holding the GIL
+        spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "wb")))
+    time.sleep(1.0)  # py-spy attaches
+    return spies
+
+
+def stop_spies(spies: list[subprocess.Popen[bytes]]) -> None:
+    for sp in spies:
+        sp.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for sp in spies:
+        try:
+            sp.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            sp.kill()
 
 
 def warm(url: str, model: str, prompts: list[list[int]], args: argparse.Namespace) -> None:
@@ -526,6 +595,13 @@ def main() -> None:
         "slower, docs/bench-engine-cpu.md), torch's own default on GPU; 0 = torch's default",
     )
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
+    ap.add_argument(
+        "--profile-level",
+        type=int,
+        default=None,
+        help="at this level (first repetition) sample every server process with py-spy (raw "
+        "collapsed stacks per thread, one file per process, variant and mode, next to --out)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.kv_bytes is None:
@@ -586,6 +662,7 @@ def main() -> None:
                 vllm_info = {"version": version}
                 vserver.start(600.0)
                 servers["vllm"] = vserver.url
+        clusters_by_name = {cl.name: cl for cl in clusters}
         # warm-up: every server and the engine see every batch shape once
         wl = max(levels)
         wp = make_prompts(max(8, wl), args.prompt_tokens, vocab, seed=12345)
@@ -608,12 +685,20 @@ def main() -> None:
                         modes = args.modes
                     for mode in modes:
                         label = f"{name} {mode}"
-                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label)
+                        spies = []
+                        if rep == 0 and lv == args.profile_level and name in clusters_by_name:
+                            spies = start_spies(clusters_by_name[name], run_dir, f"{name}-{mode}-c{lv}")
+                        pids = clusters_by_name[name].pids() if name in clusters_by_name else None
+                        if name == "vllm" and vserver is not None and vserver.proc is not None:
+                            pids = {"vllm": vserver.proc.pid}  # API server + its engine core child
+                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label, pids)
+                        stop_spies(spies)
                         raw.setdefault((label, lv), []).append(r)
                         log(
                             f"rep {rep} {label} c={lv}: {r['output_tok_s']} tok/s, wall {r['wall_s']} s, "
                             f"errors {r['errors']}, TTFT p50/p99 {r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms, "
-                            f"ITL p99 {r['itl_p99_ms']} ms, e2e p50/max {r['e2e_p50_ms']}/{r['e2e_max_ms']} ms"
+                            f"ITL p99 {r['itl_p99_ms']} ms, e2e p50/max {r['e2e_p50_ms']}/{r['e2e_max_ms']} ms, "
+                            f"CPU ms/tok {r.get('cpu_ms_per_tok')}"
                         )
         rows.extend(median_row(rs) for rs in raw.values())
     finally:

@@ -340,7 +340,10 @@ class ModelRunner:
         live = [(row, state) for row, (state, _) in zip(rows, pairs, strict=True) if state.live]
         if not live:
             return
-        host = self.staging.host_empty((len(live), (vocab + 31) // 32), torch.int32)
+        assert self._grammar_compiler is not None  # made by the first _grammar() call above
+        # The bitmask covers the tokenizer's ids (GrammarCompiler.mask_vocab); the mask kernel
+        # bans every logits column past it (the LM head's padding rows).
+        host = self.staging.host_empty((len(live), self._grammar_compiler.mask_words), torch.int32)
         fill_bitmask([state for _, state in live], host)
         bitmask = self._bitmask_to_device(host)
         live_rows = [row for row, _ in live]

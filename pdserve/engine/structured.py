@@ -69,10 +69,17 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
         import xgrammar as xgr
 
+        # The grammar covers the tokenizer's ids only, not the model's padded vocabulary: ids past
+        # the tokenizer are no token at all, the mask kernel bans every column past the bitmask,
+        # and xgrammar's accept_token costs grow with the padding (36 µs instead of 1.7 per token
+        # for a 616-token tokenizer in a 128,256-row LM head: the grammar bench's Llama-1B shape).
+        mask_vocab = min(vocab_size, max(len(tokenizer), max(stop_token_ids or [0]) + 1))
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+            tokenizer, vocab_size=mask_vocab, stop_token_ids=stop_token_ids
         )
         self.vocab_size = vocab_size
+        self.mask_vocab = mask_vocab  # ids the bitmask covers; every id from here on is banned
+        self.mask_words = (mask_vocab + 31) // 32  # int32 words per bitmask row
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self._cache: dict[tuple[str, str], Any] = {}
 
@@ -142,6 +149,6 @@ def advance(states: list[tuple[GrammarState, list[int]]]) -> None:
 
 
 def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
-    """Row i of ``bitmask`` ([len(states), ceil(V / 32)] int32, host) := state i's allowed next
-    tokens; one call, on xgrammar's thread pool."""
+    """Row i of ``bitmask`` ([len(states), GrammarCompiler.mask_words] int32, host) := state i's
+    allowed next tokens; one call, on xgrammar's thread pool."""
     _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)

@@ -2,7 +2,9 @@
 
     apply_token_bitmask_(logits, bitmask, rows)
         logits  [num_rows, V] fp16 / bf16 / fp32, written in place
-        bitmask [k, ceil(V / 32)] int32: bit j of word w is token 32 * w + j, 1 = allowed
+        bitmask [k, W] int32: bit j of word w is token 32 * w + j, 1 = allowed; W <= ceil(V / 32):
+                tokens past 32 * W are banned (a grammar over a tokenizer smaller than the model's
+                padded vocabulary)
         rows    [k] int64 on the logits' device: the logits row of each bitmask row; None = 0..k-1
 
 A token whose bit is 0 becomes -inf in its row; rows not named keep their logits untouched, so a
@@ -25,7 +27,7 @@ _triton_impl: ModuleType | None = None
 
 def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     assert logits.dim() == 2 and bitmask.dim() == 2, (tuple(logits.shape), tuple(bitmask.shape))
-    assert bitmask.dtype == torch.int32 and bitmask.shape[1] * 32 >= logits.shape[1], (
+    assert bitmask.dtype == torch.int32 and (bitmask.shape[1] - 1) * 32 < logits.shape[1], (
         bitmask.dtype,
         tuple(bitmask.shape),
         tuple(logits.shape),
@@ -54,7 +56,9 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows:
         return
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     banned = ((bitmask.unsqueeze(-1) >> shifts) & 1) == 0  # [k, W, 32]
-    banned = banned.view(k, -1)[:, :vocab]  # [k, V]
+    banned = banned.view(k, -1)[:, :vocab]  # [k, min(V, 32 W)]
+    if banned.shape[1] < vocab:  # past the bitmask: banned
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
     if rows is None:
         logits[:k].masked_fill_(banned, float("-inf"))
         return

@@ -2,7 +2,7 @@
 
 Grid (k, ceil(V / BLOCK)): program (r, c) loads the BLOCK / 32 words of bitmask row r that cover
 vocabulary chunk c, expands them to BLOCK bits and stores -inf into logits row ``rows[r]`` where a
-bit is 0. Allowed tokens are not touched (no read of the logits at all). No host reads: the row
+bit is 0 (or lies past the bitmask's width). Allowed tokens are not touched (no read of the logits at all). No host reads: the row
 indices stay on the device.
 """
 
@@ -34,8 +34,8 @@ def _bitmask_kernel(
         row = r.to(tl.int64)
     words = chunk * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
     packed = tl.load(
-        bitmask_ptr + r.to(tl.int64) * words_per_row + words, mask=words < words_per_row, other=-1
-    )
+        bitmask_ptr + r.to(tl.int64) * words_per_row + words, mask=words < words_per_row, other=0
+    )  # words past the bitmask's width: every token banned
     bits = (packed[:, None] >> tl.arange(0, 32)[None, :]) & 1  # [BLOCK / 32, 32]
     banned = tl.reshape(bits == 0, (BLOCK,))
     cols = chunk * BLOCK + tl.arange(0, BLOCK)

@@ -465,7 +465,9 @@ class _Outbox:
     def __init__(self) -> None:
         self._deltas: dict[str, GenerationDelta] = {}
         self._ends: list[pb.StepEnd] = []
-        self._ready = asyncio.Event()
+        # The writer's wait: one future, resolved by the first put / end / wake (and by the reader
+        # task ending) -- not an Event plus asyncio.wait, which made a task per empty wait.
+        self._waiter: asyncio.Future[None] | None = None
         self._held: dict[str, GenerationDelta] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._started: set[str] = set()  # held requests whose first delta was sent
@@ -490,7 +492,7 @@ class _Outbox:
             timer.cancel()
         prev = self._deltas.get(rid)
         self._deltas[rid] = d if prev is None else merge_deltas(prev, d)
-        self._ready.set()
+        self._wake()
 
     def _flush(self, rid: str) -> None:
         self._timers.pop(rid, None)
@@ -498,7 +500,7 @@ class _Outbox:
         if held is not None:
             prev = self._deltas.get(rid)
             self._deltas[rid] = held if prev is None else merge_deltas(prev, held)
-            self._ready.set()
+            self._wake()
 
     def drop(self, rid: str) -> None:
         """A request the router gave up on: what was held for it is not sent."""
@@ -514,20 +516,33 @@ class _Outbox:
         self._ends.append(
             pb.StepEnd(request_id=rid, code=code.value[0], details=details, kv_load_failed=kv_load_failed)
         )
-        self._ready.set()
+        self._wake()
 
     def wake(self) -> None:
-        self._ready.set()
+        self._wake()
+
+    def _wake(self, _reader: object = None) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     async def take(self, reader: asyncio.Task[None], done: Callable[[], bool]) -> pb.StepBatch | None:
         """The next batch; None once ``done()`` (the router closed its side, no request left)."""
         while not (self._deltas or self._ends):
             if done():
                 return None
-            self._ready.clear()
-            waiter = asyncio.ensure_future(self._ready.wait())
-            await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            # Once the reader has ended (the router half-closed), only a request's delta, end or
+            # finishing task (wake) can change done(): wait for those, no spinning on the reader.
+            self._waiter = asyncio.get_running_loop().create_future()
+            watch = not reader.done()
+            if watch:
+                reader.add_done_callback(self._wake)
+            try:
+                await self._waiter
+            finally:
+                if watch:
+                    reader.remove_done_callback(self._wake)
+                self._waiter = None
         deltas, self._deltas = self._deltas, {}
         ends, self._ends = self._ends, []
         return pb.StepBatch(deltas=[convert.delta_to_pb(d) for d in deltas.values()], ends=ends)

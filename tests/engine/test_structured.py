@@ -12,6 +12,16 @@ pytest.importorskip("xgrammar")
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 
+try:
+    import torch
+
+    _CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _CUDA = False
+# The async-scheduling tests below run on the CPU here and, on a GPU machine, on CUDA as well
+# (side-stream bitmask copy, Triton mask on bf16 logits, CUDA graphs).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _CUDA, reason="needs a CUDA device"))]
+
 
 def _texts(llm, structured: tuple[str, str], n: int, max_tokens: int = 48) -> list[str]:
     params = [
@@ -153,13 +163,16 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
     assert not llm.engine.runner._grammars or llm.engine.scheduler._finished_since_last_step
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_async_constrained_tokens_equal_the_synchronous_engine(temperature, tiny_models, make_llm) -> None:
+def test_async_constrained_tokens_equal_the_synchronous_engine(
+    temperature, device, tiny_models, make_llm
+) -> None:
     rows = _mixed(16, temperature)
     params = [sp for _, sp in rows]
     got = {}
     for mode in (False, True):
-        llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=mode, device="cpu")
+        llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=mode, device=device)
         got[mode] = [
             (o.token_ids, o.text, o.finish_reason) for o in llm.generate(["Say"] * len(rows), params)
         ]
@@ -168,13 +181,14 @@ def test_async_constrained_tokens_equal_the_synchronous_engine(temperature, tiny
         assert kind is None or _valid(kind, text), (kind, text)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_constrained_rows_keep_the_argmax_path_and_mask_only_their_rows(
-    tiny_models, make_llm, monkeypatch
+    device, tiny_models, make_llm, monkeypatch
 ) -> None:
     """No fp32 sampler for greedy rows with a grammar; the mask kernel gets the grammar rows only."""
     from pdserve import kernels
 
-    llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device="cpu")
+    llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device=device)
     runner = llm.engine.runner
     calls: list[list[int] | None] = []
     apply = kernels.apply_token_bitmask_
@@ -193,10 +207,11 @@ def test_greedy_constrained_rows_keep_the_argmax_path_and_mask_only_their_rows(
     assert calls and all(c == [1, 3] for c in calls), calls
 
 
-def test_finishing_and_aborted_constrained_rows_with_a_step_in_flight(tiny_models, make_llm) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_finishing_and_aborted_constrained_rows_with_a_step_in_flight(device, tiny_models, make_llm) -> None:
     """A grammar that ends (EOS forced), max_tokens mid-grammar, a stop string and an abort, each
     while the next step is already launched: right outputs, nothing held afterwards."""
-    llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device="cpu")
+    llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device=device)
     eng = llm.engine
     specs = {
         "ends": SamplingParams(
@@ -234,3 +249,18 @@ def test_finishing_and_aborted_constrained_rows_with_a_step_in_flight(tiny_model
     assert text["abort"] == aborted_text and re.fullmatch("[a-c]*", text["abort"])
     eng.step()  # the finished ids reach the runner with the next schedule
     assert eng.runner._grammars == {} and eng.kv.pool.num_used_blocks == 0 and eng.kv.num_deferred_blocks == 0
+
+
+def test_grammar_covers_the_tokenizer_not_the_padded_vocabulary(tmp_path, make_llm) -> None:
+    """A model whose LM head has far more rows than its tokenizer has tokens: the grammar's
+    bitmask covers the tokenizer (xgrammar's per-token cost grows with the padding) and every
+    constrained sample still holds."""
+    from pdserve.models.make_model import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "padded", vocab_size=40_000)
+    llm = make_llm(path, max_model_len=256)
+    outs = _texts(llm, ("regex", "[a-c]{3,6}"), 8, max_tokens=16)
+    assert all(re.fullmatch("[a-c]{3,6}", t) for t in outs), outs
+    compiler = llm.engine.runner._grammar_compiler
+    assert compiler is not None and compiler.vocab_size == 40_000
+    assert compiler.mask_vocab < 1_000 and compiler.mask_words == (compiler.mask_vocab + 31) // 32

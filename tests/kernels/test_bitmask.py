@@ -65,3 +65,26 @@ def test_dispatch_and_empty(device) -> None:
         one = torch.tensor([[1 << 3, 0]], dtype=torch.int32, device=device)  # only token 3
         apply_token_bitmask_(x, one)
     assert torch.isinf(x[0]).sum() == 39 and x[0, 3] == 0 and not torch.isinf(x[1]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+def test_a_bitmask_narrower_than_the_vocabulary_bans_the_rest(force_triton, device, dtype) -> None:
+    """A grammar over the tokenizer's ids (fewer than the LM head's padded rows): every column
+    past the bitmask's 32 W bits becomes -inf, across several kernel chunks."""
+    torch.manual_seed(0)
+    vocab, covered, rows = 2 * BLOCK + 100, 70, [2, 0]
+    logits = torch.randn(3, vocab).to(dtype)
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    allowed[:, :covered] = torch.rand(len(rows), covered) < 0.5
+    want = _reference(logits, allowed, rows)
+    bitmask = _pack(allowed[:, :covered])  # 3 words: tokens 0..95, of which 70..95 are 0 bits
+    assert bitmask.shape[1] * 32 < vocab
+    for impl in ("triton", "torch"):
+        x = logits.to(device)
+        idx = torch.tensor(rows, device=device)
+        if impl == "triton":
+            apply_token_bitmask_(x, bitmask.to(device), idx)
+        else:
+            apply_token_bitmask_torch(x, bitmask.to(device), idx)
+        assert torch.equal(x.cpu(), want), impl
+        assert torch.isinf(x[0, covered:]).all() and torch.equal(x[1].cpu(), logits[1]), impl
