@@ -179,6 +179,13 @@ def inprocess_level(engine: Any, prompts: list[list[int]], args: argparse.Namesp
     return summarize("in-process", level, list(recs.values()), time.perf_counter() - t0)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a process this bench starts: the repository first on PYTHONPATH, the
+    rest of it kept (carried wheels), output unbuffered."""
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
 def http_level(
     url: str,
     model: str,
@@ -196,8 +203,7 @@ def http_level(
     shares = [prompts[i::nproc] for i in range(nproc)]
     levels = [level // nproc + (1 if i < level % nproc else 0) for i in range(nproc)]
     a = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    env = dict(os.environ, PYTHONPATH=path)
+    env = child_env()
     t_spawn = time.perf_counter()
     procs = []
     for sh, lv in zip(shares, levels, strict=True):
@@ -343,8 +349,7 @@ class Cluster:
         if name:
             cmd += ["--node", name]
         logf = open(self.run_dir / f"{self.kind}-{name or 'router'}.log", "wb")
-        path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)  # keeps carried wheels
+        env = child_env()
         if self.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.torch_threads)  # the same as the in-process engine
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)

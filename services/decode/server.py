@@ -492,7 +492,7 @@ class _Outbox:
             timer.cancel()
         prev = self._deltas.get(rid)
         self._deltas[rid] = d if prev is None else merge_deltas(prev, d)
-        self._wake()
+        self.wake()
 
     def _flush(self, rid: str) -> None:
         self._timers.pop(rid, None)
@@ -500,7 +500,7 @@ class _Outbox:
         if held is not None:
             prev = self._deltas.get(rid)
             self._deltas[rid] = held if prev is None else merge_deltas(prev, held)
-            self._wake()
+            self.wake()
 
     def drop(self, rid: str) -> None:
         """A request the router gave up on: what was held for it is not sent."""
@@ -516,12 +516,10 @@ class _Outbox:
         self._ends.append(
             pb.StepEnd(request_id=rid, code=code.value[0], details=details, kv_load_failed=kv_load_failed)
         )
-        self._wake()
+        self.wake()
 
-    def wake(self) -> None:
-        self._wake()
-
-    def _wake(self, _reader: object = None) -> None:
+    def wake(self, _task: object = None) -> None:
+        """Resolve the writer's wait (also the reader task's done callback: ``_task``)."""
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -536,12 +534,12 @@ class _Outbox:
             self._waiter = asyncio.get_running_loop().create_future()
             watch = not reader.done()
             if watch:
-                reader.add_done_callback(self._wake)
+                reader.add_done_callback(self.wake)
             try:
                 await self._waiter
             finally:
                 if watch:
-                    reader.remove_done_callback(self._wake)
+                    reader.remove_done_callback(self.wake)
                 self._waiter = None
         deltas, self._deltas = self._deltas, {}
         ends, self._ends = self._ends, []

@@ -68,7 +68,7 @@ def test_async_equals_sync_on_mixed_requests(arch, tiny_models, make_llm) -> Non
     assert want[1][2] == "stop" and len(want[1][0]) <= 7
     asy = make_llm(model_dir, max_num_batched_tokens=64, async_scheduling=True, **CPU)
     assert asy.engine.async_scheduling
-    events = _record_order(asy)
+    events = record_runner_events(asy)
     got = _run_all(asy, PROMPTS, params)
     _assert_same(got, want)
     ahead = [s for e, s in events if e == "launch" and ("result", s - 1) in events[events.index((e, s)) :]]
@@ -80,15 +80,17 @@ def test_async_equals_sync_on_mixed_requests(arch, tiny_models, make_llm) -> Non
     _assert_same(_run_all(asy, [PROMPTS[1]] * 3, p), _run_all(sync, [PROMPTS[1]] * 3, p))
 
 
-def _record_order(llm):
-    """Log 'launch N' / 'result N' events of the runner (N = step_seq)."""
+def record_runner_events(llm) -> list[tuple[str, int]]:
+    """Log ('launch' | 'result' | 'sample', step_seq) of the runner; 'sample' = a deferred sampler
+    (a step with grammar rows: ``sample_deferred`` called after its launch returned)."""
     runner = llm.engine.runner
     events: list[tuple[str, int]] = []
-    launch = runner.launch
+    launch, sample = runner.launch, runner.sample_deferred
 
     def recording_launch(sched, *a, **kw):
         pending = launch(sched, *a, **kw)
         events.append(("launch", sched.step_seq))
+        pending.step_seq = sched.step_seq
         result = pending.result
 
         def recording_result():
@@ -98,14 +100,20 @@ def _record_order(llm):
         pending.result = recording_result
         return pending
 
-    runner.launch = recording_launch
+    def recording_sample(pending):
+        seq = getattr(pending, "step_seq", None)  # None: called inside launch (not deferred)
+        if seq is not None:
+            events.append(("sample", seq))
+        return sample(pending)
+
+    runner.launch, runner.sample_deferred = recording_launch, recording_sample
     return events
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_next_step_launches_before_previous_result_is_read(async_scheduling, tiny_models, make_llm) -> None:
     llm = make_llm(tiny_models["llama"], async_scheduling=async_scheduling, **CPU)
-    events = _record_order(llm)
+    events = record_runner_events(llm)
     llm.generate([PROMPTS[2]] * 2, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     launches = [s for e, s in events if e == "launch"]
     assert len(launches) == 8  # one prefill step, 7 decode steps: nothing computed past max_tokens

@@ -11,6 +11,7 @@ pytest.importorskip("xgrammar")
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from tests.engine.test_async_scheduling import record_runner_events
 
 try:
     import torch
@@ -110,35 +111,6 @@ def _mixed(n: int, temperature: float) -> list[tuple[str | None, SamplingParams]
     return out
 
 
-def _record(llm) -> list[tuple[str, int]]:
-    """Log ('launch' | 'result' | 'sample', step_seq) of the runner; 'sample' = a deferred sampler."""
-    runner = llm.engine.runner
-    events: list[tuple[str, int]] = []
-    launch, sample = runner.launch, runner.sample_deferred
-
-    def recording_launch(sched, *a, **kw):
-        pending = launch(sched, *a, **kw)
-        events.append(("launch", sched.step_seq))
-        pending.step_seq = sched.step_seq
-        result = pending.result
-
-        def recording_result():
-            events.append(("result", sched.step_seq))
-            return result()
-
-        pending.result = recording_result
-        return pending
-
-    def recording_sample(pending):
-        seq = getattr(pending, "step_seq", None)  # None: called inside launch (not deferred)
-        if seq is not None:
-            events.append(("sample", seq))
-        return sample(pending)
-
-    runner.launch, runner.sample_deferred = recording_launch, recording_sample
-    return events
-
-
 def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, make_llm) -> None:
     """Seeded constrained rows of three kinds beside unconstrained ones: every output is valid,
     the engine stayed asynchronous, and each deferred mask was filled only after the previous
@@ -146,7 +118,7 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
     # The default device: on a GPU machine this runs the CUDA path (side-stream copy, Triton mask).
     llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
     rows = _mixed(32, temperature=1.0)
-    events = _record(llm)
+    events = record_runner_events(llm)
     outs = llm.generate(["The answer is"] * len(rows), [sp for _, sp in rows])
     for (kind, sp), o in zip(rows, outs, strict=True):
         if kind is None:
