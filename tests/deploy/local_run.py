@@ -82,7 +82,15 @@ class Endpoints:
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def local(self, host: str, port: int) -> int:
-        return self.ports.setdefault((host, port), free_port())
+        if (host, port) not in self.ports:
+            # The kernel may hand the same ephemeral port out twice once the probe socket is closed
+            # (seen in CI: decode-0's gRPC and metrics ports collided), so skip ports already given.
+            taken = set(self.ports.values())
+            new = free_port()
+            while new in taken:
+                new = free_port()
+            self.ports[(host, port)] = new
+        return self.ports[(host, port)]
 
     def rewrite(self, s: str, own_host: str) -> str:
         for (host, port), local in self.ports.items():
