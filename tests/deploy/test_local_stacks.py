@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,20 @@ def registered(redis_url: str) -> dict[str, str]:
     return asyncio.run(go())
 
 
+def wait_in_rotation(base: str, names: list[str], timeout_s: float = 30.0) -> None:
+    """Until the router has every node in ``names`` in rotation. /ready needs only a decode node
+    (without a prefill node prompts prefill on decode), so a prompt sent right after it may take
+    the local path: seen once in CI when prefill-0 registered a poll after decode-0."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(base + "/metrics").text
+        up = {n for n in names if re.search(rf'router_node_in_rotation\{{node="{n}"\}} 1\.0', text)}
+        if up == set(names):
+            return
+        assert time.monotonic() < deadline, f"not in the router's rotation after {timeout_s} s: {set(names) - up}"
+        time.sleep(0.2)
+
+
 def serve_and_check(
     build: Callable[[Path, Path], tuple[list[LocalService], dict[str, Any], list[str]]],
     tmp_path: Path,
@@ -52,6 +67,7 @@ def serve_and_check(
         base = f"http://127.0.0.1:{cluster['router']['port']}"
         client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == [cluster["served_model_name"]]
+        wait_in_rotation(base, ["prefill-0", "decode-0"])
         resp = client.completions.create(
             model=cluster["served_model_name"],
             prompt=PROMPT,
