@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
@@ -74,19 +74,45 @@ def delta_to_pb(d: GenerationDelta) -> pb.Delta:
         request_id=d.request_id,
         token_ids=d.token_ids,
         text=d.text,
-        has_logprobs=d.logprobs is not None,
-        finish_reason=d.finish_reason or "",
-        stop_reason="" if d.stop_reason is None else str(d.stop_reason),
         num_prompt_tokens=d.num_prompt_tokens,
         num_output_tokens=d.num_output_tokens,
-        num_cached_tokens=d.num_cached_tokens,
-        error=d.error or "",
     )
-    m.logprobs.extend(_logprob_to_pb(lp) for lp in d.logprobs or ())
+    _set_rare_fields(m, d)
+    return m
+
+
+def add_delta_pb(deltas: Any, d: GenerationDelta) -> pb.Delta:
+    """``d`` appended to a repeated ``Delta`` field (``StepBatch.deltas``): what a streamed step
+    costs the node's event loop per request, so only the fields a running delta has are passed
+    (2.7 -> 1.2 us per delta against every field as a keyword, with upb)."""
+    m = deltas.add(
+        request_id=d.request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        num_prompt_tokens=d.num_prompt_tokens,
+        num_output_tokens=d.num_output_tokens,
+    )
+    _set_rare_fields(m, d)
+    return m
+
+
+def _set_rare_fields(m: pb.Delta, d: GenerationDelta) -> None:
+    if d.num_cached_tokens:
+        m.num_cached_tokens = d.num_cached_tokens
+    if d.finish_reason:
+        m.finish_reason = d.finish_reason
+    if isinstance(d.stop_reason, int):
+        m.stop_token_id = d.stop_reason
+    elif d.stop_reason is not None:
+        m.stop_reason = d.stop_reason
+    if d.error:
+        m.error = d.error
+    if d.logprobs is not None:
+        m.has_logprobs = True
+        m.logprobs.extend(_logprob_to_pb(lp) for lp in d.logprobs)
     if d.prompt_logprobs is not None:
         m.prompt_logprobs.SetInParent()
         m.prompt_logprobs.tokens.extend(_logprob_to_pb(lp) for lp in d.prompt_logprobs)
-    return m
 
 
 def _logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
@@ -103,7 +129,9 @@ def _logprob_from_pb(lp: pb.TokenLogprob) -> TokenLogprob:
 
 
 def delta_from_pb(m: pb.Delta) -> GenerationDelta:
-    stop_reason: int | str | None = m.stop_reason or None
+    stop_reason: int | str | None = (
+        m.stop_token_id if m.HasField("stop_token_id") else (m.stop_reason or None)
+    )
     return GenerationDelta(
         request_id=m.request_id,
         token_ids=list(m.token_ids),

@@ -543,4 +543,7 @@ class _Outbox:
                 self._waiter = None
         deltas, self._deltas = self._deltas, {}
         ends, self._ends = self._ends, []
-        return pb.StepBatch(deltas=[convert.delta_to_pb(d) for d in deltas.values()], ends=ends)
+        batch = pb.StepBatch(ends=ends)
+        for d in deltas.values():
+            convert.add_delta_pb(batch.deltas, d)
+        return batch

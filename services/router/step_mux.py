@@ -42,6 +42,10 @@ def merge_pb_deltas(a: pb.Delta, b: pb.Delta) -> pb.Delta:
     a.has_logprobs = a.has_logprobs or b.has_logprobs
     a.finish_reason = b.finish_reason
     a.stop_reason = b.stop_reason
+    if b.HasField("stop_token_id"):
+        a.stop_token_id = b.stop_token_id
+    else:
+        a.ClearField("stop_token_id")
     for f in ("num_prompt_tokens", "num_output_tokens", "num_cached_tokens"):
         if getattr(b, f):
             setattr(a, f, getattr(b, f))

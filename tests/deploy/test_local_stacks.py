@@ -49,7 +49,9 @@ def wait_in_rotation(base: str, names: list[str], timeout_s: float = 30.0) -> No
         up = {n for n in names if re.search(rf'router_node_in_rotation\{{node="{n}"\}} 1\.0', text)}
         if up == set(names):
             return
-        assert time.monotonic() < deadline, f"not in the router's rotation after {timeout_s} s: {set(names) - up}"
+        assert time.monotonic() < deadline, (
+            f"not in the router's rotation after {timeout_s} s: {set(names) - up}"
+        )
         time.sleep(0.2)
 
 

@@ -86,6 +86,28 @@ def test_completions_greedy_equals_transformers(cluster, tokenizer, reference, p
     _wait_all_free(cluster)
 
 
+@pytest.mark.parametrize("prompt_words", [2, 60])  # local prefill on decode / disaggregated
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_id_comes_back_as_an_int(cluster, tokenizer, reference, prompt_words, stream) -> None:
+    """vLLM's shape: ``stop_reason`` is the stop token's id as an integer (a stop string stays a
+    string), through the node's gRPC (Steps batches and PrefillResponse.first) and the router."""
+    prompt = " ".join(["disaggregated serving moves the KV cache"] * prompt_words)[: prompt_words * 12]
+    ids = tokenizer.encode(prompt)
+    out = reference(ids, 12)
+    stop_at = next(i for i in range(2, 12) if out[i] not in out[:i])  # first time that token shows
+    kwargs = dict(model=cluster.model_name, prompt=prompt, max_tokens=12, temperature=0)
+    extra = {"ignore_eos": True, "stop_token_ids": [out[stop_at]]}
+    c = _client(cluster)
+    if stream:
+        chunks = list(c.completions.create(**kwargs, stream=True, extra_body=extra))
+        last = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].finish_reason][-1]
+    else:
+        last = c.completions.create(**kwargs, extra_body=extra).choices[0]
+    assert last.finish_reason == "stop"
+    assert (last.model_extra or {}).get("stop_reason") == out[stop_at]  # an int, not "123"
+    _wait_all_free(cluster)
+
+
 def test_both_paths_were_taken(cluster) -> None:
     c = _client(cluster)
     c.completions.create(model=cluster.model_name, prompt="hi", max_tokens=2, temperature=0)

@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 from pdserve.rpc import convert
+from pdserve.rpc import node_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +47,38 @@ def test_sampling_and_delta_round_trip() -> None:
         "r", [1, 2], "ab", [TokenLogprob(1, -0.5, ((1, -0.5), (4, -1.0)))], "stop", "x", 3, 2, 1
     )
     assert convert.delta_from_pb(convert.delta_to_pb(d)) == d
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        GenerationDelta("run", [5], "t", num_prompt_tokens=4, num_output_tokens=1),
+        GenerationDelta("lp", [1, 2], "ab", [TokenLogprob(1, -0.5, ((1, -0.5),))], "stop", "</s>", 3, 2, 1),
+        GenerationDelta("tok", [7], "", None, "stop", 7, 3, 2, 1),
+        GenerationDelta("digits", [8], "", None, "stop", "7", 3, 2, 1),
+        GenerationDelta("err", [], "", finish_reason="error", error="boom", num_prompt_tokens=2),
+        GenerationDelta("none-lp", [3], "c", [], "length", None, 1, 1, 0),
+        GenerationDelta(
+            "plp",
+            [9],
+            "z",
+            None,
+            num_prompt_tokens=2,
+            num_output_tokens=1,
+            prompt_logprobs=[TokenLogprob(8, -1.25, ())],
+        ),
+    ],
+)
+def test_a_delta_added_to_a_step_batch_round_trips(d: GenerationDelta) -> None:
+    """The Steps writer's path (only the set fields passed) loses nothing, and gives the same
+    bytes as the one-message conversion."""
+    batch = pb.StepBatch()
+    convert.add_delta_pb(batch.deltas, d)
+    convert.add_delta_pb(batch.deltas, GenerationDelta("other", [1], "x", num_prompt_tokens=1))
+    got = pb.StepBatch.FromString(batch.SerializeToString())
+    assert convert.delta_from_pb(got.deltas[0]) == d
+    assert got.deltas[0].SerializeToString() == convert.delta_to_pb(d).SerializeToString()
+    assert got.deltas[1].request_id == "other"
 
 
 def test_tensor_checks() -> None:
