@@ -87,3 +87,37 @@ def test_paged_attention_keeps_dtype() -> None:
     k = torch.randn(4, 2, HEAD_DIM, dtype=torch.bfloat16)
     out = paged_attention(q, k, k.clone(), cache, meta, HEAD_DIM**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_cpu_bf16_decode_matches_reference(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
+    """The CPU bf16 decode path (transformers' eager attention when there are enough rows, else
+    SDPA) against the fp32 reference, stale garbage in the unused slots."""
+    from pdserve.models import attention
+
+    monkeypatch.setattr(attention, "EAGER_BF16_MIN_ROWS", 1 if eager else 10**9)
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [7, 1, 30, 12, 5, 9]
+    num_heads, num_kv_heads = 4, 2
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 2
+    cache = torch.full((num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM), 1e4)
+    cache += torch.randn(cache.shape, generator=gen) * 1e3
+    cache = cache.to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    qs, ks, vs, want = [], [], [], []
+    for seq_len, table in zip(seq_lens, tables, strict=True):
+        k_ctx = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        v_ctx = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        for pos in range(seq_len - 1):
+            cache[table[pos // BLOCK_SIZE], 0, pos % BLOCK_SIZE] = k_ctx[pos]
+            cache[table[pos // BLOCK_SIZE], 1, pos % BLOCK_SIZE] = v_ctx[pos]
+        q = torch.randn(1, num_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        qs.append(q)
+        ks.append(k_ctx[-1:])
+        vs.append(v_ctx[-1:])
+        want.append(_reference(q.float(), k_ctx.float(), v_ctx.float(), HEAD_DIM**-0.5))
+    meta = build_metadata([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE)
+    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, HEAD_DIM**-0.5)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), torch.cat(want), rtol=2e-2, atol=2e-2)
