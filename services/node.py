@@ -6,8 +6,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import multiprocessing as mp
+import os
+import shutil
 import signal
+import tempfile
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import grpc
@@ -28,6 +34,7 @@ from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
+from services.steps_frontend import StepsSocketServer, frontend_main
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
@@ -71,6 +78,9 @@ class NodeOptions:
     colocated_encoder: bool = False
     image_limits: Any | None = None
     faults: FaultsConfig = field(default_factory=FaultsConfig)  # test-only fault injection; all off
+    # Decode / colocated: the router's Steps streams go to a front-end process on this port
+    # (services/steps_frontend.py); None: this process serves them on grpc_port.
+    frontend_port: int | None = None
 
 
 class InjectedEngineFault(BaseException):
@@ -97,6 +107,17 @@ class NodeBase:
                 raise ConfigError(
                     f"kv_checksum with pp={pp} on a {opts.role} node is not supported (the digest "
                     "covers one stage's KV); set kv_checksum: false or pp: 1"
+                )
+        if opts.frontend_port is not None:
+            if opts.role == "prefill":
+                raise ConfigError(
+                    f"frontend_port {opts.frontend_port} on prefill node {opts.name}: a prefill node "
+                    "serves no Steps streams; set it on decode or colocated nodes only"
+                )
+            if opts.frontend_port in (opts.grpc_port, opts.metrics_port):
+                raise ConfigError(
+                    f"frontend_port {opts.frontend_port} of node {opts.name} is also its grpc or "
+                    "metrics port: give it a distinct port"
                 )
         self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
         self.backend: TransferBackend | None = None
@@ -130,6 +151,8 @@ class NodeBase:
         self.drain_gate: DrainGate | None = None  # set by serve(); Steps admits through it too
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
+        self.steps_address = ""  # set once a Steps front-end process listens (frontend_port)
+        self.frontend: _Frontend | None = None
 
     # hooks -------------------------------------------------------------------------------------
     def _on_hold(self, req: Any, block_ids: list[int]) -> bool:
@@ -214,6 +237,9 @@ class NodeBase:
             registry=self.registry,
         )
         self._health = health_servicer
+        frontend = None
+        if self.opts.frontend_port is not None:
+            frontend = self.frontend = await self._start_frontend()
         membership = await start_membership(self)
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)
@@ -231,14 +257,21 @@ class NodeBase:
         watchdog = None
         if isinstance(self.engine.runner, PipelineRunner):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
+        fe_watch = None
+        if frontend is not None:
+            fe_watch = asyncio.create_task(self._watch_frontend(frontend, health_servicer))
         await stop.wait()
         if watchdog is not None:
             watchdog.cancel()
+        if fe_watch is not None:
+            fe_watch.cancel()
         if self._drain_on_stop:
             await drain(self, gate, health_servicer, membership)
         elif membership is not None:
             await membership.stop()
         await health_servicer.enter_graceful_shutdown()
+        if frontend is not None:
+            await frontend.stop()
         await server.stop(grace=2.0)
         self.engine_loop.stop()
         if self.backend is not None:
@@ -285,6 +318,37 @@ class NodeBase:
                 self._stop_event.set()
                 return
 
+    async def _start_frontend(self) -> _Frontend:
+        """The Steps front end in its own process (services/steps_frontend.py); returns once it
+        listens, raises ConfigError naming the port if it cannot."""
+        servicer = getattr(self, "steps_servicer", None)
+        assert servicer is not None, "frontend_port on a node without a Steps servicer"
+        assert self.opts.frontend_port is not None
+        fe = _Frontend(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+        await fe.start()
+        host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
+        self.steps_address = f"{host}:{fe.port}"
+        logger.info("node %s: Steps front end (pid %s) on %s", self.opts.name, fe.pid, self.steps_address)
+        return fe
+
+    async def _watch_frontend(self, fe: _Frontend, health_servicer: Any) -> None:
+        """A dead front-end process takes the node out of service, as a dead stage does."""
+        while True:
+            await asyncio.sleep(STAGE_WATCH_S)
+            if fe.alive():
+                continue
+            msg = (
+                f"node {self.opts.name} is out of service: its Steps front-end process exited ({fe.exitcode})"
+            )
+            logger.error("%s", msg)
+            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert self.engine_loop is not None
+            self.engine_loop.post_and_dispatch(functools.partial(LLMEngine.fail_all, message=msg))
+            await asyncio.sleep(STAGE_WATCH_S)
+            self.exit_code = 1
+            self._stop_event.set()
+            return
+
     def request_stop(self, drain: bool = False) -> None:
         """Stop serving; ``drain`` as on SIGTERM (tests of the drain), else at once (other tests)."""
         if self.loop is not None:
@@ -321,6 +385,7 @@ class NodeBase:
             block_size=eng.kv.block_size,
             stages=self.stage_loads(pb),
             num_ec_reservations=self.ec_reservations(),
+            steps_address=self.steps_address,
         )
 
 
@@ -366,6 +431,12 @@ class _NodeCollector:
         )
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
+        if n.frontend is not None:
+            yield counter(
+                "frontend_steps_sessions",
+                "Steps streams served through the front-end process",
+                n.frontend.socket.sessions_total,
+            )
         # Per pipeline stage (issue 11). One block table per node: used / held / stranded are the
         # node's numbers on every stage; bytes and failures are each stage endpoint's own.
         slabels = [*labels, "stage"]
@@ -390,3 +461,66 @@ class _NodeCollector:
 
     def describe(self):  # type: ignore[no-untyped-def]
         return []
+
+
+class _Frontend:
+    """The Steps front-end process and the node's socket it relays to."""
+
+    def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pdserve-fe-")  # 0700: only this user reaches the socket
+        self.socket = StepsSocketServer(servicer, os.path.join(self._dir, "steps.sock"))
+        self.host, self.port, self.token = host, port, shared_token
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        await self.socket.start()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=frontend_main,
+            args=(self.host, self.port, self.socket.path, self.token, child),
+            name="pdserve-frontend",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        ready = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, timeout_s)
+        if ready[0] != "ready":
+            await self.stop()
+            raise ConfigError(f"frontend_port {self.port}: {ready[1]}")
+        self.port = int(ready[1])
+
+    def _wait_ready(self, timeout_s: float) -> tuple[str, Any]:
+        assert self._conn is not None and self._proc is not None
+        if not self._conn.poll(timeout_s):
+            return ("error", f"the front-end process did not start within {timeout_s:.0f} s")
+        try:
+            return tuple(self._conn.recv())  # type: ignore[return-value]
+        except EOFError:
+            return ("error", f"the front-end process exited ({self._proc.exitcode}) before listening")
+
+    async def stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # the process exits on EOF
+            self._conn = None
+        if self._proc is not None:
+            proc = self._proc
+            await asyncio.get_running_loop().run_in_executor(None, proc.join, 5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        await self.socket.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -198,6 +198,9 @@ class NodeConfig(_Frozen):
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
+    # Decode / colocated: serve the router's Steps streams from a front-end process on this port,
+    # off the engine process's GIL (services/steps_frontend.py). None: the node's own gRPC port.
+    frontend_port: int | None = Field(default=None, ge=1, le=65535)
 
     @field_validator("name")
     @classmethod
@@ -233,6 +236,11 @@ class NodeConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_roles(self) -> NodeConfig:
+        if self.frontend_port is not None and self.role not in ("decode", "colocated"):
+            raise ConfigError(
+                f"node {self.name!r}: frontend_port {self.frontend_port} is for decode and colocated "
+                f"nodes (the router's Steps streams); a {self.role} node serves none: remove it"
+            )
         expected = KV_ROLE_OF_ROLE[self.role]
         if self.kv_role is not None and self.kv_role != expected:
             fix = f"set kv_role: {expected} or omit it" if expected else "omit kv_role"
@@ -424,6 +432,8 @@ class ClusterConfig(_Frozen):
         for n in self.nodes:
             endpoints += [(f"{n.name}.grpc_port", n.host, n.grpc_port)]
             endpoints += [(f"{n.name}.metrics_port", n.host, n.metrics_port)]
+            if n.frontend_port is not None:
+                endpoints += [(f"{n.name}.frontend_port", n.host, n.frontend_port)]
         for owner, host, port in endpoints:
             key = (_normalize_host(host), port)
             if key in owners:

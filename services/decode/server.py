@@ -58,7 +58,8 @@ class DecodeNode(NodeBase):
         return (self.stage_pull_bytes[pp_rank], self.stage_pull_failures[pp_rank], self.stage_pulls[pp_rank])
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), server)
+        self.steps_servicer = DecodeServicer(self)
+        pb_grpc.add_DecodeServiceServicer_to_server(self.steps_servicer, server)
 
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         return [
@@ -319,7 +320,15 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Steps(
         self, request_iterator: AsyncIterator[pb.StepCommand], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StepBatch]:
-        """Every request of one router connection on one stream (see node.proto's StepBatch).
+        """Every request of one router connection on one stream (see node.proto's StepBatch)."""
+        async for batch in self.steps_session(request_iterator):
+            yield batch
+
+    async def steps_session(
+        self, request_iterator: AsyncIterator[pb.StepCommand]
+    ) -> AsyncIterator[pb.StepBatch]:
+        """One Steps stream, whatever carries it: this node's gRPC server, or the front-end
+        process's socket (services/steps_frontend.py).
 
         Each request runs as a task that merges its deltas into the outbox; the writer sends the
         whole outbox as one batch whenever the previous write is done. The engine thread never

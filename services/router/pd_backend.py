@@ -59,6 +59,9 @@ class NodeHandle:
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
     pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
     mux: StepMux | None = None  # decode-capable nodes: the shared Steps stream (made on first use)
+    # GetLoad's steps_address: the node's Steps front-end process (node frontend_port), if any
+    steps_address: str = ""
+    steps_channel: grpc.aio.Channel | None = None
 
     @property
     def available(self) -> bool:
@@ -178,6 +181,8 @@ class PDBackend:
             if n.mux is not None:
                 await n.mux.close()
             await n.channel.close()
+            if n.steps_channel is not None:
+                await n.steps_channel.close()
 
     async def _poll_one(self, n: NodeHandle) -> None:
         stub = (
@@ -191,6 +196,18 @@ class PDBackend:
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
             n.pp_size = max(1, len(rep.stages))
+            if rep.steps_address != n.steps_address:
+                # A (re)started node with its own front-end process, or one without any more: the
+                # next leg opens its Steps stream there (a stream still open ends with its node).
+                n.steps_address = rep.steps_address
+                old, n.steps_channel = n.steps_channel, None
+                if rep.steps_address:
+                    n.steps_channel = grpc.aio.insecure_channel(rep.steps_address, options=channel.OPTIONS)
+                n.mux = None
+                if old is not None:
+                    closing = asyncio.get_running_loop().create_task(old.close(grace=30.0))
+                    self._tasks.add(closing)
+                    closing.add_done_callback(self._tasks.discard)
             if rep.epoch and rep.epoch != n.epoch:
                 if n.epoch:
                     note_new_epoch(n, rep.epoch)
@@ -450,7 +467,7 @@ class PDBackend:
         call: Any
         if self.policy.decode_stream == "multiplexed":
             if d_node.mux is None:
-                d_node.mux = StepMux(d_node.channel, self._md)
+                d_node.mux = StepMux(d_node.steps_channel or d_node.channel, self._md)
             call = d_node.mux.open(msg, self.policy.request_timeout_s)
         else:
             call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)

@@ -1,0 +1,207 @@
+"""The node's front end in its own process: the router's Steps streams, off the engine's GIL.
+
+A decode or colocated node with ``frontend_port`` set runs this as a child process (DESIGN §7:
+"whether the front end and the engine core share a process is a measured choice"):
+
+    router --gRPC Steps (HTTP/2)--> front end (this process, frontend_port)
+                                      | one Unix-socket connection per Steps stream, frames:
+                                      | 4-byte big-endian length + a StepCommand / StepBatch
+                                      v
+                                    node process: DecodeServicer.steps_session (admission,
+                                    outbox, engine thread), the node's own gRPC server for
+                                    everything else (GetLoad, Abort, Decode, PushKV, health)
+
+What moves out of the node process is gRPC's per-message work of the hot stream (HTTP/2
+framing, flow control, aio's Cython callbacks: the largest part of the event loop's GIL share
+in the profiles, docs/benchmarks.md); the node writes one frame per batch to a socket. This
+process relays bytes: router commands are parsed only to refuse a malformed one
+(INVALID_ARGUMENT), batches go to the router as the node serialized them.
+
+Lifecycle: the node starts it and waits for its ready message; it exits when the node's end of
+its pipe closes (the node stopped or died). The node watches it: if it dies the node turns
+NOT_SERVING, fails its requests and stops with exit code 1, as for a dead pipeline stage. If
+the node's socket closes under a stream, the stream ends UNAVAILABLE. The router learns the
+address from GetLoad (``LoadReport.steps_address``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from pdserve.rpc import channel
+from pdserve.rpc import node_pb2 as pb
+
+logger = logging.getLogger(__name__)
+MAX_FRAME = 64 << 20  # a StepBatch past this is a bug, not traffic
+STEPS_METHOD = "Steps"
+SERVICE = "pdserve.rpc.DecodeService"
+
+
+def frame(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's payload; None at a clean end of stream (EOF between frames)."""
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise ConnectionError("the Steps socket closed inside a frame header") from e
+        return None
+    n = int.from_bytes(head, "big")
+    if n > MAX_FRAME:
+        raise ConnectionError(f"a Steps frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+    return await reader.readexactly(n)
+
+
+# -- the node's side -----------------------------------------------------------------------------
+class StepsSocketServer:
+    """In the node process: each connection on ``path`` is one Steps stream of ``servicer``."""
+
+    def __init__(self, servicer: Any, path: str) -> None:
+        self.servicer = servicer
+        self.path = path
+        self._server: asyncio.AbstractServer | None = None
+        self.sessions_total = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._session, path=self.path)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.sessions_total += 1
+
+        async def commands() -> AsyncIterator[pb.StepCommand]:
+            while True:
+                data = await read_frame(reader)
+                if data is None:
+                    return  # the router half-closed its side: finish what is running
+                yield pb.StepCommand.FromString(data)  # the front end checked it parses
+
+        try:
+            async for batch in self.servicer.steps_session(commands()):
+                writer.write(frame(batch.SerializeToString()))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, DecodeError) as e:
+            logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+# -- the front-end process -----------------------------------------------------------------------
+class _Relay:
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    async def steps(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        except OSError as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the node's engine process is not reachable: {e}"
+            )
+        bad: list[str] = []
+        sent_all = asyncio.Event()
+
+        async def pump() -> None:
+            try:
+                async for raw in request_iterator:
+                    try:
+                        pb.StepCommand.FromString(raw)
+                    except DecodeError as e:
+                        bad.append(f"malformed StepCommand: {e}")
+                        writer.close()  # the node aborts this stream's requests
+                        return
+                    writer.write(frame(raw))
+                    await writer.drain()
+                sent_all.set()
+                if writer.can_write_eof():
+                    writer.write_eof()  # the router half-closed: the node finishes what runs
+            except (ConnectionError, OSError):
+                return
+
+        pumping = asyncio.get_running_loop().create_task(pump(), name="steps-relay-pump")
+        try:
+            while True:
+                try:
+                    data = await read_frame(reader)
+                except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                    data = None
+                if data is None:
+                    break
+                yield data
+        finally:
+            pumping.cancel()
+            with contextlib.suppress(BaseException):
+                await pumping
+            writer.close()
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad[0])
+        if not sent_all.is_set():
+            # The node closed the stream while the router still had it open: it stopped or died.
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the node's engine process ended the Steps stream"
+            )
+
+
+async def _serve(
+    host: str, port: int, socket_path: str, shared_token: str | None, parent: Connection
+) -> None:
+    relay = _Relay(socket_path)
+    interceptors = [channel.TokenAuthInterceptor(shared_token)] if shared_token else []
+    server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            STEPS_METHOD: grpc.stream_stream_rpc_method_handler(
+                relay.steps, request_deserializer=None, response_serializer=None
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        parent.send(("error", f"front end: cannot listen on {host}:{port}"))
+        return
+    await server.start()
+    parent.send(("ready", bound))
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_reader(parent.fileno(), gone.set)  # readable = the node closed its end (EOF)
+    await gone.wait()
+    loop.remove_reader(parent.fileno())
+    await server.stop(grace=1.0)
+
+
+def frontend_main(
+    host: str, port: int, socket_path: str, shared_token: str | None, parent: Connection
+) -> None:
+    """Entry point of the front-end process (multiprocessing spawn)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM / SIGINT go to the node's whole process group: the node drains its streams through
+    # this process and then closes the pipe, which is when this process stops.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        asyncio.run(_serve(host, port, socket_path, shared_token, parent))
+    except KeyboardInterrupt:  # pragma: no cover - SIGINT is ignored above
+        pass

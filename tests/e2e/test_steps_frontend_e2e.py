@@ -1,0 +1,106 @@
+"""The node's Steps front end in its own process (decode-0 with ``frontend_port``).
+
+Token streams through router -> front-end process -> node equal the in-process engine's (greedy
+and seeded, streamed and not, colocated prompts and P/D prompts); the router found the front end
+through GetLoad; a malformed command is INVALID_ARGUMENT and holds nothing; a dead front end
+takes the node out of service (exit 1) instead of leaving streams hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc import convert
+from pdserve.rpc import node_pb2 as pb
+from tests.e2e.cluster import make_cluster_config, running_cluster
+from tests.e2e.test_served_e2e import MAX_TOKENS, _bodies, _in_process, _served, _wait_free
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    cfg = make_cluster_config(
+        tiny_models["llama"],
+        router={"local_prefill_max_tokens": 16},
+        **{"decode-0": {"frontend_port": _free_port()}},
+    )
+    with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend")) as rc:
+        yield rc
+
+
+def _metric(url: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", httpx.get(url).text, re.M)
+    assert m, f"{name} not in {url}"
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_streams_through_the_frontend_equal_the_in_process_engine(cluster, tiny_models, seeded) -> None:
+    d0 = cluster.node("decode-0")
+    rep = cluster.load("decode-0")
+    assert rep.steps_address == f"127.0.0.1:{d0.frontend_port}"
+    metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
+    bodies = _bodies(cluster, seeded)
+    want = _in_process(tiny_models["llama"], bodies)
+    assert all(n == MAX_TOKENS for _, n in want)
+    for stream in (True, False):
+        got = asyncio.run(_served(cluster, bodies, stream))
+        assert [(t, n) for t, n, _ in got] == want, f"stream={stream}"
+    # every leg went through the front-end process: the router opened its stream there
+    assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
+    _wait_free(cluster)
+
+
+def test_a_malformed_command_is_invalid_argument_and_holds_nothing(cluster) -> None:
+    d0 = cluster.node("decode-0")
+    with grpc.insecure_channel(f"127.0.0.1:{d0.frontend_port}") as ch:
+        steps = ch.stream_stream("/pdserve.rpc.DecodeService/Steps")  # raw bytes both ways
+        with pytest.raises(grpc.RpcError) as e:
+            list(steps(iter([b"\xff\xff\xff"]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed StepCommand" in (e.value.details() or "")
+        # a well-formed stream on the same front end still works: one request, to its end
+        req = pb.DecodeRequest(
+            request_id="fe-ok",
+            prompt_token_ids=[5, 6, 7],
+            sampling=convert.sampling_to_pb(SamplingParams(max_tokens=3, ignore_eos=True)),
+        )
+        batches = [
+            pb.StepBatch.FromString(b)
+            for b in steps(iter([pb.StepCommand(start=[req]).SerializeToString()]), timeout=30)
+        ]
+        deltas = [d for b in batches for d in b.deltas]
+        assert sum(len(d.token_ids) for d in deltas) == 3, [str(b) for b in batches]
+        assert deltas[-1].finish_reason == "length"
+    _wait_free(cluster)
+
+
+def test_a_dead_frontend_takes_the_node_out_of_service(tiny_models, tmp_path_factory) -> None:
+    cfg = make_cluster_config(tiny_models["llama"], **{"decode-0": {"frontend_port": _free_port()}})
+    with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend-death")) as rc:
+        node = next(c for c in rc.children if c.name == "decode-0")
+        m = re.search(r"Steps front end \(pid (\d+)\)", node.log_path.read_text())
+        assert m, node.log_path.read_text()[-2000:]
+        os.kill(int(m.group(1)), signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while node.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert node.proc.returncode == 1, node.log_path.read_text()[-2000:]
+        assert "Steps front-end process exited" in node.log_path.read_text()
