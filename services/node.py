@@ -6,14 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import multiprocessing as mp
-import os
-import shutil
 import signal
-import tempfile
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import grpc
@@ -34,7 +28,7 @@ from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
-from services.steps_frontend import StepsSocketServer, frontend_main
+from services.steps_frontend import FrontendProcess
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
@@ -152,7 +146,7 @@ class NodeBase:
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
         self.steps_address = ""  # set once a Steps front-end process listens (frontend_port)
-        self.frontend: _Frontend | None = None
+        self.frontend: FrontendProcess | None = None
 
     # hooks -------------------------------------------------------------------------------------
     def _on_hold(self, req: Any, block_ids: list[int]) -> bool:
@@ -308,46 +302,38 @@ class NodeBase:
             try:
                 runner.check_alive()
             except PipelineStageError as e:
-                msg = f"node {self.opts.name} is out of service: {e}"
-                logger.error("%s", msg)
-                await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-                assert self.engine_loop is not None
-                self.engine_loop.post_and_dispatch(functools.partial(LLMEngine.fail_all, message=msg))
-                await asyncio.sleep(STAGE_WATCH_S)  # let the failed deltas reach their streams
-                self.exit_code = 1
-                self._stop_event.set()
+                await self._out_of_service(str(e), health_servicer)
                 return
 
-    async def _start_frontend(self) -> _Frontend:
+    async def _out_of_service(self, reason: str, health_servicer: Any) -> None:
+        """A process of this node died: NOT_SERVING, fail every request in flight, stop (exit 1)."""
+        msg = f"node {self.opts.name} is out of service: {reason}"
+        logger.error("%s", msg)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert self.engine_loop is not None
+        self.engine_loop.post_and_dispatch(functools.partial(LLMEngine.fail_all, message=msg))
+        await asyncio.sleep(STAGE_WATCH_S)  # let the failed deltas reach their streams
+        self.exit_code = 1
+        self._stop_event.set()
+
+    async def _start_frontend(self) -> FrontendProcess:
         """The Steps front end in its own process (services/steps_frontend.py); returns once it
         listens, raises ConfigError naming the port if it cannot."""
         servicer = getattr(self, "steps_servicer", None)
         assert servicer is not None, "frontend_port on a node without a Steps servicer"
         assert self.opts.frontend_port is not None
-        fe = _Frontend(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+        fe = FrontendProcess(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
         await fe.start()
         host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
         self.steps_address = f"{host}:{fe.port}"
         logger.info("node %s: Steps front end (pid %s) on %s", self.opts.name, fe.pid, self.steps_address)
         return fe
 
-    async def _watch_frontend(self, fe: _Frontend, health_servicer: Any) -> None:
+    async def _watch_frontend(self, fe: FrontendProcess, health_servicer: Any) -> None:
         """A dead front-end process takes the node out of service, as a dead stage does."""
-        while True:
+        while fe.alive():
             await asyncio.sleep(STAGE_WATCH_S)
-            if fe.alive():
-                continue
-            msg = (
-                f"node {self.opts.name} is out of service: its Steps front-end process exited ({fe.exitcode})"
-            )
-            logger.error("%s", msg)
-            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            assert self.engine_loop is not None
-            self.engine_loop.post_and_dispatch(functools.partial(LLMEngine.fail_all, message=msg))
-            await asyncio.sleep(STAGE_WATCH_S)
-            self.exit_code = 1
-            self._stop_event.set()
-            return
+        await self._out_of_service(f"its Steps front-end process exited ({fe.exitcode})", health_servicer)
 
     def request_stop(self, drain: bool = False) -> None:
         """Stop serving; ``drain`` as on SIGTERM (tests of the drain), else at once (other tests)."""
@@ -461,66 +447,3 @@ class _NodeCollector:
 
     def describe(self):  # type: ignore[no-untyped-def]
         return []
-
-
-class _Frontend:
-    """The Steps front-end process and the node's socket it relays to."""
-
-    def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
-        self._dir = tempfile.mkdtemp(prefix="pdserve-fe-")  # 0700: only this user reaches the socket
-        self.socket = StepsSocketServer(servicer, os.path.join(self._dir, "steps.sock"))
-        self.host, self.port, self.token = host, port, shared_token
-        self._proc: BaseProcess | None = None
-        self._conn: Connection | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self._proc.exitcode if self._proc is not None else None
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
-
-    async def start(self, timeout_s: float = 60.0) -> None:
-        await self.socket.start()
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=frontend_main,
-            args=(self.host, self.port, self.socket.path, self.token, child),
-            name="pdserve-frontend",
-            daemon=True,
-        )
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        ready = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, timeout_s)
-        if ready[0] != "ready":
-            await self.stop()
-            raise ConfigError(f"frontend_port {self.port}: {ready[1]}")
-        self.port = int(ready[1])
-
-    def _wait_ready(self, timeout_s: float) -> tuple[str, Any]:
-        assert self._conn is not None and self._proc is not None
-        if not self._conn.poll(timeout_s):
-            return ("error", f"the front-end process did not start within {timeout_s:.0f} s")
-        try:
-            return tuple(self._conn.recv())  # type: ignore[return-value]
-        except EOFError:
-            return ("error", f"the front-end process exited ({self._proc.exitcode}) before listening")
-
-    async def stop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()  # the process exits on EOF
-            self._conn = None
-        if self._proc is not None:
-            proc = self._proc
-            await asyncio.get_running_loop().run_in_executor(None, proc.join, 5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
-        await self.socket.close()
-        shutil.rmtree(self._dir, ignore_errors=True)

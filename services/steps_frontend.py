@@ -29,15 +29,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing as mp
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.errors import ConfigError
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 
@@ -205,3 +210,66 @@ def frontend_main(
         asyncio.run(_serve(host, port, socket_path, shared_token, parent))
     except KeyboardInterrupt:  # pragma: no cover - SIGINT is ignored above
         pass
+
+
+class FrontendProcess:
+    """The Steps front-end process and the node's socket it relays to."""
+
+    def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pdserve-fe-")  # 0700: only this user reaches the socket
+        self.socket = StepsSocketServer(servicer, os.path.join(self._dir, "steps.sock"))
+        self.host, self.port, self.token = host, port, shared_token
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        await self.socket.start()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=frontend_main,
+            args=(self.host, self.port, self.socket.path, self.token, child),
+            name="pdserve-frontend",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        ready = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, timeout_s)
+        if ready[0] != "ready":
+            await self.stop()
+            raise ConfigError(f"frontend_port {self.port}: {ready[1]}")
+        self.port = int(ready[1])
+
+    def _wait_ready(self, timeout_s: float) -> tuple[str, Any]:
+        assert self._conn is not None and self._proc is not None
+        if not self._conn.poll(timeout_s):
+            return ("error", f"the front-end process did not start within {timeout_s:.0f} s")
+        try:
+            return tuple(self._conn.recv())  # type: ignore[return-value]
+        except EOFError:
+            return ("error", f"the front-end process exited ({self._proc.exitcode}) before listening")
+
+    async def stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # the process exits on EOF
+            self._conn = None
+        if self._proc is not None:
+            proc = self._proc
+            await asyncio.get_running_loop().run_in_executor(None, proc.join, 5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        await self.socket.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

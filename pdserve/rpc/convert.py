@@ -70,33 +70,26 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
 
 
 def delta_to_pb(d: GenerationDelta) -> pb.Delta:
-    m = pb.Delta(
-        request_id=d.request_id,
-        token_ids=d.token_ids,
-        text=d.text,
-        num_prompt_tokens=d.num_prompt_tokens,
-        num_output_tokens=d.num_output_tokens,
-    )
-    _set_rare_fields(m, d)
+    m = pb.Delta()
+    _fill_delta(m, d)
     return m
 
 
 def add_delta_pb(deltas: Any, d: GenerationDelta) -> pb.Delta:
     """``d`` appended to a repeated ``Delta`` field (``StepBatch.deltas``): what a streamed step
-    costs the node's event loop per request, so only the fields a running delta has are passed
-    (2.7 -> 1.2 us per delta against every field as a keyword, with upb)."""
-    m = deltas.add(
-        request_id=d.request_id,
-        token_ids=d.token_ids,
-        text=d.text,
-        num_prompt_tokens=d.num_prompt_tokens,
-        num_output_tokens=d.num_output_tokens,
-    )
-    _set_rare_fields(m, d)
+    costs the node's event loop per request, so only the fields a delta has are set (2.7 -> ~1 us
+    per delta against every field as a keyword, with upb)."""
+    m = deltas.add()
+    _fill_delta(m, d)
     return m
 
 
-def _set_rare_fields(m: pb.Delta, d: GenerationDelta) -> None:
+def _fill_delta(m: pb.Delta, d: GenerationDelta) -> None:
+    m.request_id = d.request_id
+    m.token_ids.extend(d.token_ids)
+    m.text = d.text
+    m.num_prompt_tokens = d.num_prompt_tokens
+    m.num_output_tokens = d.num_output_tokens
     if d.num_cached_tokens:
         m.num_cached_tokens = d.num_cached_tokens
     if d.finish_reason:

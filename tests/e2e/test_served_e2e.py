@@ -123,16 +123,21 @@ def _wait_free(rc) -> None:
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_router_streams_equal_the_in_process_engine(cluster, tiny_models, seeded) -> None:
-    bodies = _bodies(cluster, seeded)
-    want = _in_process(tiny_models["llama"], bodies)
+    assert_streams_equal_in_process(cluster, tiny_models["llama"], seeded)
+    _wait_free(cluster)
+
+
+def assert_streams_equal_in_process(rc, model_dir, seeded: bool) -> None:
+    """PROMPTS through the router, streamed and not, against the in-process engine."""
+    bodies = _bodies(rc, seeded)
+    want = _in_process(model_dir, bodies)
     assert all(n == MAX_TOKENS for _, n in want)
     for stream in (True, False):
-        got = asyncio.run(_served(cluster, bodies, stream))
+        got = asyncio.run(_served(rc, bodies, stream))
         assert [(t, n) for t, n, _ in got] == want, f"stream={stream}"
         if stream:
             # however the node batched them: never more text chunks than tokens
             assert all(1 <= chunks <= n for _, n, chunks in got)
-    _wait_free(cluster)
 
 
 def test_steps_stream_merges_aborts_refuses_and_ends(cluster) -> None:

@@ -8,7 +8,6 @@ takes the node out of service (exit 1) instead of leaving streams hanging.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from tests.e2e.cluster import make_cluster_config, running_cluster
-from tests.e2e.test_served_e2e import MAX_TOKENS, _bodies, _in_process, _served, _wait_free
+from tests.e2e.test_served_e2e import _wait_free, assert_streams_equal_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +56,7 @@ def test_streams_through_the_frontend_equal_the_in_process_engine(cluster, tiny_
     rep = cluster.load("decode-0")
     assert rep.steps_address == f"127.0.0.1:{d0.frontend_port}"
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
-    bodies = _bodies(cluster, seeded)
-    want = _in_process(tiny_models["llama"], bodies)
-    assert all(n == MAX_TOKENS for _, n in want)
-    for stream in (True, False):
-        got = asyncio.run(_served(cluster, bodies, stream))
-        assert [(t, n) for t, n, _ in got] == want, f"stream={stream}"
+    assert_streams_equal_in_process(cluster, tiny_models["llama"], seeded)
     # every leg went through the front-end process: the router opened its stream there
     assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
     _wait_free(cluster)
