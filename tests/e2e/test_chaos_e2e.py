@@ -267,6 +267,11 @@ def test_engine_death_of_decode_through_http_is_a_clean_error_then_out_of_rotati
         c.completions.create(model=cluster.model_name, prompt="no decode node " * 8, max_tokens=4)
     assert refused.value.status_code == 503
     _restart(cluster, "decode-0")
-    out = c.completions.create(model=cluster.model_name, prompt="decode is back " * 8, max_tokens=4)
+    out = c.completions.create(
+        model=cluster.model_name,
+        prompt="decode is back " * 8,
+        max_tokens=4,
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "length"
     wait_nothing_held(cluster, NODES)

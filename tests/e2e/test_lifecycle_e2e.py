@@ -72,7 +72,9 @@ def test_clients_hanging_up_at_once_kill_no_engine(cluster) -> None:
     for name in NODES:
         assert health_status(cluster.node(name).grpc_address) == "SERVING"
     c = openai.OpenAI(base_url=cluster.base_url, api_key="x", max_retries=0, timeout=60)
-    out = c.completions.create(model=cluster.model_name, prompt="still alive " * 10, max_tokens=8)
+    out = c.completions.create(
+        model=cluster.model_name, prompt="still alive " * 10, max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length"
     assert httpx.get(cluster.cluster.router_url + "/ready").status_code == 200
     wait_nothing_held(cluster, NODES)
