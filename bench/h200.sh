@@ -68,7 +68,7 @@ for p in "${parts[@]}"; do
       --shape llama-1b --dtype bfloat16 --prompt-tokens 512 --max-tokens 128 --ignore-eos \
       --concurrency 1 16 64 256 --reps 1 --requests-per-level 2 --client-procs 8 --skip-vllm \
       --kv-transport cuda_ipc ${SERVED_ARGS:-} ;;
-    kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/kernels.py --out "$OUT/kernels.json" ;;
+    kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/gpu_kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac
 done
