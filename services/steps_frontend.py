@@ -45,6 +45,7 @@ from google.protobuf.message import DecodeError
 from pdserve.errors import ConfigError
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
+from services.steps_direct import DirectSteps, SocketFrames
 
 logger = logging.getLogger(__name__)
 MAX_FRAME = 64 << 20  # a StepBatch past this is a bug, not traffic
@@ -100,13 +101,31 @@ class StepsSocketServer:
                     return  # the router half-closed its side: finish what is running
                 yield pb.StepCommand.FromString(data)  # the front end checked it parses
 
+        # Token deltas: the engine thread writes them to this socket (services/steps_direct.py);
+        # this coroutine writes the rest (ends, error deltas) through the same ordered frames.
+        sock = writer.get_extra_info("socket")
+        session = asyncio.current_task()
+
+        # A failed write (the front end went away) ends the session: its requests are aborted.
+        def on_fail() -> None:
+            if session is not None:
+                session.cancel()
+
+        frames = SocketFrames(sock.fileno(), asyncio.get_running_loop(), on_fail)
         try:
-            async for batch in self.servicer.steps_session(commands()):
-                writer.write(frame(batch.SerializeToString()))
-                await writer.drain()
+            async for batch in self.servicer.steps_session(commands(), DirectSteps(frames)):
+                frames.write(batch.SerializeToString())
+                await frames.drain()
+                if frames.closed:
+                    raise ConnectionError("the front end's socket is closed")
         except (ConnectionError, asyncio.IncompleteReadError, DecodeError) as e:
             logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
+        except asyncio.CancelledError:
+            if not frames.closed:
+                raise  # the node is stopping
+            logger.warning("Steps socket session ended: the front end's socket failed")
         finally:
+            frames.close()
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

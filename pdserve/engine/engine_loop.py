@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pdserve.distributed.pp_stage import PipelineStageError
 from pdserve.engine.llm_engine import LLMEngine
@@ -32,6 +32,16 @@ from pdserve.kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class DirectSink(Protocol):
+    """A stream whose deltas the engine thread writes itself (services/steps_direct.py)."""
+
+    def takes(self, d: GenerationDelta) -> bool: ...
+
+    def write(self, deltas: list[GenerationDelta]) -> None: ...
+
+
 IDLE_WAIT_S = 0.05
 
 
@@ -52,6 +62,10 @@ class EngineLoop:
         # request id -> where its deltas go, called on the event loop in step order: a queue's
         # put_nowait (generate) or a consumer's callback (start: one Steps stream for many)
         self._streams: dict[str, Callable[[GenerationDelta], None]] = {}
+        # request id -> its stream's engine-thread writer (services/steps_direct.py): deltas it
+        # takes go out from this thread, without waking the event loop; the finishing one is
+        # also dispatched to ``_streams`` (the consumer's bookkeeping, not a second write)
+        self._direct: dict[str, DirectSink] = {}
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._stopped = threading.Event()
         self._on_death = on_death  # runs on the event loop once the engine thread has died
@@ -127,6 +141,10 @@ class EngineLoop:
             return None
 
     def _deliver(self, deltas: list[GenerationDelta]) -> None:
+        if self._direct:
+            deltas = self._write_direct(deltas)
+            if not deltas:
+                return
         # One wake-up of the event loop per batch of steps, not per step: while a wake-up is
         # pending the engine only appends (each wake-up is a self-pipe write, whose syscall hands
         # the GIL to the event loop thread and cost the engine thread ~16% of its time at 16
@@ -139,6 +157,31 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(self._drain_outq)
         except RuntimeError:  # the event loop is closed (shutdown): nobody is listening any more
             logger.debug("dropped %d deltas after the event loop closed", len(deltas))
+
+    def _write_direct(self, deltas: list[GenerationDelta]) -> list[GenerationDelta]:
+        """Engine thread: hand each direct stream its deltas of this step (one write per stream);
+        returns what the event loop still gets (other streams' deltas, errors, the finishing ones)."""
+        direct = self._direct
+        rest: list[GenerationDelta] = []
+        by_sink: dict[int, tuple[DirectSink, list[GenerationDelta]]] = {}
+        for d in deltas:
+            sink = direct.get(d.request_id)
+            if sink is None or not sink.takes(d):
+                rest.append(d)
+                continue
+            entry = by_sink.get(id(sink))
+            if entry is None:
+                by_sink[id(sink)] = (sink, [d])
+            else:
+                entry[1].append(d)
+            if d.finish_reason is not None:
+                rest.append(d)
+        for sink, ds in by_sink.values():
+            try:
+                sink.write(ds)
+            except Exception:  # a writer's bug must not kill the engine thread or starve others
+                logger.exception("writing %d deltas to a Steps socket failed", len(ds))
+        return rest
 
     def _drain_outq(self) -> None:
         self._wake_pending = False  # first: a batch appended from now on schedules a new drain
@@ -197,6 +240,7 @@ class EngineLoop:
         priority: int = 0,
         prompt_embeds: Any | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        direct: DirectSink | None = None,
     ) -> None:
         """Admit a request whose deltas go to ``on_delta`` (on the event loop, in order, the last
         one with a finish_reason); returns once it is admitted, raises if refused.
@@ -207,6 +251,8 @@ class EngineLoop:
         when it gives up on it."""
         self.check_alive()
         self._streams[request_id] = on_delta
+        if direct is not None:
+            self._direct[request_id] = direct
         try:
             await self.call(
                 lambda e: e.add_request(
@@ -224,17 +270,20 @@ class EngineLoop:
             # The caller left while add_request ran (or was queued): the request may be admitted
             # now with nobody to read it, so abort it (a no-op if it never got in).
             self._streams.pop(request_id, None)
+            self._direct.pop(request_id, None)
             if self.dead is None:
                 self.post(lambda e: e.abort([request_id]))
             raise
         except BaseException:
             self._streams.pop(request_id, None)  # refused: never abort, the id may be another's
+            self._direct.pop(request_id, None)
             raise
 
     def release(self, request_id: str, *, abort: bool) -> None:
         """Stop delivering ``request_id``'s deltas; ``abort`` also ends it on the engine (a no-op
         for a request that already finished there)."""
         self._streams.pop(request_id, None)
+        self._direct.pop(request_id, None)
         if abort and self.dead is None:
             self.post(lambda e: e.abort([request_id]))
 

@@ -29,6 +29,7 @@ from services.decode.keepalive import LeaseKeeper
 from services.mm_items import items_from_pb, to_engine_items
 from services.node import NodeBase, NodeOptions
 from services.prefill.server import handshake_from_pb, handshake_to_pb
+from services.steps_direct import DirectSteps
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             yield batch
 
     async def steps_session(
-        self, request_iterator: AsyncIterator[pb.StepCommand]
+        self, request_iterator: AsyncIterator[pb.StepCommand], direct: DirectSteps | None = None
     ) -> AsyncIterator[pb.StepBatch]:
         """One Steps stream, whatever carries it: this node's gRPC server, or the front-end
         process's socket (services/steps_frontend.py).
@@ -333,7 +334,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         Each request runs as a task that merges its deltas into the outbox; the writer sends the
         whole outbox as one batch whenever the previous write is done. The engine thread never
         waits for this: a slow reader only makes the next batch larger. The stream ending (the
-        router went away) cancels every request's task, which aborts it on the engine."""
+        router went away) cancels every request's task, which aborts it on the engine.
+
+        ``direct`` (the front end's socket): the engine thread writes the requests' token deltas
+        itself (services/steps_direct.py); what this yields is only ends and error deltas."""
         outbox = _Outbox()
         tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -346,7 +350,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if not rid or rid in tasks:
                 outbox.end(rid, grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or in use")
                 return
-            task = asyncio.get_running_loop().create_task(self._step_request(r, outbox), name=f"step-{rid}")
+            task = asyncio.get_running_loop().create_task(
+                self._step_request(r, outbox, direct), name=f"step-{rid}"
+            )
             tasks[rid] = task
 
             def done(_t: asyncio.Task[None], rid: str = rid) -> None:
@@ -378,7 +384,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 t.cancel()
             await asyncio.gather(reader, *pending, return_exceptions=True)
 
-    async def _step_request(self, request: pb.DecodeRequest, outbox: _Outbox) -> None:
+    async def _step_request(
+        self, request: pb.DecodeRequest, outbox: _Outbox, direct: DirectSteps | None = None
+    ) -> None:
         """One request of a Steps stream: admit it, then let the engine loop hand its deltas
         straight to the outbox (a callback per step, no task wake-up per step); this task only
         waits for the end. Cancelling it (router abort, stream gone) aborts the request."""
@@ -397,9 +405,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             assert loop is not None
             ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             interval = request.flush_interval_ms / 1000.0
+            if interval > 0:
+                direct = None  # held and merged on the event loop (_Outbox), not per step
 
             def on_delta(d: GenerationDelta) -> None:
                 if ended.done():
+                    return
+                if direct is not None and direct.takes(d):
+                    # the engine thread wrote it; only its end is this callback's (finishing deltas)
+                    if d.finish_reason is not None:
+                        ended.set_result(None)
                     return
                 if d.finish_reason == "error" and d.overloaded:
                     outbox.end(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, d.error or "node is full")
@@ -418,7 +433,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 ended.set_result(None)
 
             try:
-                await loop.admit(adm.prompt_token_ids, adm.params, rid, on_delta, **adm.kwargs)
+                await loop.admit(adm.prompt_token_ids, adm.params, rid, on_delta, direct=direct, **adm.kwargs)
             except PdserveError as e:
                 node.reprefill_ids.discard(rid)
                 node.no_recompute_ids.discard(rid)

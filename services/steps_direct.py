@@ -1,0 +1,156 @@
+"""The engine thread writes a Steps stream's tokens to the front end's socket itself.
+
+With the Steps front end in its own process (``frontend_port``, services/steps_frontend.py),
+the node's side of each stream is a Unix socket. Plain token deltas of that stream do not go
+through the node's event loop: after a step the engine thread builds the stream's ``StepBatch``,
+serializes it and hands the frame to the socket (non-blocking). The event loop is not woken per
+step, so it does not take the GIL from the engine thread once per step (the stall that cost the
+served path 20-30% at low concurrency on CPU, docs/benchmarks.md, sixth session).
+
+What still goes through the event loop: admission and refusals (``StepEnd``), error deltas
+(overload, a failed KV load: their handling is the node's), and the finishing delta's
+bookkeeping (the request's task ends, the engine loop releases it) -- the finishing delta itself
+is written here, in step order with the request's other deltas.
+
+The engine never waits for the front end: what the socket does not take at once is kept, in
+order, and the event loop writes it when the socket is writable again; while anything waits,
+later frames queue behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+from pdserve.engine.outputs import GenerationDelta
+from pdserve.rpc import convert
+from pdserve.rpc import node_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+class SocketFrames:
+    """Length-prefixed frames to one stream socket, from any thread, never blocking the caller.
+
+    ``fd`` is the connection's socket; writes go through a duplicate of it (the asyncio
+    transport keeps reading the original). A frame is either written whole in order or, once
+    the socket failed, dropped (``closed``: the session's reader sees the connection end)."""
+
+    def __init__(
+        self, fd: int, loop: asyncio.AbstractEventLoop, on_fail: Callable[[], None] | None = None
+    ) -> None:
+        self._sock = socket.socket(fileno=os.dup(fd))
+        self._sock.setblocking(False)
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending = bytearray()  # bytes the socket has not taken yet, in order
+        self._watching = False  # the event loop waits for writability to flush _pending
+        self._drained: asyncio.Event | None = None
+        self.closed = False
+        self.frames_total = 0
+        self._on_fail = on_fail  # called on the event loop once a write failed (the peer is gone)
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._pending)
+
+    def write(self, payload: bytes) -> None:
+        data = len(payload).to_bytes(4, "big") + payload
+        with self._lock:
+            if self.closed:
+                return
+            self.frames_total += 1
+            if not self._pending:
+                try:
+                    sent = self._sock.send(data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:
+                    self._fail(e)
+                    return
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            self._pending += data
+            if not self._watching:
+                self._watching = True
+                self._loop.call_soon_threadsafe(self._watch)
+
+    def _fail(self, e: OSError) -> None:  # under the lock
+        if self.closed:
+            return
+        logger.info("Steps socket write failed (the front end went away?): %r", e)
+        self.closed = True
+        self._pending.clear()
+        if self._on_fail is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_fail)
+            except RuntimeError:  # the event loop is closed: nobody left to tell
+                pass
+
+    # -- the event loop ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._loop.add_writer(self._sock.fileno(), self._flush)
+        except (OSError, ValueError) as e:
+            with self._lock:
+                self._fail(OSError(str(e)))
+
+    def _flush(self) -> None:
+        with self._lock:
+            try:
+                sent = self._sock.send(self._pending) if self._pending else 0
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._fail(e)
+                sent = 0
+            del self._pending[:sent]
+            if self._pending and not self.closed:
+                return
+            self._watching = False
+        self._loop.remove_writer(self._sock.fileno())
+        if self._drained is not None:
+            self._drained.set()
+
+    async def drain(self, high_water: int = 1 << 20) -> None:
+        """The event loop's own writes wait here while more than ``high_water`` bytes queue."""
+        while len(self._pending) > high_water and not self.closed:
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+            self._drained = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._pending.clear()
+            watching, self._watching = self._watching, False
+        if watching:
+            self._loop.remove_writer(self._sock.fileno())
+        self._sock.close()
+
+
+class DirectSteps:
+    """One Steps stream's engine-thread sink (``EngineLoop.admit(..., direct=...)``)."""
+
+    def __init__(self, frames: SocketFrames) -> None:
+        self.frames = frames
+
+    @staticmethod
+    def takes(d: GenerationDelta) -> bool:
+        """Whether the engine thread writes ``d``: everything but an error delta, which the
+        node's event loop turns into the right ``StepEnd`` (overload, KV load failure)."""
+        return d.finish_reason != "error"
+
+    def write(self, deltas: list[GenerationDelta]) -> None:
+        """Engine thread: one step's deltas of this stream as one ``StepBatch`` frame."""
+        batch = pb.StepBatch()
+        for d in deltas:
+            convert.add_delta_pb(batch.deltas, d)
+        self.frames.write(batch.SerializeToString())
