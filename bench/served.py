@@ -283,12 +283,12 @@ def proc_cpu_s(pid: int) -> float:
 def _variant(v: str) -> str:
     topology, *mods = v.split("+")
     ok = topology in ("colocated", "pd") and all(
-        m in ("per_request", "fe") or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1) for m in mods
+        m in ("per_request", "inline") or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1) for m in mods
     )
     if not ok:
         raise argparse.ArgumentTypeError(
             f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers), "
-            "+fe (the decode-capable node's Steps front end in its own process: frontend_port)"
+            "+inline (the decode-capable node serves its Steps streams itself: frontend: inline)"
         )
     return v
 
@@ -328,8 +328,8 @@ class Cluster:
                 dict(node, name="prefill-0", role="prefill", grpc_port=free_port(), metrics_port=free_port()),
                 dict(node, name="decode-0", role="decode", grpc_port=free_port(), metrics_port=free_port()),
             ]
-        if "fe" in mods:
-            nodes[-1]["frontend_port"] = free_port()  # colo-0 / decode-0
+        if "inline" in mods:
+            nodes[-1]["frontend"] = "inline"  # colo-0 / decode-0: no front-end process
         router: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "local_prefill_max_tokens": 0}
         if transport:
             router["decode_stream"] = transport
@@ -512,8 +512,9 @@ def main() -> None:
         type=_variant,
         help="colocated | pd, each optionally with +per_request (the router's decode_stream "
         "per_request: one Decode stream per leg, the design before issue 12, instead of the "
-        "multiplexed Steps stream), +wN (N router worker processes, router.workers) and +fe (the "
-        "node's Steps front end in its own process, frontend_port)",
+        "multiplexed Steps stream), +wN (N router worker processes, router.workers) and +inline (the "
+        "node's Steps streams on its own gRPC server, frontend: inline; the default is a front-end "
+        "process)",
     )
     ap.add_argument("--router-workers", type=int, default=1, help="router.workers of variants without +wN")
     ap.add_argument("--modes", nargs="+", default=["stream", "nostream"], choices=["stream", "nostream"])

@@ -182,7 +182,7 @@ def serve(
             redis_url=cluster.redis_url,
             registry_ttl_s=cluster.registry_ttl_s,
             advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
-            frontend_port=n.frontend_port,
+            frontend_port=n.frontend_process_port(),
             stages=n.pp,
             drain_timeout_s=n.drain_timeout_s,
             faults=n.faults,

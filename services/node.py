@@ -72,8 +72,8 @@ class NodeOptions:
     colocated_encoder: bool = False
     image_limits: Any | None = None
     faults: FaultsConfig = field(default_factory=FaultsConfig)  # test-only fault injection; all off
-    # Decode / colocated: the router's Steps streams go to a front-end process on this port
-    # (services/steps_frontend.py); None: this process serves them on grpc_port.
+    # Decode / colocated: the router's Steps streams go to a front-end process on this port, 0:
+    # any free port (services/steps_frontend.py); None: this process serves them on grpc_port.
     frontend_port: int | None = None
 
 
@@ -108,7 +108,7 @@ class NodeBase:
                     f"frontend_port {opts.frontend_port} on prefill node {opts.name}: a prefill node "
                     "serves no Steps streams; set it on decode or colocated nodes only"
                 )
-            if opts.frontend_port in (opts.grpc_port, opts.metrics_port):
+            if opts.frontend_port and opts.frontend_port in (opts.grpc_port, opts.metrics_port):
                 raise ConfigError(
                     f"frontend_port {opts.frontend_port} of node {opts.name} is also its grpc or "
                     "metrics port: give it a distinct port"

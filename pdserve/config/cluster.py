@@ -198,9 +198,20 @@ class NodeConfig(_Frozen):
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
-    # Decode / colocated: serve the router's Steps streams from a front-end process on this port,
-    # off the engine process's GIL (services/steps_frontend.py). None: the node's own gRPC port.
-    frontend_port: int | None = Field(default=None, ge=1, le=65535)
+    # Decode / colocated: who serves the router's Steps streams (the token streams).
+    #   process (the default there): a front-end process (services/steps_frontend.py); the engine
+    #     thread writes token deltas to it directly, the node's event loop never takes its GIL per step;
+    #   inline: the node's own gRPC server, one process.
+    # None: process on decode and colocated nodes; prefill nodes serve no Steps streams.
+    frontend: Literal["process", "inline"] | None = None
+    # The front-end process's port; None or 0: any free port (the router learns it from GetLoad).
+    frontend_port: int | None = Field(default=None, ge=0, le=65535)
+
+    def frontend_process_port(self) -> int | None:
+        """The port of this node's Steps front-end process (0: any free one); None: no such process."""
+        if self.role not in ("decode", "colocated") or self.frontend == "inline":
+            return None
+        return self.frontend_port or 0
 
     @field_validator("name")
     @classmethod
@@ -236,10 +247,18 @@ class NodeConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_roles(self) -> NodeConfig:
-        if self.frontend_port is not None and self.role not in ("decode", "colocated"):
+        if self.role not in ("decode", "colocated"):
+            for key, value in (("frontend", self.frontend), ("frontend_port", self.frontend_port)):
+                if value is not None:
+                    raise ConfigError(
+                        f"node {self.name!r}: {key} {value} is for decode and colocated nodes (the "
+                        f"router's Steps streams); a {self.role} node serves none: remove it"
+                    )
+        elif self.frontend == "inline" and self.frontend_port is not None:
             raise ConfigError(
-                f"node {self.name!r}: frontend_port {self.frontend_port} is for decode and colocated "
-                f"nodes (the router's Steps streams); a {self.role} node serves none: remove it"
+                f"node {self.name!r}: frontend_port {self.frontend_port} with frontend: inline (the "
+                "node's own gRPC port serves the Steps streams): remove frontend_port or set "
+                "frontend: process"
             )
         expected = KV_ROLE_OF_ROLE[self.role]
         if self.kv_role is not None and self.kv_role != expected:
@@ -432,7 +451,7 @@ class ClusterConfig(_Frozen):
         for n in self.nodes:
             endpoints += [(f"{n.name}.grpc_port", n.host, n.grpc_port)]
             endpoints += [(f"{n.name}.metrics_port", n.host, n.metrics_port)]
-            if n.frontend_port is not None:
+            if n.frontend_port:  # 0 / None: a free port picked at start
                 endpoints += [(f"{n.name}.frontend_port", n.host, n.frontend_port)]
         for owner, host, port in endpoints:
             key = (_normalize_host(host), port)

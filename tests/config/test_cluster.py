@@ -229,6 +229,35 @@ def test_bad_node_fields(kw: dict[str, Any], needle: str) -> None:
     assert needle in msg and "p0" in msg
 
 
+def test_the_steps_front_end_is_a_process_on_decode_nodes_unless_inline() -> None:
+    c = ClusterConfig.from_dict(_1p1d())
+    assert c.node("d0").frontend_process_port() == 0  # default: a front-end process, any free port
+    assert c.node("p0").frontend_process_port() is None  # prefill serves no Steps streams
+    both = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend_port=50070))
+    assert ClusterConfig.from_dict(both).node("d0").frontend_process_port() == 50070
+    inline = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend="inline"))
+    assert ClusterConfig.from_dict(inline).node("d0").frontend_process_port() is None
+
+
+@pytest.mark.parametrize(
+    ("prefill_kw", "decode_kw", "needle"),
+    [
+        ({"frontend": "process"}, {}, "frontend process is for decode and colocated nodes"),
+        ({"frontend_port": 50070}, {}, "frontend_port 50070 is for decode and colocated nodes"),
+        ({}, {"frontend": "inline", "frontend_port": 50070}, "with frontend: inline"),
+        ({}, {"frontend": "thread"}, "frontend"),
+        ({}, {"frontend_port": 50062}, "d0.frontend_port"),
+    ],
+)
+def test_bad_front_end_settings_are_refused(
+    prefill_kw: dict[str, Any], decode_kw: dict[str, Any], needle: str
+) -> None:
+    msg = _load_error(
+        _cluster(_node("p0", "prefill", 50061, **prefill_kw), _node("d0", "decode", 50062, **decode_kw))
+    )
+    assert needle in msg
+
+
 def test_block_size_must_match_between_kv_peers() -> None:
     msg = _load_error(_1p1d(block_size=32))
     assert "must share block_size" in msg and "'p0': 32" in msg

@@ -41,8 +41,14 @@ def _own_ports():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, _own_ports):
-    # Two router workers on one port: every request below crosses one of them (issue 12).
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16, "workers": 2})
+    # Two router workers on one port: every request below crosses one of them (issue 12). decode-0
+    # serves its Steps streams itself (frontend: inline), so this module keeps that path tested;
+    # the front-end process, every other cluster's default, has tests/e2e/test_steps_frontend_e2e.py.
+    cfg = make_cluster_config(
+        tiny_models["llama"],
+        router={"local_prefill_max_tokens": 16, "workers": 2},
+        **{"decode-0": {"frontend": "inline"}},
+    )
     with running_cluster(cfg, tmp_path_factory.mktemp("served-e2e")) as rc:
         yield rc
 

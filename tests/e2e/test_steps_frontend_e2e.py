@@ -62,6 +62,26 @@ def test_streams_through_the_frontend_equal_the_in_process_engine(cluster, tiny_
     _wait_free(cluster)
 
 
+def test_the_front_end_process_is_the_default_and_inline_has_none(tiny_models, tmp_path_factory) -> None:
+    """No frontend settings: decode-0 runs a front-end process on a free port and the router's
+    streams go there; frontend: inline on the same cluster shape: no process, no steps_address."""
+    cfg = make_cluster_config(tiny_models["llama"], **{"decode-0": {"frontend": "inline"}})
+    with running_cluster(cfg, tmp_path_factory.mktemp("steps-inline"), router=False) as rc:
+        assert rc.load("decode-0").steps_address == ""
+        assert (
+            "Steps front end (pid"
+            not in next(c for c in rc.children if c.name == "decode-0").log_path.read_text()
+        )
+    cfg = make_cluster_config(tiny_models["llama"])
+    with running_cluster(cfg, tmp_path_factory.mktemp("steps-default")) as rc:
+        addr = rc.load("decode-0").steps_address
+        assert addr.startswith("127.0.0.1:") and int(addr.rsplit(":", 1)[1]) != rc.node("decode-0").grpc_port
+        metrics = f"http://127.0.0.1:{rc.node('decode-0').metrics_port}/metrics"
+        assert_streams_equal_in_process(rc, tiny_models["llama"], False)
+        assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
+        _wait_free(rc)
+
+
 def test_a_malformed_command_is_invalid_argument_and_holds_nothing(cluster) -> None:
     d0 = cluster.node("decode-0")
     with grpc.insecure_channel(f"127.0.0.1:{d0.frontend_port}") as ch:
