@@ -10,7 +10,8 @@ served path 20-30% at low concurrency on CPU, docs/benchmarks.md, sixth session)
 What still goes through the event loop: admission and refusals (``StepEnd``), error deltas
 (overload, a failed KV load: their handling is the node's), and the finishing delta's
 bookkeeping (the request's task ends, the engine loop releases it) -- the finishing delta itself
-is written here, in step order with the request's other deltas.
+is written here, in step order with the request's other deltas. Non-streaming requests' flush
+interval is kept here too (``DirectSteps.hold``).
 
 The engine never waits for the front end: what the socket does not take at once is kept, in
 order, and the event loop writes it when the socket is writable again; while anything waits,
@@ -20,13 +21,15 @@ later frames queue behind it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
-from pdserve.engine.outputs import GenerationDelta
+from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 
@@ -137,10 +140,20 @@ class SocketFrames:
 
 
 class DirectSteps:
-    """One Steps stream's engine-thread sink (``EngineLoop.admit(..., direct=...)``)."""
+    """One Steps stream's engine-thread sink (``EngineLoop.admit(..., direct=...)``).
+
+    A request with a flush interval (``hold``: non-streaming, the router's
+    ``nonstream_flush_ms``) has its first delta written at once, then its deltas merged and
+    written at most once per interval and with its finish, as ``_Outbox`` does on the event loop.
+    There is always a next step while it runs, so no timer is needed. Per-request state lives on
+    the engine thread; ``forget`` (event loop) only queues its removal."""
 
     def __init__(self, frames: SocketFrames) -> None:
         self.frames = frames
+        self._intervals: dict[str, float] = {}  # request id -> flush interval (s), set before admission
+        self._held: dict[str, GenerationDelta] = {}  # engine thread only
+        self._sent_at: dict[str, float] = {}  # engine thread only
+        self._forget: collections.deque[str] = collections.deque()
 
     @staticmethod
     def takes(d: GenerationDelta) -> bool:
@@ -148,9 +161,50 @@ class DirectSteps:
         node's event loop turns into the right ``StepEnd`` (overload, KV load failure)."""
         return d.finish_reason != "error"
 
-    def write(self, deltas: list[GenerationDelta]) -> None:
-        """Engine thread: one step's deltas of this stream as one ``StepBatch`` frame."""
+    def hold(self, request_id: str, interval_s: float) -> None:
+        """Event loop, before the request is admitted: merge its deltas for ``interval_s``."""
+        self._intervals[request_id] = interval_s
+
+    def forget(self, request_id: str) -> None:
+        """Event loop, once the request is over (finished or given up): drop its state."""
+        self._forget.append(request_id)
+
+    def write(self, deltas: list[GenerationDelta]) -> list[GenerationDelta]:
+        """Engine thread: one step's deltas of this stream as (at most) one ``StepBatch`` frame.
+        Returns what the event loop must still see: error deltas (not written; tokens held for
+        their request are written first) and finishing deltas (written; for the bookkeeping)."""
+        while self._forget:
+            rid = self._forget.popleft()
+            self._intervals.pop(rid, None)
+            self._held.pop(rid, None)
+            self._sent_at.pop(rid, None)
+        now = time.monotonic()
         batch = pb.StepBatch()
+        loop_side: list[GenerationDelta] = []
         for d in deltas:
+            rid = d.request_id
+            interval = self._intervals.get(rid)
+            if interval is not None:
+                held = self._held.pop(rid, None)
+                if not self.takes(d):
+                    if held is not None:
+                        convert.add_delta_pb(batch.deltas, held)
+                    loop_side.append(d)
+                    continue
+                if held is not None:
+                    d = merge_deltas(held, d)
+                if d.finish_reason is None:
+                    sent = self._sent_at.get(rid)
+                    if sent is not None and now - sent < interval:
+                        self._held[rid] = d
+                        continue
+                    self._sent_at[rid] = now
+            elif not self.takes(d):
+                loop_side.append(d)
+                continue
             convert.add_delta_pb(batch.deltas, d)
-        self.frames.write(batch.SerializeToString())
+            if d.finish_reason is not None:
+                loop_side.append(d)
+        if len(batch.deltas):
+            self.frames.write(batch.SerializeToString())
+        return loop_side

@@ -39,7 +39,7 @@ class DirectSink(Protocol):
 
     def takes(self, d: GenerationDelta) -> bool: ...
 
-    def write(self, deltas: list[GenerationDelta]) -> None: ...
+    def write(self, deltas: list[GenerationDelta]) -> list[GenerationDelta]: ...
 
 
 IDLE_WAIT_S = 0.05
@@ -159,14 +159,14 @@ class EngineLoop:
             logger.debug("dropped %d deltas after the event loop closed", len(deltas))
 
     def _write_direct(self, deltas: list[GenerationDelta]) -> list[GenerationDelta]:
-        """Engine thread: hand each direct stream its deltas of this step (one write per stream);
+        """Engine thread: hand each direct stream its deltas of this step (one call per stream);
         returns what the event loop still gets (other streams' deltas, errors, the finishing ones)."""
         direct = self._direct
         rest: list[GenerationDelta] = []
         by_sink: dict[int, tuple[DirectSink, list[GenerationDelta]]] = {}
         for d in deltas:
             sink = direct.get(d.request_id)
-            if sink is None or not sink.takes(d):
+            if sink is None:
                 rest.append(d)
                 continue
             entry = by_sink.get(id(sink))
@@ -174,13 +174,12 @@ class EngineLoop:
                 by_sink[id(sink)] = (sink, [d])
             else:
                 entry[1].append(d)
-            if d.finish_reason is not None:
-                rest.append(d)
         for sink, ds in by_sink.values():
             try:
-                sink.write(ds)
+                rest.extend(sink.write(ds))
             except Exception:  # a writer's bug must not kill the engine thread or starve others
                 logger.exception("writing %d deltas to a Steps socket failed", len(ds))
+                rest.extend(d for d in ds if d.finish_reason is not None)  # their requests still end
         return rest
 
     def _drain_outq(self) -> None:

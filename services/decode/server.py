@@ -405,8 +405,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             assert loop is not None
             ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             interval = request.flush_interval_ms / 1000.0
-            if interval > 0:
-                direct = None  # held and merged on the event loop (_Outbox), not per step
+            if direct is not None and interval > 0:
+                direct.hold(rid, interval)  # merged on the engine thread, as _Outbox would
 
             def on_delta(d: GenerationDelta) -> None:
                 if ended.done():
@@ -450,6 +450,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 node.reprefill_ids.discard(rid)
                 node.no_recompute_ids.discard(rid)
         finally:
+            if direct is not None:
+                direct.forget(rid)
             if gate is not None:
                 gate.active -= 1
 

@@ -440,7 +440,6 @@ class PDBackend:
         p_node: NodeHandle | None,
         first_tokens: list[int],
     ) -> AsyncGenerator[GenerationDelta, None]:
-        stub = pb_grpc.DecodeServiceStub(d_node.channel)
         params = req.sampling_params
         if transfer_id is not None and params.prompt_logprobs is not None:
             # Prefill returned them with the first token; decode does not compute the prompt.
@@ -470,6 +469,7 @@ class PDBackend:
                 d_node.mux = StepMux(d_node.steps_channel or d_node.channel, self._md)
             call = d_node.mux.open(msg, self.policy.request_timeout_s)
         else:
+            stub = pb_grpc.DecodeServiceStub(d_node.channel)  # per_request only: not on the hot path
             call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
         finished = errored = streamed = False
         deadline = self.policy.decode_first_token_timeout_s

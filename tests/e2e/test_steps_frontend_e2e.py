@@ -22,7 +22,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from tests.e2e.cluster import make_cluster_config, running_cluster
-from tests.e2e.test_served_e2e import _wait_free, assert_streams_equal_in_process
+from tests.e2e.test_served_e2e import _wait_free, assert_streams_equal_in_process, check_flush_interval
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,11 @@ def test_the_front_end_process_is_the_default_and_inline_has_none(tiny_models, t
         assert_streams_equal_in_process(rc, tiny_models["llama"], False)
         assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
         _wait_free(rc)
+
+
+def test_a_flush_interval_is_kept_by_the_engine_threads_writes(cluster) -> None:
+    """Non-streaming requests' tokens are merged on the engine thread (DirectSteps.hold)."""
+    check_flush_interval(cluster, cluster.load("decode-0").steps_address)
 
 
 def test_a_malformed_command_is_invalid_argument_and_holds_nothing(cluster) -> None:

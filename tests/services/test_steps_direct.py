@@ -95,7 +95,8 @@ def test_direct_steps_writes_one_batch_per_call_and_leaves_errors_to_the_loop() 
         b = GenerationDelta(request_id="b", token_ids=[7], text="z", finish_reason="stop", stop_reason=7)
         err = GenerationDelta(request_id="c", token_ids=[], text="", finish_reason="error", error="full")
         assert sink.takes(a) and sink.takes(b) and not sink.takes(err)
-        sink.write([a, b])
+        # the loop still gets the finishing delta (bookkeeping) and the error (not written)
+        assert sink.write([a, b, err]) == [b, err]
         (raw,) = await asyncio.to_thread(_read_frames, peer, 1)
         batch = pb.StepBatch.FromString(raw)
         assert [(d.request_id, list(d.token_ids), d.text) for d in batch.deltas] == [
@@ -103,6 +104,49 @@ def test_direct_steps_writes_one_batch_per_call_and_leaves_errors_to_the_loop() 
             ("b", [7], "z"),
         ]
         assert batch.deltas[1].finish_reason == "stop" and batch.deltas[1].stop_token_id == 7
+        frames.close()
+        ours.close()
+        peer.close()
+
+    asyncio.run(main())
+
+
+def test_a_held_request_is_merged_per_interval_and_flushed_before_its_end() -> None:
+    async def main() -> None:
+        ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        frames = SocketFrames(ours.fileno(), asyncio.get_running_loop())
+        sink = DirectSteps(frames)
+        sink.hold("n", 3600.0)  # non-streaming: first delta at once, then only with the finish
+
+        def delta(rid: str, tok: int, finish: str | None = None) -> GenerationDelta:
+            return GenerationDelta(request_id=rid, token_ids=[tok], text=str(tok), finish_reason=finish)
+
+        assert sink.write([delta("n", 1), delta("s", 10)]) == []
+        assert sink.write([delta("n", 2), delta("s", 11)]) == []
+        assert sink.write([delta("n", 3)]) == []  # nothing due: no frame
+        (done,) = sink.write([delta("n", 4, "length")])  # the merged finishing delta, for the loop
+        assert (done.request_id, done.token_ids, done.finish_reason) == ("n", [2, 3, 4], "length")
+        sink.hold("e", 3600.0)
+        sink.write([delta("e", 7)])
+        sink.write([delta("e", 8)])
+        err = GenerationDelta(request_id="e", token_ids=[], text="", finish_reason="error", error="x")
+        assert sink.write([err]) == [err]  # the held token 8 goes out first, the error to the loop
+        raws = await asyncio.to_thread(_read_frames, peer, 5)
+        got = [
+            [(d.request_id, list(d.token_ids), d.finish_reason) for d in pb.StepBatch.FromString(r).deltas]
+            for r in raws
+        ]
+        assert got == [
+            [("n", [1], ""), ("s", [10], "")],
+            [("s", [11], "")],
+            [("n", [2, 3, 4], "length")],
+            [("e", [7], "")],
+            [("e", [8], "")],
+        ]
+        sink.forget("n")
+        sink.forget("e")
+        sink.write([delta("s", 12)])  # the engine thread drops forgotten requests' state
+        assert sink._intervals == {} and sink._held == {} and sink._sent_at == {}
         frames.close()
         ours.close()
         peer.close()
@@ -119,8 +163,9 @@ class _Recorder:
     def takes(self, d: GenerationDelta) -> bool:
         return d.finish_reason != "error"
 
-    def write(self, deltas: list[GenerationDelta]) -> None:
+    def write(self, deltas: list[GenerationDelta]) -> list[GenerationDelta]:
         self.writes.append((threading.current_thread().name, list(deltas)))
+        return [d for d in deltas if d.finish_reason is not None]
 
 
 def test_engine_loop_writes_direct_streams_from_the_engine_thread(tiny_models, make_llm) -> None:
