@@ -34,6 +34,9 @@ from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
+# Bytes queued for a front end that does not read (stopped, wedged) before the session is given
+# up: its requests are aborted instead of the engine's frames piling up in memory.
+MAX_PENDING_BYTES = 64 << 20
 
 
 class SocketFrames:
@@ -44,7 +47,11 @@ class SocketFrames:
     the socket failed, dropped (``closed``: the session's reader sees the connection end)."""
 
     def __init__(
-        self, fd: int, loop: asyncio.AbstractEventLoop, on_fail: Callable[[], None] | None = None
+        self,
+        fd: int,
+        loop: asyncio.AbstractEventLoop,
+        on_fail: Callable[[], None] | None = None,
+        max_pending: int = MAX_PENDING_BYTES,
     ) -> None:
         self._sock = socket.socket(fileno=os.dup(fd))
         self._sock.setblocking(False)
@@ -56,6 +63,7 @@ class SocketFrames:
         self.closed = False
         self.frames_total = 0
         self._on_fail = on_fail  # called on the event loop once a write failed (the peer is gone)
+        self._max_pending = max_pending
 
     @property
     def pending_bytes(self) -> int:
@@ -79,6 +87,9 @@ class SocketFrames:
                     return
                 data = data[sent:]
             self._pending += data
+            if len(self._pending) > self._max_pending:
+                self._fail(OSError(f"the front end read nothing while {len(self._pending)} bytes queued"))
+                return
             if not self._watching:
                 self._watching = True
                 self._loop.call_soon_threadsafe(self._watch)

@@ -86,6 +86,22 @@ def test_a_gone_peer_closes_the_frames_and_calls_on_fail_once() -> None:
     asyncio.run(main())
 
 
+def test_a_peer_that_reads_nothing_fails_the_frames_past_the_limit() -> None:
+    async def main() -> None:
+        ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        failed = asyncio.Event()
+        frames = SocketFrames(ours.fileno(), asyncio.get_running_loop(), failed.set, max_pending=1 << 20)
+        for _ in range(64):
+            frames.write(b"y" * 65536)  # 4 MiB to a peer that never reads
+        await asyncio.wait_for(failed.wait(), 5)
+        assert frames.closed and frames.pending_bytes == 0
+        frames.close()
+        ours.close()
+        peer.close()
+
+    asyncio.run(main())
+
+
 def test_direct_steps_writes_one_batch_per_call_and_leaves_errors_to_the_loop() -> None:
     async def main() -> None:
         ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
