@@ -1,7 +1,7 @@
 """The engine thread writes a Steps stream's tokens to the front end's socket itself.
 
-With the Steps front end in its own process (``frontend_port``, services/steps_frontend.py),
-the node's side of each stream is a Unix socket. Plain token deltas of that stream do not go
+With the Steps front end in its own process (``frontend: process``, the default;
+services/steps_frontend.py), the node's side of each stream is a Unix socket. Plain token deltas of that stream do not go
 through the node's event loop: after a step the engine thread builds the stream's ``StepBatch``,
 serializes it and hands the frame to the socket (non-blocking). The event loop is not woken per
 step, so it does not take the GIL from the engine thread once per step (the stall that cost the
@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_BYTES = 64 << 20
 
 
+def frame(data: bytes) -> bytes:
+    """One frame of the node <-> front-end socket: a 4-byte big-endian length, then ``data``."""
+    return len(data).to_bytes(4, "big") + data
+
+
 class SocketFrames:
     """Length-prefixed frames to one stream socket, from any thread, never blocking the caller.
 
@@ -61,7 +66,6 @@ class SocketFrames:
         self._watching = False  # the event loop waits for writability to flush _pending
         self._drained: asyncio.Event | None = None
         self.closed = False
-        self.frames_total = 0
         self._on_fail = on_fail  # called on the event loop once a write failed (the peer is gone)
         self._max_pending = max_pending
 
@@ -70,11 +74,10 @@ class SocketFrames:
         return len(self._pending)
 
     def write(self, payload: bytes) -> None:
-        data = len(payload).to_bytes(4, "big") + payload
+        data = frame(payload)
         with self._lock:
             if self.closed:
                 return
-            self.frames_total += 1
             if not self._pending:
                 try:
                     sent = self._sock.send(data)
@@ -194,25 +197,21 @@ class DirectSteps:
         loop_side: list[GenerationDelta] = []
         for d in deltas:
             rid = d.request_id
-            interval = self._intervals.get(rid)
-            if interval is not None:
-                held = self._held.pop(rid, None)
-                if not self.takes(d):
-                    if held is not None:
-                        convert.add_delta_pb(batch.deltas, held)
-                    loop_side.append(d)
-                    continue
+            held = self._held.pop(rid, None)  # only held requests have one
+            if not self.takes(d):
                 if held is not None:
-                    d = merge_deltas(held, d)
-                if d.finish_reason is None:
-                    sent = self._sent_at.get(rid)
-                    if sent is not None and now - sent < interval:
-                        self._held[rid] = d
-                        continue
-                    self._sent_at[rid] = now
-            elif not self.takes(d):
+                    convert.add_delta_pb(batch.deltas, held)
                 loop_side.append(d)
                 continue
+            if held is not None:
+                d = merge_deltas(held, d)
+            interval = self._intervals.get(rid)
+            if interval is not None and d.finish_reason is None:
+                sent = self._sent_at.get(rid)
+                if sent is not None and now - sent < interval:
+                    self._held[rid] = d
+                    continue
+                self._sent_at[rid] = now
             convert.add_delta_pb(batch.deltas, d)
             if d.finish_reason is not None:
                 loop_side.append(d)

@@ -45,16 +45,12 @@ from google.protobuf.message import DecodeError
 from pdserve.errors import ConfigError
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
-from services.steps_direct import DirectSteps, SocketFrames
+from services.steps_direct import DirectSteps, SocketFrames, frame
 
 logger = logging.getLogger(__name__)
 MAX_FRAME = 64 << 20  # a StepBatch past this is a bug, not traffic
 STEPS_METHOD = "Steps"
 SERVICE = "pdserve.rpc.DecodeService"
-
-
-def frame(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "big") + data
 
 
 async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
@@ -115,9 +111,7 @@ class StepsSocketServer:
         try:
             async for batch in self.servicer.steps_session(commands(), DirectSteps(frames)):
                 frames.write(batch.SerializeToString())
-                await frames.drain()
-                if frames.closed:
-                    raise ConnectionError("the front end's socket is closed")
+                await frames.drain()  # a failed write cancels this task (on_fail)
         except (ConnectionError, asyncio.IncompleteReadError, DecodeError) as e:
             logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
         except asyncio.CancelledError:

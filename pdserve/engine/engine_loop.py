@@ -163,18 +163,14 @@ class EngineLoop:
         returns what the event loop still gets (other streams' deltas, errors, the finishing ones)."""
         direct = self._direct
         rest: list[GenerationDelta] = []
-        by_sink: dict[int, tuple[DirectSink, list[GenerationDelta]]] = {}
+        by_sink: dict[DirectSink, list[GenerationDelta]] = {}
         for d in deltas:
             sink = direct.get(d.request_id)
             if sink is None:
                 rest.append(d)
-                continue
-            entry = by_sink.get(id(sink))
-            if entry is None:
-                by_sink[id(sink)] = (sink, [d])
             else:
-                entry[1].append(d)
-        for sink, ds in by_sink.values():
+                by_sink.setdefault(sink, []).append(d)
+        for sink, ds in by_sink.items():
             try:
                 rest.extend(sink.write(ds))
             except Exception:  # a writer's bug must not kill the engine thread or starve others
