@@ -185,7 +185,7 @@ def served_transfer_run(
         p_pp,
         d_pp,
         run_dir,
-        35000 + 100 * p_pp + 10 * d_pp,
+        25000 + 100 * p_pp + 10 * d_pp,  # below the ephemeral range (32768+)
         max_model_len=args.transfer_tokens + 16,
         max_num_batched_tokens=4096,
     )

@@ -68,8 +68,16 @@ def ports_free(host: str, ports: list[int]) -> bool:
     return True
 
 
+# Linux hands out ephemeral ports (outgoing connections, ``bind(0)`` listeners such as a node's
+# front-end socket) from 32768 up: a block picked there can be taken between the check and the
+# bind, so the fallback blocks stay below it.
+EPHEMERAL_LOW = 32768
+
+
 def pick_base_port(host: str, preferred: int, span: int = 5) -> int:
-    for base in [preferred, *range(20000, 60000, 97)]:
+    """The first block of ``span`` free ports: ``preferred`` if it is free, else a block in
+    20000..32767."""
+    for base in [preferred, *range(20000, EPHEMERAL_LOW - span, 97)]:
         if ports_free(host, list(range(base, base + span))):
             return base
     raise OSError("no free block of ports found")

@@ -23,9 +23,16 @@ def build_node(opts: NodeOptions) -> NodeBase:
     raise ValueError(f"unknown node role {opts.role!r}: prefill | decode | colocated")
 
 
+EXIT_STARTUP_FAILED = 71  # EX_OSERR: a port could not be bound (logged as one line)
+
+
 def run_node(opts: NodeOptions) -> None:
     node = build_node(opts)
-    asyncio.run(node.serve())
+    try:
+        asyncio.run(node.serve())
+    except OSError as e:  # a port in use, an address not bindable: one line, not a traceback
+        logger.critical("node %s cannot start: %s", opts.name, e)
+        sys.exit(EXIT_STARTUP_FAILED)
     if node.exit_code:
         logger.critical("node %s exits with %d (engine died)", opts.name, node.exit_code)
         sys.exit(node.exit_code)

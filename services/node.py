@@ -219,22 +219,35 @@ class NodeBase:
         )
         self.engine_loop.start()
         gate = self.drain_gate = DrainGate()
-        # token first (an unauthenticated call learns nothing), then the drain gate, then the
-        # malformed-request guard innermost (it wraps the deserializers the gate re-wraps)
-        server, health_servicer, addr = await start_grpc_server(
-            self.opts.host,
-            self.opts.grpc_port,
-            [gate, MalformedRequestInterceptor()],
-            self.add_servicers,
-            shared_token=self.opts.shared_token,
-            metrics_port=self.opts.metrics_port,
-            registry=self.registry,
-        )
-        self._health = health_servicer
-        frontend = None
-        if self.opts.frontend_port is not None:
-            frontend = self.frontend = await self._start_frontend()
-        membership = await start_membership(self)
+        server = frontend = None
+        try:
+            # token first (an unauthenticated call learns nothing), then the drain gate, then the
+            # malformed-request guard innermost (it wraps the deserializers the gate re-wraps)
+            server, health_servicer, addr = await start_grpc_server(
+                self.opts.host,
+                self.opts.grpc_port,
+                [gate, MalformedRequestInterceptor()],
+                self.add_servicers,
+                shared_token=self.opts.shared_token,
+                metrics_port=self.opts.metrics_port,
+                registry=self.registry,
+            )
+            self._health = health_servicer
+            if self.opts.frontend_port is not None:
+                frontend = self.frontend = await self._start_frontend()
+            membership = await start_membership(self)
+        except BaseException:
+            # A port in use, a front end that did not start, Redis unreachable: undo what started
+            # (the transfer engine's threads at interpreter exit otherwise crash the process, and
+            # a supervisor would read SIGSEGV instead of the error just logged).
+            if frontend is not None:
+                await frontend.stop()
+            if server is not None:
+                await server.stop(grace=None)
+            self.engine_loop.stop()
+            if self.backend is not None:
+                self.backend.close()
+            raise
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)
         if ready is not None:

@@ -187,11 +187,22 @@ async def start_grpc_server(
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     addr = f"{host}:{port}"
-    if server.add_insecure_port(addr) == 0:
-        raise OSError(f"cannot bind gRPC port {addr}")
+    httpd = None
+    if metrics_port:  # before gRPC: a port in use fails here with nothing to undo
+        try:
+            httpd, _ = start_http_server(metrics_port, addr=host, registry=registry)
+        except OSError as e:
+            raise OSError(f"cannot bind metrics port {host}:{metrics_port}: {e.strerror or e}") from e
+    try:
+        bound = server.add_insecure_port(addr)  # grpcio returns 0 or raises RuntimeError
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        raise OSError(f"cannot bind gRPC port {addr} (in use, or not an address of this host)")
     await server.start()
-    if metrics_port:
-        start_http_server(metrics_port, addr=host, registry=registry)
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return server, hs, addr

@@ -42,7 +42,6 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from pdserve.errors import ConfigError
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 from services.steps_direct import DirectSteps, SocketFrames, frame
@@ -196,7 +195,10 @@ async def _serve(
         },
     )
     server.add_generic_rpc_handlers((handler,))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")  # grpcio returns 0 or raises
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         parent.send(("error", f"front end: cannot listen on {host}:{port}"))
         return
@@ -262,7 +264,7 @@ class FrontendProcess:
         ready = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, timeout_s)
         if ready[0] != "ready":
             await self.stop()
-            raise ConfigError(f"frontend_port {self.port}: {ready[1]}")
+            raise OSError(f"frontend_port {self.port}: {ready[1]}")
         self.port = int(ready[1])
 
     def _wait_ready(self, timeout_s: float) -> tuple[str, Any]:

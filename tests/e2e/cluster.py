@@ -48,9 +48,13 @@ class RunningCluster:
 
 
 def make_cluster_config(
-    model_dir: Path, *, router: dict[str, Any] | None = None, **node_overrides: Any
+    model_dir: Path, *, router: dict[str, Any] | None = None, span: int = 5, **node_overrides: Any
 ) -> ClusterConfig:
-    base = pick_base_port("127.0.0.1", _next_base[0])
+    """The default local cluster on a free block of ``span`` ports (more than 5 when the caller
+    adds nodes on base+5 ..), below the ephemeral range."""
+    if _next_base[0] + span > 32000:
+        _next_base[0] = 20000
+    base = pick_base_port("127.0.0.1", _next_base[0], span=span)
     _next_base[0] = base + 10
     c = default_local_cluster(model_dir, base)
     data = c.model_dump(mode="json", exclude_unset=True)

@@ -42,6 +42,8 @@ def epd_config(
     extra: dict[str, dict[str, Any]] | None = None,  # node name -> more node settings
     **router: Any,
 ) -> ClusterConfig:
+    if e2e_cluster._next_base[0] + 8 > 32000:
+        e2e_cluster._next_base[0] = 20000
     base = pick_base_port("127.0.0.1", e2e_cluster._next_base[0], span=8)
     e2e_cluster._next_base[0] = base + 10
     nodes: list[dict[str, Any]] = []

@@ -45,20 +45,25 @@ def health_status(address: str) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
+_owned = [False]
+
+
 def own_port_range() -> None:
     """Start this process's clusters away from 31000, where every other test process starts:
-    on a shared host a port freed by a killed node was taken by another engineer's cluster."""
+    on a shared host a port freed by a killed node was taken by another engineer's cluster.
+    Below 32768 (the ephemeral range, where outgoing connections and front-end sockets land)."""
     from tests.e2e import cluster
 
-    if cluster._next_base[0] < 33000:
-        cluster._next_base[0] = 33000 + (os.getpid() % 2000) * 13
+    if not _owned[0]:
+        _owned[0] = True
+        cluster._next_base[0] = 21000 + (os.getpid() % 700) * 13
 
 
 def isolated_cluster_config(model_dir: Any, **kw: Any) -> Any:
     from tests.e2e.cluster import make_cluster_config
 
     own_port_range()
-    return make_cluster_config(model_dir, **kw)
+    return make_cluster_config(model_dir, span=7, **kw)
 
 
 def two_prefill_config(model_dir: Any, *, router: dict[str, Any] | None = None, **overrides: Any) -> Any:

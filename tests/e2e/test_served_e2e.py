@@ -277,7 +277,7 @@ def test_router_workers_add_up_their_metrics_and_die_together(cluster, tmp_path)
 
     data["router"] = {
         **data["router"],
-        "port": pick_base_port("127.0.0.1", 40000 + os.getpid() % 5000),
+        "port": pick_base_port("127.0.0.1", 26000 + os.getpid() % 5000, span=1),
         "workers": 2,
     }
     cfg = write_cluster_config(ClusterConfig.from_dict(data), tmp_path / "router2.yaml")
