@@ -283,12 +283,14 @@ def proc_cpu_s(pid: int) -> float:
 def _variant(v: str) -> str:
     topology, *mods = v.split("+")
     ok = topology in ("colocated", "pd") and all(
-        m in ("per_request", "inline") or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1) for m in mods
+        m in ("per_request", "inline", "nodedetok") or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
+        for m in mods
     )
     if not ok:
         raise argparse.ArgumentTypeError(
             f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers), "
-            "+inline (the decode-capable node serves its Steps streams itself: frontend: inline)"
+            "+inline (the decode-capable node serves its Steps streams itself: frontend: inline), "
+            "+nodedetok (the nodes make the text: router.detokenize: node)"
         )
     return v
 
@@ -335,6 +337,8 @@ class Cluster:
             router["decode_stream"] = transport
         if workers > 1:
             router["workers"] = workers
+        if "nodedetok" in mods:
+            router["detokenize"] = "node"
         cfg = {"model": str(model_dir), "served_model_name": SERVED_NAME, "router": router, "nodes": nodes}
         self.kind = kind = kind.replace("+", "-")
         self.cfg_path = run_dir / f"{kind}.yaml"
@@ -512,9 +516,10 @@ def main() -> None:
         type=_variant,
         help="colocated | pd, each optionally with +per_request (the router's decode_stream "
         "per_request: one Decode stream per leg, the design before issue 12, instead of the "
-        "multiplexed Steps stream), +wN (N router worker processes, router.workers) and +inline (the "
+        "multiplexed Steps stream), +wN (N router worker processes, router.workers), +inline (the "
         "node's Steps streams on its own gRPC server, frontend: inline; the default is a front-end "
-        "process)",
+        "process) and +nodedetok (the nodes make the text, router.detokenize: node; the default "
+        "is the router)",
     )
     ap.add_argument("--router-workers", type=int, default=1, help="router.workers of variants without +wN")
     ap.add_argument("--modes", nargs="+", default=["stream", "nostream"], choices=["stream", "nostream"])

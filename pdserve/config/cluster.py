@@ -93,6 +93,10 @@ class RouterConfig(_Frozen):
     # Parses chat output under tool_choice auto into tool_calls (services/router/tool_parsers);
     # a name the router does not know is refused when the router starts, naming the known ones.
     tool_call_parser: str = "hermes"
+    # Who makes the text of a sequence without stop strings: "router" (the nodes send token ids
+    # only, so their engine threads skip it) or "node". Stop strings are always matched on the
+    # node, which makes their text.
+    detokenize: Literal["router", "node"] = "router"
     encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call (issue 14)
     # How decode legs reach a node (issue 12): multiplexed = one Steps stream per node carrying
     # batched deltas of every leg; per_request = one Decode stream per leg (a message per token).

@@ -294,7 +294,7 @@ class LLMEngine:
         if output_token_ids:
             req.output_token_ids.extend(output_token_ids)
         detok = None
-        if self.detok is not None:
+        if self.detok is not None and params.detokenize:
             detok = self.detok.new_state(
                 params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )

@@ -43,6 +43,10 @@ class SamplingParams:
     # Structured outputs: (kind, spec), kind one of structured.KINDS (json_schema: the schema as
     # JSON text; choice: a JSON list of strings). None: unconstrained.
     structured: tuple[str, str] | None = None
+    # False: deltas carry token ids and no text (as vLLM's ``detokenize``). The router sets it
+    # when it detokenizes itself, which takes that work off the node's engine thread; stop
+    # strings need the text where the tokens are made, so they are refused with it.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +95,11 @@ class SamplingParams:
             _check(-2.0 <= v <= 2.0, pen, f"must be in [-2, 2], got {v!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        _check(
+            self.detokenize or not self.stop,
+            "stop",
+            "stop strings need detokenize=True (the text is matched where the tokens are made)",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -86,7 +86,10 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# num_seqs and the block table's row stride follow the batch: left to specialize (== 1, % 16),
+# every new combination compiled the kernel again on the engine thread while serving (~0.3-1 s;
+# bench/gpu_jit_variants.py counts the variants).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     kv_ptr,

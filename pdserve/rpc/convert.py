@@ -42,6 +42,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
         m.structured_kind, m.structured_spec = p.structured
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
+    if not p.detokenize:
+        m.skip_detokenize = True
     return m
 
 
@@ -66,6 +68,7 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
         skip_special_tokens=m.skip_special_tokens,
         structured=(m.structured_kind, m.structured_spec) if m.structured_kind else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        detokenize=not m.skip_detokenize,
     )
 
 

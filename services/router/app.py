@@ -51,6 +51,7 @@ def create_app(
     max_body_bytes: int | None = None,
     limits: RequestLimits | None = None,
     tool_call_parser: str = "hermes",
+    detokenize: str = "router",
     image_token_id: int | None = None,
     encoders: Any | None = None,
     image_seq_length: int | None = None,
@@ -66,6 +67,8 @@ def create_app(
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     check_parser(tool_call_parser)  # a name nobody acts on is a start error
+    if detokenize not in ("router", "node"):
+        raise ValueError(f"detokenize must be 'router' or 'node', got {detokenize!r}")
     metrics = metrics if metrics is not None else RouterMetrics()
     ctx = ServingContext(
         backend=backend,
@@ -78,6 +81,7 @@ def create_app(
         max_prompt_embeds_bytes=max_prompt_embeds_bytes(max_model_len, hidden_size or 0),
         limits=limits or RequestLimits(),
         tool_call_parser=tool_call_parser,
+        detokenize_in_router=detokenize == "router",
         image_token_id=image_token_id,
         encoders=encoders,
         image_seq_length=image_seq_length,

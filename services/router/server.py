@@ -95,6 +95,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         max_body_bytes=r.max_body_bytes,
         limits=RequestLimits(r.max_prompts_per_request, r.max_sequences_per_request),
         tool_call_parser=r.tool_call_parser,
+        detokenize=r.detokenize,
         image_token_id=image_token_id,
         encoders=encoders,
         image_seq_length=image_seq_length,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from starlette.types import Receive
 
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import CapacityError, PdserveError, PromptTooLongError
@@ -50,6 +51,7 @@ class ServingContext:
     max_prompt_embeds_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_call_parser: str = "hermes"  # checked by create_app (tool_parsers.check_parser)
+    detokenize_in_router: bool = True  # router.detokenize: "router" (streams.detokenize_here)
     # Images (issue 14): the model's image placeholder token (None: a text-only model, image
     # parts are a 400) and the encoder nodes image_url parts go to (None: none in the cluster).
     image_token_id: int | None = None
@@ -58,9 +60,15 @@ class ServingContext:
     image_seq_length: int | None = None
     max_image_bytes: int = 20 << 20
     token_texts: TokenTexts = field(init=False)
+    # The router makes the text of sequences without stop strings (streams.detokenize_here).
+    detokenizer: IncrementalDetokenizer | None = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_texts", TokenTexts(self.tokenizer))
+        detok = None
+        if self.detokenize_in_router and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer)
+        object.__setattr__(self, "detokenizer", detok)
 
     def check_model(self, model: str) -> None:
         if model not in self.served_model_names:
@@ -184,7 +192,7 @@ async def collect(ctx: ServingContext, reqs: list[BackendRequest], arrival_s: fl
     results = [ChoiceResult() for _ in reqs]
     for req in reqs:
         req.streamed = False
-    async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s):
+    async for i, delta in run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s, ctx.detokenizer):
         if delta.finish_reason in ("error", "abort"):
             raise _failure(delta)  # leaving run_sequences aborts the other choices
         r = results[i]
@@ -243,7 +251,7 @@ async def stream_events(
     extra = {"usage": None} if include_usage else {}
     num_completion_tokens = 0
     cached = [0] * len(reqs)
-    seqs = run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s)
+    seqs = run_sequences(ctx.backend, reqs, ctx.metrics, arrival_s, ctx.detokenizer)
     sent = False  # nothing yielded yet: a refusal (CapacityError) is raised, not an error event
     try:
         # The first delta before any event: ``primed_sse`` sends the 200 only once it is here.

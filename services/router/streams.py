@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.outputs import GenerationDelta
 from services.router.backend import BackendRequest, GenerateBackend
 from services.router.metrics import RouterMetrics
@@ -54,14 +56,32 @@ class _SequenceTimer:
         self.metrics.request_success.labels(finished_reason=reason).inc()
 
 
+def detokenize_here(detok: IncrementalDetokenizer | None, req: BackendRequest) -> DetokState | None:
+    """Take ``req``'s detokenization off the node (its engine thread, where every microsecond
+    of host work per token is a step's): the node sends token ids only and the router makes the
+    text (DESIGN §7). Not with stop strings: they are matched where the tokens are made, so the
+    node can stop at once. Returns the sequence's state, or None (the node detokenizes)."""
+    sp = req.sampling_params
+    if detok is None or sp.stop or not sp.detokenize:
+        return None
+    req.sampling_params = dataclasses.replace(sp, detokenize=False)
+    return detok.new_state([], sp.include_stop_str_in_output, sp.skip_special_tokens)
+
+
 async def run_sequences(
-    backend: GenerateBackend, reqs: list[BackendRequest], metrics: RouterMetrics, arrival_s: float
+    backend: GenerateBackend,
+    reqs: list[BackendRequest],
+    metrics: RouterMetrics,
+    arrival_s: float,
+    detok: IncrementalDetokenizer | None = None,
 ) -> AsyncGenerator[tuple[int, GenerationDelta], None]:
-    """Yield ``(position in reqs, delta)`` as deltas arrive, interleaved, until all have finished."""
+    """Yield ``(position in reqs, delta)`` as deltas arrive, interleaved, until all have finished.
+    With ``detok``, the deltas' text is made here (``detokenize_here``)."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, req: BackendRequest) -> None:
         timer = _SequenceTimer(metrics, arrival_s, req.num_prompt_tokens)
+        state = detokenize_here(detok, req)
         finished = False
         metrics.num_requests_running.inc()
         try:
@@ -71,6 +91,12 @@ async def run_sequences(
                 # closing it early would look like a cancellation to the backend (an abort).
                 async for delta in deltas:
                     assert not finished, f"{req.request_id}: delta after the finishing one"
+                    if state is not None:
+                        assert detok is not None
+                        text = detok.append(state, delta.token_ids) if delta.token_ids else ""
+                        if delta.finish_reason is not None:
+                            text += detok.flush(state)
+                        delta.text = text
                     timer.on_delta(delta)
                     queue.put_nowait((i, delta))
                     finished = delta.finish_reason is not None

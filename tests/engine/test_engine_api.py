@@ -42,6 +42,15 @@ def test_stop_strings_and_max_tokens(tiny_models, make_llm) -> None:
     )
 
 
+def test_detokenize_off_gives_the_same_tokens_and_no_text(tiny_models, make_llm) -> None:
+    llm = make_llm(tiny_models["llama"])
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([[1, 2, 3]], sp)[0]
+    ids_only = llm.generate([[1, 2, 3]], SamplingParams(**{**sp.__dict__, "detokenize": False}))[0]
+    assert full.text and ids_only.text == ""
+    assert ids_only.token_ids == full.token_ids and ids_only.finish_reason == full.finish_reason
+
+
 def test_logprobs_are_returned(tiny_models, make_llm) -> None:
     llm = make_llm(tiny_models["llama"])
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0]
@@ -60,6 +69,7 @@ def test_logprobs_are_returned(tiny_models, make_llm) -> None:
         ({"logprobs": 99}, "logprobs"),
         ({"presence_penalty": 5.0}, "presence_penalty"),
         ({"min_p": 1.5}, "min_p"),
+        ({"stop": ["x"], "detokenize": False}, "stop"),  # stop strings are matched on the text
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field) -> None:

@@ -43,6 +43,10 @@ def test_regenerating_stubs_gives_no_diff(tmp_path) -> None:
 def test_sampling_and_delta_round_trip() -> None:
     sp = SamplingParams(temperature=0.5, top_k=3, seed=9, max_tokens=7, stop=["x"], logprobs=2, min_p=0.1)
     assert convert.sampling_from_pb(convert.sampling_to_pb(sp)) == sp
+    ids_only = SamplingParams(max_tokens=3, detokenize=False)  # the router makes the text
+    assert convert.sampling_to_pb(ids_only).skip_detokenize
+    assert convert.sampling_from_pb(convert.sampling_to_pb(ids_only)) == ids_only
+    assert convert.sampling_from_pb(convert.sampling_to_pb(SamplingParams())).detokenize
     d = GenerationDelta(
         "r", [1, 2], "ab", [TokenLogprob(1, -0.5, ((1, -0.5), (4, -1.0)))], "stop", "x", 3, 2, 1
     )

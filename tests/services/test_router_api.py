@@ -102,7 +102,7 @@ class FakeBackend:
                 yield GenerationDelta(
                     req.request_id,
                     [tid],
-                    fake_text([tid]),
+                    fake_text([tid]) if sp.detokenize else "",  # a node sends no text then
                     logprobs=lps,
                     finish_reason="length" if last else None,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -162,6 +162,9 @@ def server_factory(tokenizer: Any) -> Iterator[Callable[..., ServerThread]]:
     servers: list[ServerThread] = []
 
     def start(backend: FakeBackend, **kwargs: Any) -> ServerThread:
+        # The fake's text (" w12 w13") is a node's: the router takes it as it is, unless a test
+        # asks the router to detokenize (router.detokenize's default).
+        kwargs.setdefault("detokenize", "node")
         app = create_app(backend, tokenizer, [MODEL], MAX_MODEL_LEN, hidden_size=HIDDEN, **kwargs)
         servers.append(ServerThread(app).__enter__())
         return servers[-1]
@@ -652,3 +655,36 @@ def test_metrics_per_app_registry(server_factory: Callable[..., ServerThread]) -
     assert _metric(text, "pdserve:prompt_tokens_total") == 3 + 3 + 2
     assert _metric(text, "pdserve:generation_tokens_total") == 4 + 4 + 3
     assert _metric(text, "pdserve:num_requests_running") == 0
+
+
+def test_the_router_makes_the_text_when_the_node_sends_token_ids_only(
+    server_factory: Callable[..., ServerThread], tokenizer: Any
+) -> None:
+    """``router.detokenize: router`` (the default): a request without stop strings reaches the
+    node with ``detokenize`` off (the fake then sends no text, as a node does) and the router
+    decodes the ids incrementally: characters split over tokens come out whole, streamed chunks
+    join to the non-streamed text, and both equal a full decode. With a stop string the node
+    keeps making the text (the fake's words)."""
+    backend = FakeBackend()
+    srv = server_factory(backend, detokenize="router")
+    text = "é€😊 ok, done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids), "the tokenizer should split these"
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=10) as c:
+        backend.forced_tokens = ids
+        out = c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=len(ids))
+        assert out.choices[0].text == text
+        assert backend.requests[-1].sampling_params.detokenize is False
+        chunks = [
+            ch.choices[0].text
+            for ch in c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=len(ids), stream=True)
+            if ch.choices
+        ]
+        assert "".join(chunks) == text and not any("\ufffd" in t for t in chunks), chunks
+        chat = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=len(ids)
+        )
+        assert chat.choices[0].message.content == text
+        out = c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3, stop=["zzz"])
+        assert backend.requests[-1].sampling_params.detokenize is True
+        assert out.choices[0].text == fake_text(ids[:3])

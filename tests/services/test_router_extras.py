@@ -20,7 +20,7 @@ def tokenizer(tiny_models: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def url(tokenizer: Any):
-    app = create_app(FakeBackend(), tokenizer, [MODEL], MAX_MODEL_LEN, hidden_size=HIDDEN)
+    app = create_app(FakeBackend(), tokenizer, [MODEL], MAX_MODEL_LEN, hidden_size=HIDDEN, detokenize="node")
     with ServerThread(app) as s:
         yield s.url
 

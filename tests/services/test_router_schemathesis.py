@@ -21,7 +21,7 @@ from tests.services.test_router_api import HIDDEN, MAX_MODEL_LEN, MODEL, FakeBac
 @pytest.fixture(scope="module")
 def api_schema(tiny_models: Any) -> Any:
     tok = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
-    app = create_app(FakeBackend(), tok, [MODEL], MAX_MODEL_LEN, hidden_size=HIDDEN)
+    app = create_app(FakeBackend(), tok, [MODEL], MAX_MODEL_LEN, hidden_size=HIDDEN, detokenize="node")
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
