@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from services.router.server import listening_socket
+from services.router.server import BALANCED_ACCEPT, EXIT_CANNOT_LISTEN, listening_socket
 
 
 async def _nodelay_of_accepted(sock: socket.socket) -> int:
@@ -44,3 +44,70 @@ def test_a_create_server_socket_keeps_nagle_on_its_connections() -> None:
     """What the test above guards against (so it can fail): proto 0, Nagle left on."""
     sock = socket.create_server(("127.0.0.1", 0))
     assert asyncio.run(_nodelay_of_accepted(sock)) == 0
+
+
+@pytest.mark.skipif(not BALANCED_ACCEPT, reason="SO_REUSEPORT balancing is Linux's")
+def test_the_workers_sockets_share_the_port_and_its_connections() -> None:
+    """Each worker listens on its own SO_REUSEPORT socket; the kernel hashes connections over
+    them, so no single worker takes a burst (64 connections all on one of 2: p = 2**-63)."""
+    first = listening_socket("127.0.0.1", 0, reuse_port=True)
+    port = first.getsockname()[1]
+    second = listening_socket("127.0.0.1", port, reuse_port=True)
+    clients = []
+    try:
+        for _ in range(64):
+            c = socket.create_connection(("127.0.0.1", port))
+            clients.append(c)
+        counts = []
+        for s in (first, second):
+            s.setblocking(False)
+            n = 0
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                n += 1
+            counts.append(n)
+        assert sum(counts) == 64 and min(counts) > 0, counts
+        with pytest.raises(OSError):  # a socket outside the group cannot take the port
+            listening_socket("127.0.0.1", port)
+    finally:
+        for c in clients:
+            c.close()
+        first.close()
+        second.close()
+
+
+def test_a_router_whose_port_is_taken_exits_71_naming_it(tiny_models, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from pdserve.config.cluster import ClusterConfig, write_cluster_config
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    cfg = ClusterConfig.from_dict(
+        {
+            "model": str(tiny_models["llama"]),
+            "router": {"host": "127.0.0.1", "port": port, "workers": 2},
+            "nodes": [
+                {"name": "d0", "role": "colocated", "host": "127.0.0.1", "grpc_port": 1, "metrics_port": 2}
+            ],
+        }
+    )
+    path = write_cluster_config(cfg, tmp_path / "c.yaml")
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "serve", "router", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.close()
+    assert r.returncode == EXIT_CANNOT_LISTEN, r.stdout + r.stderr
+    assert f"router cannot listen on 127.0.0.1:{port}" in r.stdout + r.stderr
