@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
 ENGINE_DEATH_LINGER_S = 1.0  # NOT_SERVING is visible this long before the process exits
 STAGE_WATCH_S = 0.5  # how often the node checks that its pipeline stage processes live
+FRONTEND_STALL_S = 5.0  # a front-end process silent this long takes the node out of service
 
 
 @dataclass(frozen=True)
@@ -343,8 +344,17 @@ class NodeBase:
         return fe
 
     async def _watch_frontend(self, fe: FrontendProcess, health_servicer: Any) -> None:
-        """A dead front-end process takes the node out of service, as a dead stage does."""
+        """A dead front-end process takes the node out of service, as a dead stage does; so does
+        one that stopped answering its heartbeat for FRONTEND_STALL_S (SIGSTOP, a wedged loop):
+        the router's streams through it are stuck, and a supervisor restarts the node whole."""
         while fe.alive():
+            silent = fe.heartbeat()
+            if silent > FRONTEND_STALL_S:
+                await self._out_of_service(
+                    f"its Steps front-end process (pid {fe.pid}) has not answered for {silent:.0f} s",
+                    health_servicer,
+                )
+                return
             await asyncio.sleep(STAGE_WATCH_S)
         await self._out_of_service(f"its Steps front-end process exited ({fe.exitcode})", health_servicer)
 

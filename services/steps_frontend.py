@@ -27,6 +27,7 @@ address from GetLoad (``LoadReport.steps_address``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import multiprocessing as mp
@@ -34,6 +35,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -206,9 +208,16 @@ async def _serve(
     parent.send(("ready", bound))
     loop = asyncio.get_running_loop()
     gone = asyncio.Event()
-    loop.add_reader(parent.fileno(), gone.set)  # readable = the node closed its end (EOF)
+
+    def on_pipe() -> None:  # a heartbeat from the node is answered; EOF = the node closed its end
+        try:
+            parent.send_bytes(parent.recv_bytes())
+        except (EOFError, OSError):
+            gone.set()
+            loop.remove_reader(parent.fileno())
+
+    loop.add_reader(parent.fileno(), on_pipe)
     await gone.wait()
-    loop.remove_reader(parent.fileno())
     await server.stop(grace=1.0)
 
 
@@ -236,6 +245,7 @@ class FrontendProcess:
         self.host, self.port, self.token = host, port, shared_token
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
+        self._pings: collections.deque[float] = collections.deque()  # send times, unanswered
 
     @property
     def pid(self) -> int | None:
@@ -247,6 +257,26 @@ class FrontendProcess:
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
+
+    def heartbeat(self) -> float:
+        """Ping the process over its pipe and take the answers that came; returns how long the
+        oldest unanswered ping has waited (0: none). A process that lives but does not run
+        (stopped, wedged) stops answering: liveness alone would keep such a node in service with
+        every stream through it stuck. Counted from the ping, so a node that pinged late (its own
+        loop busy) does not blame the front end."""
+        now = time.monotonic()
+        if self._conn is None:
+            return 0.0
+        try:
+            while self._conn.poll(0):
+                self._conn.recv_bytes()
+                if self._pings:
+                    self._pings.popleft()
+            self._conn.send_bytes(b"p")  # 1 byte: a pipe holds thousands of unanswered pings
+            self._pings.append(now)
+        except (EOFError, OSError):
+            return 0.0  # the process is gone: alive() says so
+        return now - self._pings[0] if len(self._pings) > 1 else 0.0
 
     async def start(self, timeout_s: float = 60.0) -> None:
         await self.socket.start()

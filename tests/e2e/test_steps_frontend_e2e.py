@@ -8,6 +8,7 @@ takes the node out of service (exit 1) instead of leaving streams hanging.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -123,3 +124,34 @@ def test_a_dead_frontend_takes_the_node_out_of_service(tiny_models, tmp_path_fac
             time.sleep(0.2)
         assert node.proc.returncode == 1, node.log_path.read_text()[-2000:]
         assert "Steps front-end process exited" in node.log_path.read_text()
+
+
+def test_a_stopped_frontend_takes_the_node_out_of_service(tiny_models, tmp_path_factory) -> None:
+    """SIGSTOP: the process lives but answers nothing, and every stream through it is stuck.
+    Its heartbeat goes unanswered; past FRONTEND_STALL_S the node turns NOT_SERVING and exits 1
+    for its supervisor to restart it (liveness alone kept it in service)."""
+    from services.node import FRONTEND_STALL_S
+    from tests.e2e.lifecycle_helpers import health_status
+
+    cfg = make_cluster_config(tiny_models["llama"])
+    with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend-stop"), router=False) as rc:
+        node = next(c for c in rc.children if c.name == "decode-0")
+        m = re.search(r"Steps front end \(pid (\d+)\)", node.log_path.read_text())
+        assert m, node.log_path.read_text()[-2000:]
+        fe_pid = int(m.group(1))
+        address = rc.cluster.node("decode-0").grpc_address
+        assert health_status(address) == "SERVING"
+        os.kill(fe_pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            deadline = t0 + FRONTEND_STALL_S + 15
+            while node.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            waited = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(fe_pid, signal.SIGKILL)
+        log = node.log_path.read_text()
+        assert node.proc.returncode == 1, log[-2000:]
+        assert "has not answered for" in log, log[-2000:]
+        assert FRONTEND_STALL_S <= waited < FRONTEND_STALL_S + 15, waited
