@@ -232,6 +232,7 @@ class NodeBase:
                 shared_token=self.opts.shared_token,
                 metrics_port=self.opts.metrics_port,
                 registry=self.registry,
+                ready=False,  # SERVING below, once the front end (GetLoad's steps_address) is up
             )
             self._health = health_servicer
             if self.opts.frontend_port is not None:
@@ -249,6 +250,7 @@ class NodeBase:
             if self.backend is not None:
                 self.backend.close()
             raise
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)
         if ready is not None:

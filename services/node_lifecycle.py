@@ -171,10 +171,13 @@ async def start_grpc_server(
     shared_token: str | None,
     metrics_port: int | None,
     registry: Any,
+    ready: bool = True,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
     """A node's gRPC server, started: the token check first (an unauthenticated call learns
     nothing), then ``interceptors``; the servicers, standard health (readiness ``""`` and
-    liveness), ``/metrics`` on ``metrics_port``. Returns (server, health servicer, address)."""
+    liveness), ``/metrics`` on ``metrics_port``. Returns (server, health servicer, address).
+    ``ready=False`` leaves readiness NOT_SERVING (liveness SERVING) until the caller sets it,
+    once whatever else it starts (a front-end process, membership) is up."""
     from grpc_health.v1 import health_pb2_grpc
     from prometheus_client import start_http_server
 
@@ -203,6 +206,9 @@ async def start_grpc_server(
             httpd.server_close()
         raise OSError(f"cannot bind gRPC port {addr} (in use, or not an address of this host)")
     await server.start()
-    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    readiness = (
+        health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    await hs.set("", readiness)
     await hs.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return server, hs, addr
