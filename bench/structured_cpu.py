@@ -59,6 +59,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the engine's asynchronous scheduling (auto: on for CUDA, off on CPU)",
+    )
+    ap.add_argument(
         "--model", default=None, help="a checkpoint folder instead of the tiny model (--vocab ignored)"
     )
     args = ap.parse_args()
@@ -68,7 +74,8 @@ def main() -> None:
             args.vocab = model_vocab(path)
         else:
             path = make_tiny_model("llama", d, hidden_size=128, head_dim=32, vocab_size=args.vocab)
-        llm = LLM(str(path), max_model_len=512, device=args.device)
+        asy = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+        llm = LLM(str(path), max_model_len=512, device=args.device, async_scheduling=asy)
         for mode in MODES.values():  # warm-up: grammar compile, first allocations
             run(llm, 2, 4, mode)
         results: dict[str, list[float]] = {m: [] for m in MODES}
@@ -85,7 +92,8 @@ def main() -> None:
 
         where += f" ({torch.cuda.get_device_name()}, {llm.engine.runner.dtype})"
     print(
-        f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), {where}"
+        f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), {where}, "
+        f"async scheduling {'on' if llm.engine.async_scheduling else 'off'}"
     )
     print(f"{'mode':<24} {'tok/s':>9} {'vs unconstrained':>17} {'tokens':>7}")
     for name, xs in results.items():
