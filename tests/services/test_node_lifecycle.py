@@ -23,16 +23,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _colocated_node(tiny_models, port: int, **opts) -> DecodeNode:  # type: ignore[no-untyped-def]
+    engine = EngineConfig(model=str(tiny_models["llama"]))
+    return DecodeNode(NodeOptions(name="colo-0", role="colocated", engine=engine, grpc_port=port, **opts))
+
+
 def test_engine_death_turns_node_not_serving_fails_requests_and_exits(tiny_models) -> None:
     port = _free_port()
-    node = DecodeNode(
-        NodeOptions(
-            name="colo-0",
-            role="colocated",
-            engine=EngineConfig(model=str(tiny_models["llama"])),
-            grpc_port=port,
-        )
-    )
+    node = _colocated_node(tiny_models, port)
 
     async def main() -> None:
         ready = asyncio.Event()
@@ -116,5 +114,52 @@ def test_prefill_engine_death_is_unavailable_for_the_router_to_retry(tiny_models
             assert node.producer.tracker.num_held_blocks == 0
         await asyncio.wait_for(serving, 15)
         assert node.exit_code == EXIT_ENGINE_DIED
+
+    asyncio.run(main())
+
+
+def test_readiness_waits_for_the_front_end_and_liveness_does_not(tiny_models, monkeypatch) -> None:
+    """While the Steps front-end process is starting, the node's gRPC server already answers:
+    liveness SERVING, readiness NOT_SERVING; once the front end listens, readiness turns SERVING
+    and GetLoad names its address (a ready node never reports an empty steps_address)."""
+    from services.node import NodeBase
+    from services.node_lifecycle import LIVENESS_SERVICE
+
+    port = _free_port()
+    node = _colocated_node(tiny_models, port, frontend_port=0)
+    gate = asyncio.Event()
+    start = NodeBase._start_frontend
+
+    async def slow_start(self):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        return await start(self)
+
+    monkeypatch.setattr(NodeBase, "_start_frontend", slow_start)
+
+    async def main() -> None:
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(node.serve(ready))
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(ch)
+
+        async def status(service: str) -> int:
+            while True:
+                try:
+                    r = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                    return int(r.status)
+                except grpc.aio.AioRpcError:  # the server is not up yet
+                    await asyncio.sleep(0.05)
+
+        assert await asyncio.wait_for(status(LIVENESS_SERVICE), 60) == health_pb2.HealthCheckResponse.SERVING
+        assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not ready.is_set()
+        gate.set()
+        await asyncio.wait_for(ready.wait(), 60)
+        assert await status("") == health_pb2.HealthCheckResponse.SERVING
+        rep = await pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=5)
+        assert rep.steps_address.startswith("127.0.0.1:"), rep.steps_address
+        await ch.close()
+        node.request_stop()
+        await asyncio.wait_for(serving, 30)
 
     asyncio.run(main())
