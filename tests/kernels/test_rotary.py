@@ -297,3 +297,32 @@ def test_cuda_graph_replays_with_new_positions_and_inputs():
         q_ref, k_ref = apply_rotary_torch(q, k, pos, cache)
         _close(q_out, q_ref)
         _close(k_out, k_ref)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_q_and_k_of_one_fused_projection_rotate_as_one_tensor_bit_identically(n) -> None:
+    """q and k sliced from one qkv output take the one-tensor path (fewer ops on CPU decode):
+    the same bits as rotating each alone, contiguous outputs, inputs untouched; q and k from
+    separate tensors (or not adjacent) take the two-call path."""
+    from pdserve.kernels import rotary
+
+    H, Hkv, D = 4, 2, 16
+    torch.manual_seed(0)
+    cache = rotary_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), 64)
+    qkv = torch.randn(n, (H + 2 * Hkv) * D).bfloat16()
+    before = qkv.clone()
+    q = qkv[:, : H * D].view(n, H, D)
+    k = qkv[:, H * D : (H + Hkv) * D].view(n, Hkv, D)
+    v = qkv[:, (H + Hkv) * D :].view(n, Hkv, D)
+    pos = torch.arange(n) + 7
+    assert rotary._adjacent_heads(q, k) is not None
+    assert rotary._adjacent_heads(q, v) is None  # v does not follow q
+    assert rotary._adjacent_heads(q.clone(), k.clone()) is None  # separate storages
+    got_q, got_k = apply_rotary_torch(q, k, pos, cache)
+    cos, sin = cache.index_select(0, pos).chunk(2, dim=-1)
+    want_q = rotary._rotate_torch(q, cos[:, None], sin[:, None])
+    want_k = rotary._rotate_torch(k, cos[:, None], sin[:, None])
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert got_q.shape == (n, H, D) and got_k.shape == (n, Hkv, D)
+    assert torch.equal(qkv, before)
