@@ -283,12 +283,15 @@ def proc_cpu_s(pid: int) -> float:
 def _variant(v: str) -> str:
     topology, *mods = v.split("+")
     ok = topology in ("colocated", "pd") and all(
-        m in ("per_request", "inline", "nodedetok") or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
+        m in ("per_request", "inline", "nodedetok")
+        or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
+        or (m[:2] == "sf" and m[2:].isdigit())
         for m in mods
     )
     if not ok:
         raise argparse.ArgumentTypeError(
             f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers), "
+            "+sfN (router.stream_flush_ms N), "
             "+inline (the decode-capable node serves its Steps streams itself: frontend: inline), "
             "+nodedetok (the nodes make the text: router.detokenize: node)"
         )
@@ -339,6 +342,9 @@ class Cluster:
             router["workers"] = workers
         if "nodedetok" in mods:
             router["detokenize"] = "node"
+        for m in mods:
+            if m[:2] == "sf" and m[2:].isdigit():
+                router["stream_flush_ms"] = int(m[2:])
         cfg = {"model": str(model_dir), "served_model_name": SERVED_NAME, "router": router, "nodes": nodes}
         self.kind = kind = kind.replace("+", "-")
         self.cfg_path = run_dir / f"{kind}.yaml"
@@ -516,7 +522,8 @@ def main() -> None:
         type=_variant,
         help="colocated | pd, each optionally with +per_request (the router's decode_stream "
         "per_request: one Decode stream per leg, the design before issue 12, instead of the "
-        "multiplexed Steps stream), +wN (N router worker processes, router.workers), +inline (the "
+        "multiplexed Steps stream), +wN (N router worker processes, router.workers), +sfN "
+        "(router.stream_flush_ms N: streamed tokens merged per N ms), +inline (the "
         "node's Steps streams on its own gRPC server, frontend: inline; the default is a front-end "
         "process) and +nodedetok (the nodes make the text, router.detokenize: node; the default "
         "is the router)",

@@ -94,6 +94,7 @@ class RouterPolicy:
     # per_request: one Decode stream per leg (one message per token).
     decode_stream: str = "multiplexed"
     nonstream_flush_ms: int = 100  # multiplexed, BackendRequest.streamed false: node-side batching
+    stream_flush_ms: int = 0  # multiplexed, streamed: the same batching when > 0 (router.stream_flush_ms)
 
     def __post_init__(self) -> None:
         if self.decode_stream not in ("multiplexed", "per_request"):
@@ -459,8 +460,9 @@ class PDBackend:
             # Keys only when prefill computed the prompt (the KV holds the images); tensors only
             # when decode prefills it itself (precomputed image_embeds on a cluster without P).
             mm_items=_mm_items_pb(req, with_tensors=transfer_id is None),
-            # Tokens nobody reads before the end travel in a few messages, not one per step.
-            flush_interval_ms=0 if req.streamed else self.policy.nonstream_flush_ms,
+            # Tokens nobody reads before the end travel in a few messages, not one per step;
+            # streamed ones too when router.stream_flush_ms asks for it.
+            flush_interval_ms=self.policy.stream_flush_ms if req.streamed else self.policy.nonstream_flush_ms,
         )
         d_node.in_flight += 1
         call: Any

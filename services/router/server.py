@@ -57,6 +57,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             breaker_open_s=r.breaker_open_s,
             decode_stream=r.decode_stream,
             nonstream_flush_ms=r.nonstream_flush_ms,
+            stream_flush_ms=r.stream_flush_ms,
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,

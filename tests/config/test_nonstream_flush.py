@@ -1,4 +1,4 @@
-"""router.nonstream_flush_ms: acted on (Steps stream) or refused at start (issue 12)."""
+"""router.nonstream_flush_ms / stream_flush_ms: acted on (Steps stream) or refused at start (issue 12)."""
 
 import pytest
 
@@ -14,3 +14,12 @@ def test_nonstream_flush_is_refused_with_the_per_request_stream() -> None:
 def test_nonstream_flush_over_half_the_inter_token_timeout_is_refused() -> None:
     with pytest.raises(ValueError, match="inter_token_timeout_s"):
         RouterConfig(nonstream_flush_ms=8000, inter_token_timeout_s=15.0)
+
+
+def test_stream_flush_is_refused_with_the_per_request_stream_or_over_half_the_timeout() -> None:
+    with pytest.raises(ValueError, match="stream_flush_ms"):
+        RouterConfig(decode_stream="per_request", stream_flush_ms=20)
+    with pytest.raises(ValueError, match=r"stream_flush_ms \(9000\).*inter_token_timeout_s"):
+        RouterConfig(stream_flush_ms=9000, inter_token_timeout_s=15.0)
+    assert RouterConfig(decode_stream="per_request").stream_flush_ms == 0  # default: every step
+    assert RouterConfig(stream_flush_ms=50).stream_flush_ms == 50

@@ -26,6 +26,7 @@ from tests.e2e.cluster import make_cluster_config, running_cluster
 from tests.e2e.test_served_e2e import _wait_free, assert_streams_equal_in_process, check_flush_interval
 
 pytestmark = pytest.mark.slow
+STREAM_FLUSH_MS = 40
 
 
 def _free_port() -> int:
@@ -38,7 +39,9 @@ def _free_port() -> int:
 def cluster(tiny_models, tmp_path_factory):
     cfg = make_cluster_config(
         tiny_models["llama"],
-        router={"local_prefill_max_tokens": 16},
+        # stream_flush_ms: streamed tokens are held and merged too (the token-equality tests
+        # below then also cover grouped SSE chunks); test_stream_flush_* checks the grouping
+        router={"local_prefill_max_tokens": 16, "stream_flush_ms": STREAM_FLUSH_MS},
         **{"decode-0": {"frontend_port": _free_port()}},
     )
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend")) as rc:
@@ -81,6 +84,27 @@ def test_the_front_end_process_is_the_default_and_inline_has_none(tiny_models, t
         assert_streams_equal_in_process(rc, tiny_models["llama"], False)
         assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
         _wait_free(rc)
+
+
+def test_stream_flush_groups_streamed_tokens_and_changes_none(cluster) -> None:
+    """router.stream_flush_ms: a streamed answer (local prompt and P/D prompt) has the same text
+    and token count as the non-streamed one, in far fewer SSE chunks than tokens."""
+    import asyncio
+
+    from tests.e2e.test_served_e2e import _served
+
+    n = 200
+    bodies = [
+        {"model": cluster.model_name, "prompt": p, "max_tokens": n, "ignore_eos": True, "temperature": 0.0}
+        for p in ([11, 12, 13], list(range(30, 70)))  # under / over local_prefill_max_tokens
+    ]
+    streamed = asyncio.run(_served(cluster, bodies, True))
+    whole = asyncio.run(_served(cluster, bodies, False))
+    for (text, count, chunks), (want_text, want_count, _) in zip(streamed, whole, strict=True):
+        assert (text, count) == (want_text, want_count) and count == n
+        # ~n steps of a few ms each, merged per 40 ms window: a handful of chunks, not n
+        assert 2 <= chunks <= n // 4, chunks
+    _wait_free(cluster)
 
 
 def test_a_flush_interval_is_kept_by_the_engine_threads_writes(cluster) -> None:
