@@ -123,6 +123,7 @@ class PDBackend:
         self._rr = 0
         self._tasks: set[asyncio.Task[None]] = set()  # background aborts
         self._poller: asyncio.Task[None] | None = None
+        self._closing = False
         reg = registry if registry is not None else CollectorRegistry()
         self.path_total = Counter(
             "pdserve:router_requests_by_path",
@@ -173,6 +174,7 @@ class PDBackend:
             self._poller = asyncio.get_running_loop().create_task(self._poll_loads())
 
     async def close(self) -> None:
+        self._closing = True  # the poller stops at its next round even if the cancel is lost
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -214,13 +216,18 @@ class PDBackend:
                     note_new_epoch(n, rep.epoch)
                     self.node_restarts.labels(n.name).inc()
                 n.epoch = rep.epoch
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            task = asyncio.current_task()
+            if e.code() == grpc.StatusCode.CANCELLED and task is not None and task.cancelling():
+                # close() cancelled the poller mid-call: grpc reports it as a CANCELLED status,
+                # and swallowing that here left close() waiting for a poller that polled on.
+                raise asyncio.CancelledError from e
             n.healthy = False
         self.node_load.labels(n.name).set(n.load)
         self.node_in_rotation.labels(n.name).set(1 if n.available else 0)
 
     async def _poll_loads(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await asyncio.gather(*(self._poll_one(n) for n in self.prefill + self.decode))
             except Exception:  # keep polling: one bad answer must not blind the router

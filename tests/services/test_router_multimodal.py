@@ -75,7 +75,7 @@ class _FakeEncoders:
     async def encode(self, request_id, images):
         self.calls.append(images)
         keys = [("uuid:" + u) if u else f"sha256:{d.hex()}" for d, u in images]
-        return [EncodedImage(k, self.length, False) for k in keys], "10.0.0.9:50061"
+        return [EncodedImage(k, self.length, False) for k in keys], "127.0.0.9:50061"
 
 
 def test_placeholders_expand_per_item_with_their_own_lengths() -> None:
@@ -92,7 +92,7 @@ def test_placeholders_expand_per_item_with_their_own_lengths() -> None:
     assert ids == [5, img, img, img, 6, img, img, img, img, img, 7]
     assert [(it.offset, it.length) for it in items] == [(1, 3), (5, 2), (7, 3)]
     assert items[0].key == "sha256:01" and items[2].key == "uuid:u" and items[1].key.startswith("embeds:")
-    assert items[0].encoder_address == "10.0.0.9:50061" and items[1].encoder_address == ""
+    assert items[0].encoder_address == "127.0.0.9:50061" and items[1].encoder_address == ""
     assert items[1].embeds is not None and items[0].embeds is None
     assert enc.calls == [[(b"\x01", None), (b"\x02", "u")]], "one Encode call for the request's images"
     with pytest.raises(APIError, match="2 image placeholder tokens for 3 image parts"):
