@@ -116,18 +116,18 @@ class RouterConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
-        if self.decode_stream == "per_request" and "nonstream_flush_ms" in self.model_fields_set:
-            raise ConfigError(
-                f"router.nonstream_flush_ms ({self.nonstream_flush_ms}) needs router.decode_stream "
-                "multiplexed (the Steps stream); per_request sends every step's tokens"
-            )
-        if self.decode_stream == "per_request" and self.stream_flush_ms:
-            raise ConfigError(
-                f"router.stream_flush_ms ({self.stream_flush_ms}) needs router.decode_stream "
-                "multiplexed (the Steps stream); per_request sends every step's tokens"
-            )
-        for name in ("nonstream_flush_ms", "stream_flush_ms"):
+        # nonstream_flush_ms has a non-zero default, so only an explicit value is refused there
+        held = {
+            "nonstream_flush_ms": "nonstream_flush_ms" in self.model_fields_set,
+            "stream_flush_ms": self.stream_flush_ms > 0,
+        }
+        for name, asked in held.items():
             ms = getattr(self, name)
+            if self.decode_stream == "per_request" and asked:
+                raise ConfigError(
+                    f"router.{name} ({ms}) needs router.decode_stream multiplexed (the Steps "
+                    "stream); per_request sends every step's tokens"
+                )
             if ms / 1000.0 > self.inter_token_timeout_s / 2:
                 raise ConfigError(
                     f"router.{name} ({ms}) is over half of router.inter_token_timeout_s "
