@@ -9,6 +9,10 @@ key; the old process's next heartbeat sees the foreign epoch and stops (it was r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -49,34 +53,49 @@ class RedisRegistry(NodeRegistry):
         return max(1, int(self.ttl_s * 1000))
 
     async def list_nodes(self) -> list[NodeEntry]:
-        try:
+        with _redis_op(f"node registry {self.url} unreachable"):
             keys = sorted([k async for k in self._r.scan_iter(match=KEY_PREFIX + "*", count=256)])
             values = await self._r.mget(keys) if keys else []
-        except (RedisError, OSError) as e:
-            raise RegistryUnavailableError(f"node registry {self.url} unreachable: {e}") from e
         # A key may expire between SCAN and MGET: skip the hole.
         return [NodeEntry.from_json(v) for v in values if v is not None]
 
     async def register(self, entry: NodeEntry) -> None:
-        try:
+        with _redis_op(f"cannot register {entry.name} in {self.url}"):
             await self._r.set(KEY_PREFIX + entry.name, entry.to_json(), px=self._ttl_ms)
-        except (RedisError, OSError) as e:
-            raise RegistryUnavailableError(f"cannot register {entry.name} in {self.url}: {e}") from e
 
     async def heartbeat(self, entry: NodeEntry) -> bool:
-        try:
+        with _redis_op(f"heartbeat of {entry.name} to {self.url} failed"):
             ok = await self._r.eval(  # type: ignore[misc]
                 _HEARTBEAT, 1, KEY_PREFIX + entry.name, entry.to_json(), entry.epoch, str(self._ttl_ms)
             )
-        except (RedisError, OSError) as e:
-            raise RegistryUnavailableError(f"heartbeat of {entry.name} to {self.url} failed: {e}") from e
         return bool(ok)
 
     async def deregister(self, entry: NodeEntry) -> None:
-        try:
+        with _redis_op(f"cannot deregister {entry.name} from {self.url}"):
             await self._r.eval(_DEREGISTER, 1, KEY_PREFIX + entry.name, entry.epoch)  # type: ignore[misc]
-        except (RedisError, OSError) as e:
-            raise RegistryUnavailableError(f"cannot deregister {entry.name} from {self.url}: {e}") from e
 
     async def close(self) -> None:
         await self._r.aclose()
+
+
+@contextlib.contextmanager
+def _redis_op(failed: str) -> Iterator[None]:
+    """One Redis operation: its errors become RegistryUnavailableError, and a cancel it lost is raised.
+
+    redis-py sends each command under ``asyncio.wait_for`` (our socket_timeout), and on Python 3.11
+    a cancel that lands after the send finished is dropped there (CPython gh-86296): the command
+    returns, or fails, as if nothing happened. Membership's and NodeDiscovery's loops then went on
+    beating / polling, and stop() / close(), which cancel and await them, never returned.
+    """
+    try:
+        yield
+    except (RedisError, OSError) as e:
+        _raise_lost_cancel()
+        raise RegistryUnavailableError(f"{failed}: {e}") from e
+    _raise_lost_cancel()
+
+
+def _raise_lost_cancel() -> None:
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
