@@ -34,9 +34,22 @@ MODES: dict[str, tuple[str, str] | None] = {
 }
 
 
-def run(llm: LLM, batch: int, tokens: int, structured: tuple[str, str] | None) -> tuple[float, int]:
+def run(
+    llm: LLM,
+    batch: int,
+    tokens: int,
+    structured: tuple[str, str] | None,
+    temperature: float = 1.0,
+    seeded: bool = True,
+) -> tuple[float, int]:
     params = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, ignore_eos=True, structured=structured)
+        SamplingParams(
+            temperature=temperature,
+            seed=i if seeded else None,
+            max_tokens=tokens,
+            ignore_eos=True,
+            structured=structured,
+        )
         for i in range(batch)
     ]
     t0 = time.perf_counter()
@@ -67,7 +80,32 @@ def main() -> None:
     ap.add_argument(
         "--model", default=None, help="a checkpoint folder instead of the tiny model (--vocab ignored)"
     )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="every mode's temperature (0: greedy, the argmax path; default 1: the sampler)",
+    )
+    ap.add_argument(
+        "--no-seed",
+        action="store_true",
+        help="sampled rows draw from the shared generator, not one per request",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("unconstrained", "regex", "json"),
+        default=("unconstrained", "regex", "json"),
+        help="which modes to run (e.g. one at a time under a profiler)",
+    )
+    ap.add_argument(
+        "--grammar-thread",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bitmask fills on the runner's filler thread (auto: on CUDA hosts of 4+ cores)",
+    )
     args = ap.parse_args()
+    picked = {k: v for k, v in MODES.items() if k.split()[0].replace("json_schema", "json") in args.modes}
     with tempfile.TemporaryDirectory() as d:
         if args.model:
             path = args.model
@@ -76,16 +114,19 @@ def main() -> None:
             path = make_tiny_model("llama", d, hidden_size=128, head_dim=32, vocab_size=args.vocab)
         asy = {"auto": None, "on": True, "off": False}[args.async_scheduling]
         llm = LLM(str(path), max_model_len=512, device=args.device, async_scheduling=asy)
-        for mode in MODES.values():  # warm-up: grammar compile, first allocations
-            run(llm, 2, 4, mode)
-        results: dict[str, list[float]] = {m: [] for m in MODES}
+        if args.grammar_thread != "auto":
+            llm.engine.runner._use_filler = args.grammar_thread == "on"
+        kw = {"temperature": args.temperature, "seeded": not args.no_seed}
+        for mode in picked.values():  # warm-up: grammar compile, first allocations
+            run(llm, 2, 4, mode, **kw)
+        results: dict[str, list[float]] = {m: [] for m in picked}
         counts: dict[str, int] = {}
         for _ in range(args.reps):
-            for name, mode in MODES.items():
-                tps, n = run(llm, args.batch, args.tokens, mode)
+            for name, mode in picked.items():
+                tps, n = run(llm, args.batch, args.tokens, mode, **kw)
                 results[name].append(tps)
                 counts[name] = n
-    base = statistics.median(results["unconstrained"])
+    base = statistics.median(next(iter(results.values())))
     where = str(llm.engine.runner.device)
     if llm.engine.runner.device.type == "cuda":
         import torch
@@ -93,9 +134,11 @@ def main() -> None:
         where += f" ({torch.cuda.get_device_name()}, {llm.engine.runner.dtype})"
     print(
         f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), {where}, "
-        f"async scheduling {'on' if llm.engine.async_scheduling else 'off'}"
+        f"async scheduling {'on' if llm.engine.async_scheduling else 'off'}, "
+        f"grammar thread {'on' if llm.engine.runner._use_filler else 'off'}, temperature {args.temperature}"
+        f"{'' if args.temperature == 0 else ', unseeded' if args.no_seed else ', seeded per request'}"
     )
-    print(f"{'mode':<24} {'tok/s':>9} {'vs unconstrained':>17} {'tokens':>7}")
+    print(f"{'mode':<24} {'tok/s':>9} {'vs ' + next(iter(results)):>17} {'tokens':>7}")
     for name, xs in results.items():
         m = statistics.median(xs)
         print(f"{name:<24} {m:>9.1f} {m / base - 1:>+16.1%} {counts[name]:>7}")
