@@ -86,6 +86,7 @@ def make_llm() -> Iterator[Callable[..., Any]]:
         assert not eng.has_unfinished(), "requests left unfinished"
         assert eng.kv.pool.num_used_blocks == 0, f"{eng.kv.pool.num_used_blocks} KV blocks still held"
         assert eng.kv.num_held_requests == 0
+        eng.close()  # e.g. the runner's bitmask filler thread
     made.clear()
     import torch
 

@@ -33,6 +33,7 @@ launches without it.)
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from array import array
@@ -152,14 +153,25 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream()
-            for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=pool)
-                    self._outputs[bs] = self._forward(bs)
-                    graph.capture_end()
-                self._graphs[bs] = graph
+            # No garbage collection inside a capture: a collection there can free another
+            # engine's CUDA graphs or tensors (a reference cycle), whose destruction is not
+            # permitted while a stream captures, and the capture fails (as torch.cuda.graph does:
+            # collect first; and none during it).
+            gc.collect()
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.stream(stream):
+                        graph.capture_begin(pool=pool)
+                        self._outputs[bs] = self._forward(bs)
+                        graph.capture_end()
+                    self._graphs[bs] = graph
+            finally:
+                if was_enabled:
+                    gc.enable()
             torch.cuda.synchronize()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         logger.info(

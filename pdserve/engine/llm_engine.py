@@ -186,7 +186,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the TP worker ranks or pipeline stages, if any (idempotent)."""
         runner = getattr(self, "runner", None)
-        if isinstance(runner, PipelineRunner):
+        if isinstance(runner, (PipelineRunner, ModelRunner)):
             runner.close()
         if self._tp_group is not None:
             self._tp_group.close()
@@ -480,10 +480,17 @@ class LLMEngine:
             if tr is not None and tr.prompt_logprobs is not None:
                 tr.prompt_logprobs[start : start + len(entries)] = entries
         touched = self.scheduler.update_from_output(sched, out.sampled)
-        if then is not None:
-            assert isinstance(self.runner, ModelRunner)
-            self.runner.sample_deferred(then)
-        return self._process(touched, out.logprobs)
+        if then is None:
+            return self._process(touched, out.logprobs)
+        runner = self.runner
+        assert isinstance(runner, ModelRunner)
+        # The matchers advance now; the masks' fill (on the runner's filler thread, if any)
+        # overlaps this step's processing, and the sampler is launched after it.
+        runner.prepare_deferred(then)
+        try:
+            return self._process(touched, out.logprobs)
+        finally:
+            runner.sample_deferred(then)
 
     def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
         deltas: list[GenerationDelta] = []

@@ -16,7 +16,9 @@ here, by ``select_attention_backend``, and carried in every step's ``AttentionMe
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from array import array
 from dataclasses import dataclass, field
 
@@ -33,7 +35,14 @@ from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from pdserve.engine.structured import GrammarCompiler, GrammarState, advance, fill_bitmask
+from pdserve.engine.structured import (
+    BitmaskFill,
+    BitmaskFiller,
+    GrammarCompiler,
+    GrammarState,
+    advance,
+    fill_bitmask,
+)
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors
@@ -88,6 +97,17 @@ class SampleJob:
     chunks: list[ScheduledChunk]  # the sampling chunks, one per logits row
     argmax: bool  # every row is argmax_only: masked rows too take the argmax of these logits
     grammar_rows: list[int]  # logits rows of requests with a structured-output constraint
+    masks: GrammarMasks | None = None  # set once the matchers advanced (prepare_deferred)
+
+
+@dataclass
+class GrammarMasks:
+    """A step's grammar masks on their way: the live rows' bitmask, being filled in host memory
+    (on the runner's BitmaskFiller thread when ``fill`` is set, else already filled)."""
+
+    rows: list[int]  # logits rows of the live grammars, increasing; empty: nothing to mask
+    host: torch.Tensor | None  # [len(rows), mask_words] int32, in the step's staging slot
+    fill: BitmaskFill | None
 
 
 @dataclass
@@ -112,6 +132,10 @@ class PendingStep:
 
     def result(self) -> RunnerOutput:
         if self.deferred is not None:  # only on a fault path (the engine failed between the halves)
+            masks = self.deferred.masks
+            if masks is not None and masks.fill is not None:
+                with contextlib.suppress(Exception):  # a fill still writing its slot; the interval back
+                    masks.fill.wait(self.timeout_s)
             if self.deferred.logits.is_cuda:
                 torch.cuda.synchronize(self.deferred.logits.device)  # its forward still writes KV
             raise RuntimeError("the step's sampler was never launched (its grammar masks were not filled)")
@@ -143,6 +167,10 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured-output matchers by request id
         self._grammar_compiler: GrammarCompiler | None = None
+        # Bitmask fills on a thread of their own where cores are to spare (made with the first
+        # grammar); under asynchronous scheduling they overlap the previous step's processing.
+        self._use_filler = self.device.type == "cuda" and (os.cpu_count() or 1) >= 4
+        self._filler: BitmaskFiller | None = None
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
         a = self.arch
@@ -156,7 +184,6 @@ class ModelRunner:
         # next step feeds them to rows whose input token is still in flight.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
-        self._copy_stream: torch.cuda.Stream | None = None  # grammar bitmasks' host-to-device copies
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -315,16 +342,25 @@ class ModelRunner:
                 self._grammar_compiler = GrammarCompiler(
                     load_tokenizer(self.config.model), vocab_size, sorted(request.eos_token_ids) or None
                 )
+                if self._use_filler and self._filler is None:
+                    self._filler = BitmaskFiller()
             state = self._grammar_compiler.matcher(*structured)
             self._grammars[request.request_id] = state
         return state
 
-    def _apply_grammar_masks(self, job: SampleJob) -> None:
-        """Advance the matchers of ``job``'s grammar rows with their requests' output tokens, fill
-        the live ones' bitmask (one batched call, into pinned memory), copy it to the device on a
-        side stream and mask those rows of the logits in place. Rows of requests that finished
-        while the step was in flight are skipped (their tokens are dropped)."""
+    def close(self) -> None:
+        """Stop the bitmask filler thread, if one was started (idempotent)."""
+        if self._filler is not None:
+            self._filler.close()
+            self._filler = None
+
+    def _start_grammar_masks(self, job: SampleJob, overlap: bool) -> GrammarMasks:
+        """Advance the matchers of ``job``'s grammar rows with their requests' output tokens and
+        start filling the live ones' bitmask (one batched call, into pinned memory; on the filler
+        thread when there is one and ``overlap``: other host work comes before the wait). Rows of requests that finished while the step was in flight
+        are skipped (their tokens are dropped)."""
         vocab = job.logits.shape[1]
+        grammars = self._grammars
         pairs: list[tuple[GrammarState, list[int]]] = []
         rows: list[int] = []
         for i in job.grammar_rows:
@@ -334,19 +370,34 @@ class ModelRunner:
             # Only this step's own token may be in flight: every earlier one is in the history,
             # so the mask is never built from a stale matcher.
             assert req.num_output_placeholders == 1, (req.request_id, req.num_output_placeholders)
-            pairs.append((self._grammar(req, vocab), req.output_token_ids))
+            state = grammars.get(req.request_id) or self._grammar(req, vocab)
+            pairs.append((state, req.output_token_ids))
             rows.append(i)
-        advance(pairs)
-        live = [(row, state) for row, (state, _) in zip(rows, pairs, strict=True) if state.live]
+        live = advance(pairs)
         if not live:
-            return
+            return GrammarMasks([], None, None)
         assert self._grammar_compiler is not None  # made by the first _grammar() call above
         # The bitmask covers the tokenizer's ids (GrammarCompiler.mask_vocab); the mask kernel
         # bans every logits column past it (the LM head's padding rows).
         host = self.staging.host_empty((len(live), self._grammar_compiler.mask_words), torch.int32)
-        fill_bitmask([state for _, state in live], host)
-        bitmask = self._bitmask_to_device(host)
-        live_rows = [row for row, _ in live]
+        states = [pairs[k][0] for k in live]
+        fill = None
+        if overlap and self._filler is not None:
+            fill = self._filler.submit(states, host)
+        else:
+            fill_bitmask(states, host)
+        return GrammarMasks([rows[k] for k in live], host, fill)
+
+    def _apply_grammar_masks(self, job: SampleJob, masks: GrammarMasks) -> None:
+        """Wait for ``masks``' fill, copy the bitmask to the device and mask those rows of the
+        logits in place."""
+        if not masks.rows:
+            return
+        assert masks.host is not None
+        if masks.fill is not None:
+            masks.fill.wait(self.config.step_timeout_s)
+        bitmask = self._bitmask_to_device(masks.host)
+        live_rows = masks.rows
         idx = (
             None
             if live_rows[-1] == len(live_rows) - 1  # rows 0..k-1 (increasing, distinct)
@@ -355,19 +406,14 @@ class ModelRunner:
         kernels.apply_token_bitmask_(job.logits, bitmask, idx)
 
     def _bitmask_to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """On CUDA a non-blocking copy on a side stream, so it overlaps the forward still running
-        on the compute stream (which waits for it before the mask kernel); the host ``host``
-        lives in this step's staging slot, reused only after the step's event."""
+        """On CUDA a non-blocking copy from the step's pinned staging slot (reused only after the
+        step's event), queued behind the forward on the compute stream. A side stream would let
+        the copy overlap the forward, but its host calls (stream switch, event, record_stream)
+        cost ~130 us a step on the H200's host against a few microseconds of copy
+        (docs/benchmarks.md), and the engine is host-bound where grammars cost."""
         if not self.staging.pinned:
             return host
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            dev = host.to(self.device, non_blocking=True)
-        main.wait_stream(self._copy_stream)
-        dev.record_stream(main)
-        return dev
+        return host.to(self.device, non_blocking=True)
 
     def execute(
         self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -459,6 +505,15 @@ class ModelRunner:
             self.sample_deferred(pending)
         return pending
 
+    def prepare_deferred(self, pending: PendingStep) -> None:
+        """Advance the grammar matchers of ``pending``'s deferred sampler and start filling its
+        masks (the previous step's tokens are in the requests' histories); ``sample_deferred``
+        finishes. The host work in between overlaps the fill when a filler thread runs it."""
+        job = pending.deferred
+        assert job is not None, "the step's sampler was already launched"
+        if job.grammar_rows and job.masks is None:
+            job.masks = self._start_grammar_masks(job, overlap=True)
+
     @torch.inference_mode()
     def sample_deferred(self, pending: PendingStep) -> None:
         """Launch ``pending``'s sampler: grammar masks (in place), argmax or the sampler, the
@@ -467,7 +522,7 @@ class ModelRunner:
         assert job is not None, "the step's sampler was already launched"
         pending.deferred = None
         if job.grammar_rows:
-            self._apply_grammar_masks(job)
+            self._apply_grammar_masks(job, job.masks or self._start_grammar_masks(job, overlap=False))
         if job.argmax:
             samples = SampledTensors(kernels.argmax_rows(job.logits), [], [])  # no SamplerInput rows
         else:

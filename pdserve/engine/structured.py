@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import queue
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,16 +108,21 @@ class GrammarState:
     matcher: Any  # xgrammar.GrammarMatcher
     num_accepted: int = 0
     failed: bool = field(default=False)
+    # Failed or terminated: never constrained again (a terminated matcher stays so without a
+    # rollback, which nothing here does). Cached so a step asks xgrammar once per row at most.
+    done: bool = field(default=False)
 
     @property
     def live(self) -> bool:
         """Whether the next token is constrained (not failed, grammar not terminated)."""
-        return not self.failed and not self.matcher.is_terminated()
+        if not self.done and (self.failed or self.matcher.is_terminated()):
+            self.done = True
+        return not self.done
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Feed the tokens generated since the last call (all of them for a fresh matcher)."""
         for t in output_token_ids[self.num_accepted :]:
-            if self.failed or self.matcher.is_terminated():
+            if not self.live:
                 break
             # A token the mask allowed is always accepted; a rejection means the history came
             # from outside the mask (e.g. replayed) and the row is left unconstrained from then on.
@@ -126,29 +135,114 @@ class GrammarState:
 def _batch_matcher() -> Any:  # -> xgrammar.BatchGrammarMatcher
     import xgrammar as xgr
 
-    return xgr.BatchGrammarMatcher(max_threads="auto")
+    # At a step's few dozen rows xgrammar's pool pays little or costs: 64 rows of the bench's
+    # regex filled in 119 us on one thread and ~210 on two on a 2-core VM, in 329 / 230 / 408 us
+    # on 1 / 4 / 8 threads of the H200's 16-core host (docs/benchmarks.md). A quarter of the
+    # cores, at most 4.
+    return xgr.BatchGrammarMatcher(max_threads=max(1, min(4, (os.cpu_count() or 1) // 4)))
 
 
-def advance(states: list[tuple[GrammarState, list[int]]]) -> None:
-    """Catch each matcher up with its request's output tokens. The steady state (one new token
-    per matcher since the last step) is one batched accept; anything else goes token by token."""
-    one: list[GrammarState] = []
+def advance(states: list[tuple[GrammarState, list[int]]]) -> list[int]:
+    """Catch each matcher up with its request's output tokens; returns the indices (into
+    ``states``) of those still live. The steady state (one new token per matcher since the
+    last step) is one batched accept; anything else goes token by token."""
+    one: list[Any] = []
     tokens: list[int] = []
-    for state, out in states:
-        if len(out) == state.num_accepted + 1 and state.live:
-            one.append(state)
+    at: list[int] = []
+    live: list[int] = []
+    for k, (state, out) in enumerate(states):
+        if state.done:
+            continue
+        if len(out) == state.num_accepted + 1:
+            one.append(state.matcher)
             tokens.append(out[-1])
+            at.append(k)
         else:
             state.catch_up(out)
-    if not one:
-        return
-    accepted = _batch_matcher().batch_accept_token([s.matcher for s in one], tokens)
-    for state, ok in zip(one, accepted, strict=True):
-        state.num_accepted += 1
-        state.failed = state.failed or not ok
+            if state.live:
+                live.append(k)
+    if one:
+        caught_up = len(live)
+        accepted = _batch_matcher().batch_accept_token(one, tokens)
+        for k, ok in zip(at, accepted, strict=True):
+            state = states[k][0]
+            state.num_accepted += 1
+            if not ok:
+                state.failed = True
+            if state.live:
+                live.append(k)
+        if caught_up and len(live) > caught_up:  # caught-up rows came first: back to input order
+            live.sort()
+    return live
 
 
 def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
     """Row i of ``bitmask`` ([len(states), GrammarCompiler.mask_words] int32, host) := state i's
-    allowed next tokens; one call, on xgrammar's thread pool."""
+    allowed next tokens; one call."""
     _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
+
+
+class BitmaskFill:
+    """One fill handed to a BitmaskFiller; ``wait()`` returns once the bitmask is written."""
+
+    def __init__(self, restore_switch_interval: float | None) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._restore = restore_switch_interval
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            if not self._done.wait(timeout_s):
+                raise TimeoutError(f"grammar bitmask fill not done within {timeout_s:g} s")
+        finally:
+            if self._restore is not None:
+                sys.setswitchinterval(self._restore)
+                self._restore = None
+        if self._error is not None:
+            raise self._error
+
+
+class BitmaskFiller:
+    """Fills grammar bitmasks on a thread of its own (``pdserve-grammar``), so a step's fill
+    overlaps the engine thread's host work on the step before (detokenizing, building deltas).
+
+    xgrammar's batched fill lets go of the GIL. The hand-offs still need it: the woken thread
+    must take the GIL to start the fill and to report it done, while the engine thread runs
+    plain Python that keeps it for the interpreter's switch interval (5 ms). For the length of a
+    fill the interval is lowered to ``switch_interval_s`` (restored by ``wait()``), so each
+    hand-off waits tens of microseconds, not milliseconds. Worth it with cores to spare: the
+    model runner uses one on CUDA hosts of 4 cores or more (docs/benchmarks.md).
+    """
+
+    def __init__(self, switch_interval_s: float = 5e-5) -> None:
+        self._jobs: queue.SimpleQueue[tuple[list[GrammarState], Any, BitmaskFill] | None] = (
+            queue.SimpleQueue()
+        )
+        self._switch_interval_s = switch_interval_s
+        self._thread = threading.Thread(target=self._run, name="pdserve-grammar", daemon=True)
+        self._thread.start()
+
+    def submit(self, states: list[GrammarState], bitmask: Any) -> BitmaskFill:
+        """Start filling ``bitmask`` for ``states`` (``fill_bitmask``); nothing may touch those
+        matchers or that buffer until the returned fill's ``wait()`` returned."""
+        old = sys.getswitchinterval()
+        restore = None
+        if old > self._switch_interval_s:
+            sys.setswitchinterval(self._switch_interval_s)
+            restore = old
+        fill = BitmaskFill(restore)
+        self._jobs.put((states, bitmask, fill))
+        return fill
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            states, bitmask, fill = job
+            try:
+                fill_bitmask(states, bitmask)
+            except BaseException as e:  # handed to the engine thread by wait()
+                fill._error = e
+            fill._done.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)

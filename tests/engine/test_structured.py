@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -20,7 +21,7 @@ try:
 except ImportError:  # pragma: no cover
     _CUDA = False
 # The async-scheduling tests below run on the CPU here and, on a GPU machine, on CUDA as well
-# (side-stream bitmask copy, Triton mask on bf16 logits, CUDA graphs).
+# (bitmask copy from pinned memory, Triton mask on bf16 logits, CUDA graphs, the filler thread).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _CUDA, reason="needs a CUDA device"))]
 
 
@@ -115,7 +116,7 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
     """Seeded constrained rows of three kinds beside unconstrained ones: every output is valid,
     the engine stayed asynchronous, and each deferred mask was filled only after the previous
     step's tokens were read (launch N, result N-1, sample N), never from a stale matcher."""
-    # The default device: on a GPU machine this runs the CUDA path (side-stream copy, Triton mask).
+    # The default device: on a GPU machine this runs the CUDA path (pinned copy, Triton mask, filler).
     llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
     rows = _mixed(32, temperature=1.0)
     events = record_runner_events(llm)
@@ -236,3 +237,80 @@ def test_grammar_covers_the_tokenizer_not_the_padded_vocabulary(tmp_path, make_l
     compiler = llm.engine.runner._grammar_compiler
     assert compiler is not None and compiler.vocab_size == 40_000
     assert compiler.mask_vocab < 1_000 and compiler.mask_words == (compiler.mask_vocab + 31) // 32
+
+
+def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step_is_processed(
+    tiny_models, make_llm, monkeypatch
+) -> None:
+    """The fill on the ``pdserve-grammar`` thread (used on CUDA hosts with cores to spare, forced
+    here on the CPU): the same tokens as filling inline; each fill is started before the previous
+    step's deltas are built and waited for after; the switch interval is restored."""
+    import sys
+    import threading
+
+    from pdserve.engine import llm_engine, model_runner, structured
+
+    rows = _mixed(16, temperature=1.0)
+    params = [sp for _, sp in rows]
+    interval = sys.getswitchinterval()
+    got = {}
+    for use in (False, True):
+        llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
+        llm.engine.runner._use_filler = use
+        order: list[str] = []
+        fill = structured.fill_bitmask
+        process = llm_engine.LLMEngine._process
+
+        def spy_fill(states, bitmask, _fill=fill, _order=order):
+            _order.append(f"fill:{threading.current_thread().name}")
+            _fill(states, bitmask)
+
+        def spy_process(self, *a, _process=process, _order=order):
+            _order.append("process")
+            return _process(self, *a)
+
+        monkeypatch.setattr(structured, "fill_bitmask", spy_fill)  # the filler thread's
+        monkeypatch.setattr(model_runner, "fill_bitmask", spy_fill)  # inline
+        monkeypatch.setattr(llm_engine.LLMEngine, "_process", spy_process)
+        got[use] = [(o.token_ids, o.text) for o in llm.generate(["Say"] * len(rows), params)]
+        fills = [e for e in order if e.startswith("fill:")]
+        assert fills, order
+        if use:
+            # inline only where nothing comes between (the first step: no step before it)
+            assert fills.count("fill:pdserve-grammar") >= 10 and fills.count("fill:MainThread") <= 2, fills
+            # started while the step before was still unprocessed: a fill then its step's processing
+            assert sum(a.startswith("fill:") and b == "process" for a, b in itertools.pairwise(order)) >= 10
+            assert llm.engine.runner._filler is not None
+        else:
+            assert (
+                "pdserve-grammar" not in {t.name for t in threading.enumerate()}
+                or llm.engine.runner._filler is None
+            )
+        assert sys.getswitchinterval() == interval
+        llm.engine.close()
+        assert llm.engine.runner._filler is None
+        monkeypatch.undo()
+    assert got[True] == got[False]
+    for (kind, _), (_, text) in zip(rows, got[True], strict=True):
+        assert kind is None or _valid(kind, text), (kind, text)
+
+
+def test_a_failed_fill_on_the_filler_thread_is_raised_by_wait_and_restores_the_interval() -> None:
+    import sys
+
+    import torch
+
+    from pdserve.engine.structured import BitmaskFiller, GrammarState
+
+    interval = sys.getswitchinterval()
+    filler = BitmaskFiller()
+    try:
+        fill = filler.submit([GrammarState(matcher=object())], torch.zeros((1, 1), dtype=torch.int32))
+        assert sys.getswitchinterval() < interval  # lowered while the fill is in flight
+        with pytest.raises(Exception) as err:  # xgrammar's own error: not a matcher
+            fill.wait(10)
+        assert not isinstance(err.value, TimeoutError), err.value
+        assert sys.getswitchinterval() == interval
+    finally:
+        filler.close()
+    assert not filler._thread.is_alive()
