@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from pdserve.errors import UnsupportedError
@@ -67,7 +68,12 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows:
     k, vocab = bitmask.shape[0], logits.shape[1]
     if k == 0:
         return
-    if sys.byteorder == "little":
+    if sys.byteorder == "little" and bitmask.device.type == "cpu" and bitmask.is_contiguous():
+        # numpy unpacks the bits in one call (~6 us for 16 x 4,096 tokens, where the gather below
+        # takes ~100: docs/benchmarks.md); bit j of byte b is token 8 b + j, little-endian.
+        bits = np.unpackbits(np.invert(bitmask.numpy().view(np.uint8)), axis=-1, bitorder="little")
+        banned = torch.from_numpy(bits.view(np.bool_))  # [k, 32 W], True = banned
+    elif sys.byteorder == "little":
         # One gather of a byte -> 8 bits table: about half the time of shifting every word by
         # 0..31 and comparing on the CPU (16 x 4,096 logits: ~50 against ~110 us). Byte b of word
         # w holds tokens 32 w + 8 b .. + 7 on a little-endian host.
