@@ -157,6 +157,9 @@ class LLMEngine:
         self._kv_loads: list[KVLoadSpec] = []
         self.async_scheduling = self._resolve_async(config)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not processed
+        # Deltas a step built before it failed (requests it finished are already untracked):
+        # delivered by fail_all(), ahead of its error deltas.
+        self._undelivered: list[GenerationDelta] = []
         self._failed_step_seq: int | None = None  # a step whose launch raised (see fail_all)
         self.num_aborted_total = 0
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
@@ -416,7 +419,7 @@ class LLMEngine:
                 logger.error("in-flight step %d did not complete: %s", sched.step_seq, e)
             self.fence.advance(sched.step_seq)
         ids = list(self.scheduler.requests)
-        out = []
+        out, self._undelivered = self._undelivered, []
         aborted = self.scheduler.abort_requests(ids)
         if self._failed_step_seq is not None:
             self.fence.advance(self._failed_step_seq)
@@ -487,10 +490,16 @@ class LLMEngine:
         # The matchers advance now; the masks' fill (on the runner's filler thread, if any)
         # overlaps this step's processing, and the sampler is launched after it.
         runner.prepare_deferred(then)
+        deltas: list[GenerationDelta] = []
         try:
-            return self._process(touched, out.logprobs)
+            deltas = self._process(touched, out.logprobs)
         finally:
-            runner.sample_deferred(then)
+            try:
+                runner.sample_deferred(then)
+            except BaseException:
+                self._undelivered.extend(deltas)  # fail_all() sends them
+                raise
+        return deltas
 
     def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
         deltas: list[GenerationDelta] = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from array import array
 from dataclasses import dataclass, field
 
@@ -42,6 +41,7 @@ from pdserve.engine.structured import (
     GrammarState,
     advance,
     fill_bitmask,
+    usable_cpus,
 )
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
@@ -167,9 +167,10 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured-output matchers by request id
         self._grammar_compiler: GrammarCompiler | None = None
-        # Bitmask fills on a thread of their own where cores are to spare (made with the first
-        # grammar); under asynchronous scheduling they overlap the previous step's processing.
-        self._use_filler = self.device.type == "cuda" and (os.cpu_count() or 1) >= 4
+        # Bitmask fills on a thread of their own where cores are to spare (made by the first fill
+        # that can overlap: asynchronous scheduling, where they overlap the previous step's
+        # processing; never on TP workers or pipeline stages, which fill inline).
+        self._use_filler = self.device.type == "cuda" and usable_cpus() >= 4
         self._filler: BitmaskFiller | None = None
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
@@ -342,8 +343,6 @@ class ModelRunner:
                 self._grammar_compiler = GrammarCompiler(
                     load_tokenizer(self.config.model), vocab_size, sorted(request.eos_token_ids) or None
                 )
-                if self._use_filler and self._filler is None:
-                    self._filler = BitmaskFiller()
             state = self._grammar_compiler.matcher(*structured)
             self._grammars[request.request_id] = state
         return state
@@ -382,7 +381,9 @@ class ModelRunner:
         host = self.staging.host_empty((len(live), self._grammar_compiler.mask_words), torch.int32)
         states = [pairs[k][0] for k in live]
         fill = None
-        if overlap and self._filler is not None:
+        if overlap and self._use_filler:
+            if self._filler is None:
+                self._filler = BitmaskFiller()
             fill = self._filler.submit(states, host)
         else:
             fill_bitmask(states, host)
@@ -520,8 +521,9 @@ class ModelRunner:
         copy of the samples to the host and the step's event. Nothing waits for the device."""
         job = pending.deferred
         assert job is not None, "the step's sampler was already launched"
-        pending.deferred = None
         if job.grammar_rows:
+            # If this raises (a fill failed or timed out), ``deferred`` stays set: the step's
+            # result() then waits for the fill and the device and raises (the fault path).
             self._apply_grammar_masks(job, job.masks or self._start_grammar_masks(job, overlap=False))
         if job.argmax:
             samples = SampledTensors(kernels.argmax_rows(job.logits), [], [])  # no SamplerInput rows
@@ -537,6 +539,7 @@ class ModelRunner:
                 for c in job.chunks
             ]
             samples = self.sampler.sample(job.logits, inputs)
+        pending.deferred = None  # launched
         # The next step may feed these tokens to its rows before the host has read them.
         self._prev_sampled = samples.token_ids
         self._prev_rows = {rid: i for i, rid in enumerate(pending.req_ids)}

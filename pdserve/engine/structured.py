@@ -139,7 +139,7 @@ def _batch_matcher() -> Any:  # -> xgrammar.BatchGrammarMatcher
     # regex filled in 119 us on one thread and ~210 on two on a 2-core VM, in 329 / 230 / 408 us
     # on 1 / 4 / 8 threads of the H200's 16-core host (docs/benchmarks.md). A quarter of the
     # cores, at most 4.
-    return xgr.BatchGrammarMatcher(max_threads=max(1, min(4, (os.cpu_count() or 1) // 4)))
+    return xgr.BatchGrammarMatcher(max_threads=max(1, min(4, usable_cpus() // 4)))
 
 
 def advance(states: list[tuple[GrammarState, list[int]]]) -> list[int]:
@@ -182,6 +182,14 @@ def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
     _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; a container's cgroup limit may be less)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 class BitmaskFill:
     """One fill handed to a BitmaskFiller; ``wait()`` returns once the bitmask is written."""
 
@@ -189,15 +197,21 @@ class BitmaskFill:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._restore = restore_switch_interval
+        self._restore_lock = threading.Lock()
+
+    def restore_switch_interval(self) -> None:
+        """Put the interpreter's switch interval back (once, from whichever thread comes first)."""
+        with self._restore_lock:
+            restore, self._restore = self._restore, None
+        if restore is not None:
+            sys.setswitchinterval(restore)
 
     def wait(self, timeout_s: float) -> None:
         try:
             if not self._done.wait(timeout_s):
                 raise TimeoutError(f"grammar bitmask fill not done within {timeout_s:g} s")
         finally:
-            if self._restore is not None:
-                sys.setswitchinterval(self._restore)
-                self._restore = None
+            self.restore_switch_interval()  # the filler did already, unless the fill never ended
         if self._error is not None:
             raise self._error
 
@@ -208,10 +222,11 @@ class BitmaskFiller:
 
     xgrammar's batched fill lets go of the GIL. The hand-offs still need it: the woken thread
     must take the GIL to start the fill and to report it done, while the engine thread runs
-    plain Python that keeps it for the interpreter's switch interval (5 ms). For the length of a
-    fill the interval is lowered to ``switch_interval_s`` (restored by ``wait()``), so each
-    hand-off waits tens of microseconds, not milliseconds. Worth it with cores to spare: the
-    model runner uses one on CUDA hosts of 4 cores or more (docs/benchmarks.md).
+    plain Python that keeps it for the interpreter's switch interval (5 ms). From the submit to
+    the fill's end the interval is lowered to ``switch_interval_s`` (the filler thread puts it
+    back as soon as the fill is written), so each hand-off waits tens of microseconds, not
+    milliseconds. Worth it with cores to spare: the model runner uses one on CUDA hosts of 4
+    usable cores or more, under asynchronous scheduling (docs/benchmarks.md).
     """
 
     def __init__(self, switch_interval_s: float = 5e-5) -> None:
@@ -237,11 +252,14 @@ class BitmaskFiller:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             states, bitmask, fill = job
+            del job
             try:
                 fill_bitmask(states, bitmask)
             except BaseException as e:  # handed to the engine thread by wait()
                 fill._error = e
+            fill.restore_switch_interval()
             fill._done.set()
+            del states, bitmask, fill  # hold no buffer or matcher while idle
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 
@@ -243,8 +242,8 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
     tiny_models, make_llm, monkeypatch
 ) -> None:
     """The fill on the ``pdserve-grammar`` thread (used on CUDA hosts with cores to spare, forced
-    here on the CPU): the same tokens as filling inline; each fill is started before the previous
-    step's deltas are built and waited for after; the switch interval is restored."""
+    here on the CPU): the same tokens as filling inline; each fill is submitted before the
+    previous step's deltas are built and waited for after them; the switch interval is restored."""
     import sys
     import threading
 
@@ -260,6 +259,8 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
         order: list[str] = []
         fill = structured.fill_bitmask
         process = llm_engine.LLMEngine._process
+        submit = structured.BitmaskFiller.submit
+        wait = structured.BitmaskFill.wait
 
         def spy_fill(states, bitmask, _fill=fill, _order=order):
             _order.append(f"fill:{threading.current_thread().name}")
@@ -269,23 +270,33 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
             _order.append("process")
             return _process(self, *a)
 
+        def spy_submit(self, *a, _submit=submit, _order=order):
+            _order.append("submit")
+            return _submit(self, *a)
+
+        def spy_wait(self, *a, _wait=wait, _order=order):
+            _order.append("wait")
+            return _wait(self, *a)
+
         monkeypatch.setattr(structured, "fill_bitmask", spy_fill)  # the filler thread's
         monkeypatch.setattr(model_runner, "fill_bitmask", spy_fill)  # inline
         monkeypatch.setattr(llm_engine.LLMEngine, "_process", spy_process)
+        monkeypatch.setattr(structured.BitmaskFiller, "submit", spy_submit)
+        monkeypatch.setattr(structured.BitmaskFill, "wait", spy_wait)
         got[use] = [(o.token_ids, o.text) for o in llm.generate(["Say"] * len(rows), params)]
         fills = [e for e in order if e.startswith("fill:")]
         assert fills, order
         if use:
             # inline only where nothing comes between (the first step: no step before it)
             assert fills.count("fill:pdserve-grammar") >= 10 and fills.count("fill:MainThread") <= 2, fills
-            # started while the step before was still unprocessed: a fill then its step's processing
-            assert sum(a.startswith("fill:") and b == "process" for a, b in itertools.pairwise(order)) >= 10
-            assert llm.engine.runner._filler is not None
+            # every submit: then the previous step's processing, then the wait (the overlap)
+            calls = [e for e in order if e in ("submit", "process", "wait")]
+            starts = [i for i, e in enumerate(calls) if e == "submit"]
+            assert len(starts) >= 10
+            for i in starts:
+                assert calls[i + 1 : i + 3] == ["process", "wait"], calls[i : i + 3]
         else:
-            assert (
-                "pdserve-grammar" not in {t.name for t in threading.enumerate()}
-                or llm.engine.runner._filler is None
-            )
+            assert "submit" not in order and llm.engine.runner._filler is None
         assert sys.getswitchinterval() == interval
         llm.engine.close()
         assert llm.engine.runner._filler is None
@@ -293,6 +304,66 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
     assert got[True] == got[False]
     for (kind, _), (_, text) in zip(rows, got[True], strict=True):
         assert kind is None or _valid(kind, text), (kind, text)
+
+
+def test_a_fill_that_fails_mid_run_ends_every_request_once_and_holds_nothing(
+    tiny_models, make_llm, monkeypatch, caplog
+) -> None:
+    """The filler's 4th fill raises: that step raises, fail_all() ends the rest with an error,
+    and every request gets exactly one final delta, also one that finished while the failing
+    step was being processed (its delta was built before the failure); no block held, the switch
+    interval back."""
+    import sys
+
+    from pdserve.engine import structured
+
+    llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
+    eng = llm.engine
+    eng.runner._use_filler = True
+    interval = sys.getswitchinterval()
+    calls = {"n": 0}
+    fill = structured.fill_bitmask
+
+    def failing(states, bitmask):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("fill failed")
+        fill(states, bitmask)
+
+    monkeypatch.setattr(structured, "fill_bitmask", failing)
+    for i in range(7):  # one of them finishes at each of the first steps
+        eng.add_request(
+            "Say", SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True), f"free-{i}"
+        )
+    eng.add_request(
+        "Say",
+        SamplingParams(temperature=1.0, seed=0, max_tokens=60, structured=("regex", "[a-c]{40,60}")),
+        "g",
+    )
+    finals: dict[str, list[str | None]] = {}
+    failed = False
+    for _ in range(100):
+        try:
+            deltas = eng.step()
+        except RuntimeError as e:
+            assert "fill failed" in str(e)
+            failed = True
+            with caplog.at_level("ERROR"):
+                deltas = eng.fail_all("engine step failed")
+        for d in deltas:
+            if d.finish_reason is not None:
+                finals.setdefault(d.request_id, []).append(d.finish_reason)
+        if failed or not eng.has_unfinished():
+            break
+    assert failed and calls["n"] == 4
+    # the failed step's sampler never launched: its result() says so (it waited for its fill and
+    # for the device first) instead of passing for a step that sampled nothing
+    assert "sampler was never launched" in caplog.text, caplog.text
+    assert set(finals) == {f"free-{i}" for i in range(7)} | {"g"}, finals
+    assert all(len(v) == 1 for v in finals.values()), finals
+    assert finals["g"] == ["error"]
+    assert not eng.has_unfinished() and eng.kv.pool.num_used_blocks == 0
+    assert sys.getswitchinterval() == interval
 
 
 def test_a_failed_fill_on_the_filler_thread_is_raised_by_wait_and_restores_the_interval() -> None:
