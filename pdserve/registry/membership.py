@@ -7,7 +7,6 @@ heartbeat that gets through (the key may have expired meanwhile).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from pdserve.registry.base import NodeEntry, NodeRegistry, RegistryUnavailableError
@@ -41,18 +40,21 @@ class Membership:
         await self._beat_once()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.replaced:
-            return  # the name belongs to a newer epoch now: leave its entry alone
+        """Stop heartbeating, deregister (unless replaced) and close the registry connection. A
+        cancel of the caller is not swallowed: the connection is closed and the cancel goes on."""
         try:
-            await self.registry.deregister(self.entry)
-            logger.info("deregistered %s (%s at %s, epoch %s)", *self._who())
-        except RegistryUnavailableError as e:
-            logger.warning("deregister failed (the entry expires within one TTL): %s", e)
-        await self.registry.close()
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.wait({self._task})  # the caller's own cancel propagates from here
+            if self.replaced:
+                return  # the name belongs to a newer epoch now: leave its entry alone
+            try:
+                await self.registry.deregister(self.entry)
+                logger.info("deregistered %s (%s at %s, epoch %s)", *self._who())
+            except RegistryUnavailableError as e:
+                logger.warning("deregister failed (the entry expires within one TTL): %s", e)
+        finally:
+            await self.registry.close()
 
     async def _beat(self) -> None:
         while not self.replaced:

@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from pdserve.config.cluster import ClusterConfig
 from pdserve.errors import ConfigError
 from pdserve.registry import NodeEntry, RegistryUnavailableError, registry_for
+from pdserve.registry.base import NodeRegistry
 from pdserve.registry.membership import Membership
 from pdserve.registry.redis_registry import RedisRegistry
 from pdserve.registry.static import StaticRegistry
@@ -134,6 +135,38 @@ async def test_a_cancel_lost_inside_redis_py_still_ends_the_heartbeat_loop(
     await asyncio.wait({node._task}, timeout=2)
     assert node._task.cancelled(), "the heartbeat loop went on after its cancel"
     await reg.close()
+
+
+async def test_a_cancelled_stop_still_closes_the_connection_and_keeps_the_cancel() -> None:
+    """stop()'s caller cancelled while it waits for the heartbeat loop: the cancel reaches the
+    caller (it used to be swallowed there), and the registry connection is closed anyway."""
+    calls: list[str] = []
+
+    class Registry(NodeRegistry):
+        async def list_nodes(self) -> list[NodeEntry]:
+            return []
+
+        async def register(self, entry: NodeEntry) -> None:
+            calls.append("register")
+
+        async def heartbeat(self, entry: NodeEntry) -> bool:
+            calls.append("beat")
+            return True
+
+        async def deregister(self, entry: NodeEntry) -> None:
+            calls.append("deregister")
+
+        async def close(self) -> None:
+            calls.append("close")
+
+    node = Membership(Registry(), entry("decode-0", "a"), heartbeat_s=0.01)
+    await node.start()
+    stopping = asyncio.get_running_loop().create_task(node.stop())
+    await asyncio.sleep(0)  # stop() has cancelled the loop and waits for it
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert calls[-1] == "close" and "deregister" not in calls, calls
 
 
 async def test_draining_entries_leave_rotation_and_strangers_are_ignored(
