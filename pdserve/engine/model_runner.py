@@ -356,10 +356,10 @@ class ModelRunner:
     def _start_grammar_masks(self, job: SampleJob, overlap: bool) -> GrammarMasks:
         """Advance the matchers of ``job``'s grammar rows with their requests' output tokens and
         start filling the live ones' bitmask (one batched call, into pinned memory; on the filler
-        thread when there is one and ``overlap``: other host work comes before the wait). Rows of requests that finished while the step was in flight
-        are skipped (their tokens are dropped)."""
+        thread when there is one and ``overlap``: other host work comes before the wait). Rows
+        of requests that finished while the step was in flight are skipped (their tokens are
+        dropped)."""
         vocab = job.logits.shape[1]
-        grammars = self._grammars
         pairs: list[tuple[GrammarState, list[int]]] = []
         rows: list[int] = []
         for i in job.grammar_rows:
@@ -369,8 +369,7 @@ class ModelRunner:
             # Only this step's own token may be in flight: every earlier one is in the history,
             # so the mask is never built from a stale matcher.
             assert req.num_output_placeholders == 1, (req.request_id, req.num_output_placeholders)
-            state = grammars.get(req.request_id) or self._grammar(req, vocab)
-            pairs.append((state, req.output_token_ids))
+            pairs.append((self._grammar(req, vocab), req.output_token_ids))
             rows.append(i)
         live = advance(pairs)
         if not live:
