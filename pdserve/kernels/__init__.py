@@ -17,7 +17,7 @@ from pdserve.kernels.activation import (
     silu_and_mul_unsupported_reason,
 )
 from pdserve.kernels.argmax import argmax_rows, argmax_unsupported_reason
-from pdserve.kernels.backend import Backend, get_backend, set_backend, use_backend
+from pdserve.kernels.backend import Backend, get_backend, set_backend, use_backend, wants_triton
 from pdserve.kernels.bitmask import apply_token_bitmask_, bitmask_unsupported_reason
 from pdserve.kernels.rmsnorm import (
     MAX_HIDDEN,
@@ -35,8 +35,10 @@ from pdserve.kernels.rotary import (
     apply_rotary,
     apply_rotary_torch,
     rotary_can_run,
+    rotary_cos_sin,
     rotary_cos_sin_cache,
     rotary_unsupported_reason,
+    rotate_qk_torch,
 )
 
 __all__ = [
@@ -57,8 +59,10 @@ __all__ = [
     "rms_norm",
     "rms_norm_torch",
     "rotary_can_run",
+    "rotary_cos_sin",
     "rotary_cos_sin_cache",
     "rotary_unsupported_reason",
+    "rotate_qk_torch",
     "set_backend",
     "silu_and_mul",
     "silu_and_mul_can_run",
@@ -67,4 +71,5 @@ __all__ = [
     "triton_can_run",
     "triton_unsupported_reason",
     "use_backend",
+    "wants_triton",
 ]

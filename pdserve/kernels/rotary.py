@@ -125,8 +125,21 @@ def apply_rotary_torch(
     """The twin: gather cos/sin rows by position, rotate q and k in fp32; new tensors in q.dtype.
     q and k cut from one fused projection are rotated as one tensor (half the small ops that
     bound a CPU decode step; bit-identical: every op is elementwise)."""
+    cos, sin = rotary_cos_sin(positions, cos_sin_cache)
+    return rotate_qk_torch(q, k, cos, sin)
+
+
+def rotary_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin rows of ``positions``, [n, 1, D/2] fp32 each (broadcast over heads): the
+    same for every layer of a step, so a caller may compute them once (models/attention.py)."""
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [n, D/2] fp32 each
-    cos, sin = cos[:, None], sin[:, None]  # [n, 1, D/2]: broadcast over heads
+    return cos[:, None], sin[:, None]
+
+
+def rotate_qk_torch(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_torch`` with the positions' cos and sin already gathered (``rotary_cos_sin``)."""
     qk = _adjacent_heads(q, k)
     if qk is None:
         return _rotate_torch(q, cos, sin), _rotate_torch(k, cos, sin)

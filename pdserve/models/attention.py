@@ -75,6 +75,14 @@ class AttentionMetadata:
     _flash_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     # cuDNN prefill path (cudnn_prefill.py): its split of the step into fresh and other rows.
     _dense_plan: object | None = field(default=None, repr=False)
+    # Torch path, per step like _ctx_index: the new tokens' (block ids, offsets, kept rows) for the
+    # KV store, and (positions, cos_sin_cache, cos, sin) for the rotation (the same in every layer).
+    _store_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, repr=False
+    )
+    _rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -85,6 +93,8 @@ class AttentionMetadata:
         self._ctx_index = None
         self._flash_index = None
         self._dense_plan = None
+        self._store_index = None
+        self._rotary = None
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -144,12 +154,29 @@ def write_kv_cache(
 ) -> None:
     """Store the new tokens' K/V at their slots (slots < 0: padding, skipped). Mutates ``kv_cache``
     (a layer view) in place. Torch path; data-dependent when padding is present (no CUDA graph)."""
+    _write_kv(k, v, kv_cache, _slot_index(slot_mapping, kv_cache.shape[2]))
+
+
+def _slot_index(
+    slot_mapping: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(block ids, offsets) of the non-padding slots, and which rows those are (None: all)."""
+    keep = None
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    block_size = kv_cache.shape[2]
-    block_ids = slot_mapping // block_size  # [num_tokens]
-    offsets = slot_mapping % block_size  # [num_tokens]
+        slot_mapping = slot_mapping[keep]
+    return slot_mapping // block_size, slot_mapping % block_size, keep
+
+
+def _write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> None:
+    block_ids, offsets, keep = index
+    if keep is not None:
+        k, v = k[keep], v[keep]
     # Index the K and V halves separately: each is still a view of the stage cache, so index_put_
     # writes through to it even though the layer view is non-contiguous in dim 0.
     kv_cache[:, 0][block_ids, offsets] = k
@@ -199,8 +226,10 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: At
     """The new tokens' K/V into their slots, by the metadata's attention path."""
     if meta.backend == "triton":
         _triton().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    else:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return
+    if meta._store_index is None:  # once per step: every layer stores to the same slots
+        meta._store_index = _slot_index(meta.slot_mapping, kv_cache.shape[2])
+    _write_kv(k, v, kv_cache, meta._store_index)
 
 
 def rotary_and_store_kv(
@@ -228,7 +257,13 @@ def rotary_and_store_kv(
         return triton_rotary.rotary_store_kv_fwd(
             q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping, k_out
         )
-    q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
+    if kernels.wants_triton(q):
+        q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
+    else:  # the torch twin, its cos / sin gathered once per step
+        rot = meta._rotary
+        if rot is None or rot[0] is not positions or rot[1] is not cos_sin_cache:
+            rot = meta._rotary = (positions, cos_sin_cache, *kernels.rotary_cos_sin(positions, cos_sin_cache))
+        q, k = kernels.rotate_qk_torch(q, k, rot[2], rot[3])
     _store_kv(k, v, kv_cache, meta)
     if k_out is not None:
         k_out.copy_(k)

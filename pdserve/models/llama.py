@@ -31,6 +31,7 @@ from pdserve.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, 
 from pdserve.models import cudnn_prefill
 from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
 from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
+from pdserve.models.linear import Linear
 
 # HF weight name piece -> (our fused parameter piece, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str]] = {
@@ -114,8 +115,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         check_tp_divisible(cfg, tp_size())
         self.intermediate_size = cfg.intermediate_size // tp_size()  # this rank's share
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [n, 2I/tp] -> [n, I/tp] -> [n, hidden] (all-reduced over TP ranks)
@@ -134,8 +135,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         qkv_bias, o_bias = self.bias_flags(cfg)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
     @staticmethod
     def bias_flags(cfg: ModelArchConfig) -> tuple[bool, bool]:
@@ -228,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_last_stage = layer_end == cfg.num_hidden_layers
         self.layer_names = [f"model.layers.{i}.self_attn" for i in range(layer_start, layer_end)]
         self.model = LlamaModel(cfg, layer_start, layer_end, self.decoder_layer_cls)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last_stage else None
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last_stage else None
         self.tie_weights()
 
     def tie_weights(self) -> None:

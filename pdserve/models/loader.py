@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from pdserve.errors import ConfigError
 from pdserve.models.config import ModelArchConfig
+from pdserve.models.linear import prepare_small_gemms
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.registry import get_model_class
 
@@ -56,6 +57,7 @@ def load_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(model_dir, model.needs_weight))
     model.eval().requires_grad_(False)
+    prepare_small_gemms(model)  # CPU half precision: tiny layers' small calls in fp32 (models/linear.py)
     return model, cfg
 
 

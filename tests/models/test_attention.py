@@ -121,3 +121,39 @@ def test_cpu_bf16_decode_matches_reference(monkeypatch: pytest.MonkeyPatch, eage
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, HEAD_DIM**-0.5)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), torch.cat(want), rtol=2e-2, atol=2e-2)
+
+
+def test_the_step_shared_rotation_and_store_index_serve_every_layer_and_are_dropped_on_refill() -> None:
+    """rotary_and_store_kv (torch path) computes the cos / sin rows and the KV slots once per step
+    and reuses them in every layer; a padding slot (< 0) is skipped; refilled() or a new
+    positions tensor makes them be computed again."""
+    from pdserve.kernels import apply_rotary_torch, rotary_cos_sin_cache
+    from pdserve.models.attention import rotary_and_store_kv, write_kv_cache
+
+    gen = torch.Generator().manual_seed(3)
+    meta = build_metadata([2, 1], [6, 3], [[1, 0], [2]], BLOCK_SIZE)
+    meta.slot_mapping[1] = -1  # the first request's second token is padding
+    cache = rotary_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2) / HEAD_DIM), 64)
+    kv = torch.zeros(3, 2, 2, BLOCK_SIZE, 2, HEAD_DIM)  # [blocks, layers, K|V, block, Hkv, D]
+    ref = torch.zeros_like(kv)
+
+    def step(positions: torch.Tensor) -> None:
+        for layer in range(2):
+            qkv = torch.randn(3, 4 + 2 + 2, HEAD_DIM, generator=gen)
+            q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+            q_rot = rotary_and_store_kv(q, k, v, positions, cache, kv[:, layer], meta)
+            q_ref, k_ref = apply_rotary_torch(q, k, positions, cache)
+            write_kv_cache(k_ref, v, ref[:, layer], meta.slot_mapping)
+            assert torch.equal(q_rot, q_ref)
+            assert torch.equal(kv, ref)
+
+    positions = torch.tensor([4, 5, 2])
+    step(positions)
+    assert meta._rotary is not None and meta._rotary[0] is positions and meta._store_index is not None
+    assert int((kv != 0).any(-1).any(-1).sum()) == 2 * 2 * 2  # 2 tokens x K, V x 2 layers
+    step(torch.tensor([3, 9, 1]))  # new positions: new rows
+    meta.slot_mapping[1] = 5  # refilled in place for a new step, padding gone
+    meta.refilled()
+    assert meta._rotary is None and meta._store_index is None
+    step(positions)
+    assert int((kv != 0).any(-1).any(-1).sum()) == 3 * 2 * 2

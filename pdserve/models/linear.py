@@ -1,0 +1,58 @@
+"""``Linear``: ``nn.Linear`` with a CPU route for tiny half-precision GEMMs.
+
+On the CPU a bf16 (or fp16) ``F.linear`` goes through oneDNN, whose per-call cost dwarfs the
+arithmetic of a small layer: 1 x 128 x 384 takes ~20 us in bf16 and ~7 us in fp32 on the
+project's CI host, and inside a decode step (other ops between the GEMMs) ~55 us against ~19.
+For weights up to ``SMALL_GEMM_MAX_WEIGHT`` elements, ``prepare_small_gemms`` keeps an fp32
+copy (at most 256 KiB each), and calls of up to ``SMALL_GEMM_MAX_ROWS`` rows compute in fp32
+from it and round once to the input's dtype. Larger layers, larger calls, fp32 models and every
+other device keep the plain path: there the fp32 route is slower (at one row 128 x 384 takes
+20 -> 9 us, 1,024 x 3,072 330 -> 407 us: memory-bound; at 64 rows 128 x 384 48 -> 79 us) and
+its copy costs memory (docs/benchmarks.md, tenth session).
+
+Numerics: the products of bf16 values are exact in fp32 and the sum is fp32, as in oneDNN's
+bf16 kernel; only the order of the additions differs, so a result can differ from the oneDNN
+one by one bf16 rounding step. The CPU bf16 path is not token-identical to ``transformers``'
+bf16 path either way (a random tiny model parts from it within 10 tokens; fp32 is the
+reference the tests hold to).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
+SMALL_GEMM_MAX_ROWS = 16  # past it the fp32 route loses (1 x 128 x 384 at 64 rows: 48 -> 79 us)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) plus the small-GEMM route once prepared."""
+
+    weight_fp32: torch.Tensor | None = None
+    bias_fp32: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight_fp32
+        if w is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            return F.linear(x.float(), w, self.bias_fp32).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def small_gemm_eligible(weight: torch.Tensor) -> bool:
+    """Whether a layer with this weight takes the fp32 route for small calls."""
+    return weight.device.type == "cpu" and weight.dtype in _HALF and weight.numel() <= SMALL_GEMM_MAX_WEIGHT
+
+
+def prepare_small_gemms(model: nn.Module) -> int:
+    """Give every eligible ``Linear`` of ``model`` its fp32 copy (call once the weights are
+    loaded; a later change to a weight is not seen). Returns how many layers got one."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and small_gemm_eligible(m.weight):
+            m.weight_fp32 = m.weight.detach().float()
+            m.bias_fp32 = None if m.bias is None else m.bias.detach().float()
+            n += 1
+    return n
