@@ -371,10 +371,12 @@ class ModelRunner:
             assert req.num_output_placeholders == 1, (req.request_id, req.num_output_placeholders)
             pairs.append((self._grammar(req, vocab), req.output_token_ids))
             rows.append(i)
-        live = advance(pairs)
-        if not live:
+        if not pairs:
             return GrammarMasks([], None, None)
         assert self._grammar_compiler is not None  # made by the first _grammar() call above
+        live = advance(pairs, self._grammar_compiler.stop_ids)
+        if not live:
+            return GrammarMasks([], None, None)
         # The bitmask covers the tokenizer's ids (GrammarCompiler.mask_vocab); the mask kernel
         # bans every logits column past it (the LM head's padding rows).
         host = self.staging.host_empty((len(live), self._grammar_compiler.mask_words), torch.int32)

@@ -385,3 +385,64 @@ def test_a_failed_fill_on_the_filler_thread_is_raised_by_wait_and_restores_the_i
     finally:
         filler.close()
     assert not filler._thread.is_alive()
+
+
+def test_advance_ends_a_matcher_on_its_stop_token_or_a_rejected_token_and_keeps_the_rest_live(
+    tiny_models,
+) -> None:
+    """advance() in its batched path: a row that accepted a stop token at the grammar's end is
+    done, one whose token was rejected has failed, the others stay live (rows in input order)."""
+    from pdserve.engine.structured import GrammarCompiler, advance
+    from pdserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_models["llama"])
+    compiler = GrammarCompiler(tok, len(tok))
+    assert compiler.stop_ids and tok.eos_token_id in compiler.stop_ids
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    stop = next(iter(compiler.stop_ids))
+    states = [compiler.matcher("regex", "ab") for _ in range(4)]
+    outs: list[list[int]] = [[a], [a], [a], [a]]
+    assert advance(list(zip(states, outs, strict=True)), compiler.stop_ids) == [0, 1, 2, 3]
+    outs[0].append(b)  # live: the grammar may end here, but it has not
+    outs[1].append(a)  # rejected
+    outs[2].append(b)
+    outs[3].append(b)
+    assert advance(list(zip(states, outs, strict=True)), compiler.stop_ids) == [0, 2, 3]
+    assert states[1].failed and states[1].done and not states[0].done
+    outs[0].append(stop)  # accepted at the end: terminated
+    outs[2].append(stop)
+    outs[3].append(a)  # past the end: rejected
+    assert advance(list(zip(states, outs, strict=True)), compiler.stop_ids) == []
+    assert states[0].matcher.is_terminated() and states[0].done and not states[0].failed
+    assert (
+        states[2].done
+        and states[3].failed
+        and all(s.num_accepted == len(o) for s, o in zip(states, outs, strict=True))
+    )
+    # a matcher that falls behind (two new tokens) is caught up token by token
+    late = compiler.matcher("regex", "ab")
+    assert advance([(late, [a, b])], compiler.stop_ids) == [0] and late.num_accepted == 2
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_batched_accept_reports_rejections_with_and_without_xgrammar_internals(
+    tiny_models, monkeypatch, native: bool
+) -> None:
+    """_batch_accept: None when all were accepted, else one flag per row; the same through
+    xgrammar's native module and through its public API (the fallback)."""
+    from pdserve.engine import structured
+    from pdserve.models.loader import load_tokenizer
+
+    if native:
+        assert structured._xgrammar_core() is not None  # the pinned xgrammar has it
+    else:
+        monkeypatch.setattr(structured, "_xgrammar_core", lambda: None)
+    tok = load_tokenizer(tiny_models["llama"])
+    compiler = structured.GrammarCompiler(tok, len(tok))
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    ms = [compiler.matcher("regex", "a+b").matcher for _ in range(3)]
+    assert structured._batch_accept(ms, [a, a, a]) is None
+    assert structured._batch_accept(ms, [b, a, b]) is None
+    assert structured._batch_accept(ms, [a, b, a]) == [False, True, False]  # "ab" ended "a+b"
+    ms.append(compiler.matcher("regex", "a+b").matcher)
+    assert structured._batch_accept(ms, [a, a, b, b]) == [False, False, False, False]  # all ended / b first
