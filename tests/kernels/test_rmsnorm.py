@@ -256,3 +256,20 @@ def test_cuda_size_sweep(kernel, dtype):
                 for act in ("silu", "sigmoid"):
                     out = gated_rms_norm(x, y, w, EPS, act, before)
                     _close(out, gated_rms_norm_torch(x, y, w, EPS, act, before))
+
+
+@pytest.mark.parametrize("hidden", [64, 128, 576, 2048, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpu_fused_norm_equals_the_formula_bit_for_bit(hidden: int, dtype: torch.dtype) -> None:
+    """The CPU twin takes torch's fused kernel when there is one: the same bits as the op-by-op
+    formula (which the fp32 path's token identity with transformers rests on)."""
+    from pdserve.kernels import rmsnorm
+
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(67, hidden, generator=gen) * 3).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    if rmsnorm._FUSED_RMS_NORM is None:
+        pytest.skip("this torch has no _fused_rms_norm")
+    got = rmsnorm.rms_norm_torch(x, w, 1e-6)
+    assert torch.equal(got, rmsnorm.rms_norm_formula(x, w, 1e-6))
+    assert torch.equal(rmsnorm.rms_norm_torch(x[:1], w, 1e-5), rmsnorm.rms_norm_formula(x[:1], w, 1e-5))
