@@ -319,6 +319,10 @@ def attend_cached(
     assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
 
     batch = meta.batch_size
+    if batch == 1 and q.dtype in _HALF and q.device.type == "cpu" and not meta.static_bounds:
+        out = _one_request_attention(q, kv_cache, meta, scale)
+        if out is not None:
+            return out
     key, value, key_valid = _gather_context(kv_cache, meta)
 
     if meta.max_query_len == 1:
@@ -349,6 +353,42 @@ def attend_cached(
 
 # CPU bf16 decode: below this many (request, KV head) pairs SDPA's kernel is as fast or faster
 EAGER_BF16_MIN_ROWS = 8
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _one_request_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor | None:
+    """A step of one request on the CPU in half precision, when it is a decode step that would
+    take SDPA anyway (fewer KV heads than ``EAGER_BF16_MIN_ROWS``) or a fresh prompt: its keys
+    cut to its length instead of masked, a fresh prompt as one causal call, so none of the
+    general path's padding and mask building (a 48-token prompt of the tiny bench model: ~150 µs
+    a layer less; docs/benchmarks.md, tenth session). Returns None for any other step (a chunk
+    after cached context): the general path takes it. The same attention as the general path,
+    but not always the same bits: SDPA's kernel splits a shorter key run differently (the bench
+    model's greedy tokens part at token 74 of 128). fp32 keeps the general path, the one the
+    token-identity tests hold; the CPU half-precision path is not token-identical to
+    ``transformers`` either way."""
+    q_len, seq_len = meta.query_lens_cpu[0], meta.seq_lens_cpu[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    if not (q_len == 1 and num_kv_heads < EAGER_BF16_MIN_ROWS) and q_len != seq_len:
+        return None
+    key, value, _ = _gather_context(kv_cache, meta)  # [1, Hkv, S >= seq_len, D]
+    key, value = key[:, :, :seq_len], value[:, :, :seq_len]
+    if q_len == 1:
+        q_grouped = q.reshape(1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [1, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q_grouped, key, value, scale=scale)
+        return out.reshape(1, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, L, D]
+        key,
+        value,
+        is_causal=True,  # L queries over L keys: query i sees keys 0..i
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[0].transpose(0, 1)  # [L, H, D]
 
 
 def _decode_attention(

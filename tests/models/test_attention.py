@@ -157,3 +157,41 @@ def test_the_step_shared_rotation_and_store_index_serve_every_layer_and_are_drop
     assert meta._rotary is None and meta._store_index is None
     step(positions)
     assert int((kv != 0).any(-1).any(-1).sum()) == 3 * 2 * 2
+
+
+@pytest.mark.parametrize(("query_len", "seq_len", "taken"), [(1, 37, True), (29, 29, True), (5, 23, False)])
+@pytest.mark.parametrize("num_kv_heads", [2, 8])
+def test_one_request_in_half_precision_takes_the_short_path_with_the_same_attention(
+    monkeypatch: pytest.MonkeyPatch, query_len: int, seq_len: int, taken: bool, num_kv_heads: int
+) -> None:
+    """CPU bf16, one request: a fresh prompt, and a decode step of few KV heads, take
+    _one_request_attention (keys cut to the request's length, one causal call); a chunk after
+    cached context and a decode of many KV heads (the eager form) do not. Same attention as the
+    general path within bf16 rounding."""
+    from pdserve.models import attention as at
+
+    gen = torch.Generator().manual_seed(seq_len)
+    num_heads = 2 * num_kv_heads
+    table = [2, 0, 5, 1, 3, 4, 6, 7, 8, 9][: -(-seq_len // BLOCK_SIZE)]
+    cache = torch.randn(10, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    q = torch.randn(query_len, num_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    calls: list[bool] = []
+    short = at._one_request_attention
+
+    def spy(*a: object) -> torch.Tensor | None:
+        out = short(*a)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(at, "_one_request_attention", spy)
+    got = at.attend_cached(q, cache, build_metadata([query_len], [seq_len], [table], BLOCK_SIZE), 0.125)
+    assert calls == [taken and (query_len > 1 or num_kv_heads < at.EAGER_BF16_MIN_ROWS)]
+    monkeypatch.setattr(at, "_one_request_attention", lambda *a: None)
+    want = at.attend_cached(q, cache, build_metadata([query_len], [seq_len], [table], BLOCK_SIZE), 0.125)
+    assert got.shape == want.shape == (query_len, num_heads, HEAD_DIM)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
+    ctx = cache[torch.tensor(table)].float()  # [nb, 2, block, Hkv, D], the request's blocks in order
+    k_ctx = ctx[:, 0].reshape(-1, num_kv_heads, HEAD_DIM)[:seq_len]
+    v_ctx = ctx[:, 1].reshape(-1, num_kv_heads, HEAD_DIM)[:seq_len]
+    ref = _reference(q.float(), k_ctx, v_ctx, 0.125)  # naive fp32, from the same bf16 inputs
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
