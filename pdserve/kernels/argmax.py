@@ -2,7 +2,11 @@
 
     argmax_rows(x)  ==  x.argmax(dim=-1)        x [rows, vocab] -> int64 [rows], ties -> lowest index
 
-The twin is torch's argmax (the CPU path and the reference). The Triton kernel
+The twin is torch's argmax (the reference, and the path on devices without Triton). On CPU
+tensors numpy's argmax runs instead: torch's CPU argmax is not vectorized, ~10x slower in fp32
+and ~30x in bf16 (16 x 4,096 logits: 60 / 240 us against 5 / 14 us with the bf16 -> fp32 cast,
+which is exact; docs/benchmarks.md, eleventh session). Same answer: the first maximum, the first
+NaN in a row holding one. The Triton kernel
 (``triton_argmax``) spreads each row over many programs; torch gives a row to one block, about
 40 us for a 128k vocabulary on an H200 at batch 1 and 64. Which one runs follows the backend
 setting (``pdserve.kernels.backend``) and ``argmax_unsupported_reason``; an unsupported case on
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from pdserve.errors import UnsupportedError
@@ -44,10 +49,24 @@ def _triton() -> ModuleType:
     return _triton_impl
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+_UPCAST_DTYPES = (torch.bfloat16, torch.float16)  # to fp32 exactly
+
+
+def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a CPU tensor through numpy (same index; see the module docstring)."""
+    if x.dim() != 2 or 0 in x.shape or x.dtype not in _NUMPY_DTYPES + _UPCAST_DTYPES:
+        return x.argmax(dim=-1)
+    a = x.detach()
+    if a.dtype in _UPCAST_DTYPES:
+        a = a.float()
+    return torch.from_numpy(np.argmax(a.numpy(), axis=-1).astype(np.int64, copy=False))
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """[rows, n] -> int64 [rows], the index of each row's first maximum; two launches on CUDA."""
     if not wants_triton(x):
-        return x.argmax(dim=-1)
+        return argmax_cpu(x) if x.device.type == "cpu" else x.argmax(dim=-1)
     reason = argmax_unsupported_reason(x)
     if reason is not None:
         raise UnsupportedError(

@@ -53,7 +53,6 @@ def bitmask_unsupported_reason(
 
 
 _BANNED_BITS: dict[torch.device, torch.Tensor] = {}
-_NEG_INF = torch.tensor(float("-inf"))  # 0-dim: where() takes it as a scalar of the logits' dtype
 
 
 def _banned_bits(device: torch.device) -> torch.Tensor:
@@ -65,32 +64,90 @@ def _banned_bits(device: torch.device) -> torch.Tensor:
     return t
 
 
+# dtype -> bit patterns of (-inf, +inf) in a numpy integer type of the dtype's width
+_INF_BITS: dict[torch.dtype, tuple[type, int, int]] = {
+    torch.float32: (np.int32, -0x00800000, 0x7F800000),  # 0xFF800000 as int32
+    torch.bfloat16: (np.int16, -0x0080, 0x7F80),  # 0xFF80
+    torch.float16: (np.int16, -0x0400, 0x7C00),  # 0xFC00
+}
+_PENALTY: dict[torch.dtype, np.ndarray] = {}
+
+
+def _penalty_table(dtype: torch.dtype) -> np.ndarray | None:
+    """[256, 8] bit patterns: entry [b, j] is +inf if bit j of byte value b is 1 (allowed), else -inf."""
+    table = _PENALTY.get(dtype)
+    if table is None and dtype in _INF_BITS:
+        itype, neg, pos = _INF_BITS[dtype]
+        bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
+        table = _PENALTY[dtype] = np.where(bits == 1, pos, neg).astype(itype)
+    return table
+
+
+def _banned_np(bitmask: torch.Tensor) -> np.ndarray:
+    """[k, W] int32 CPU bitmask -> [k, 32 W] uint8, 1 = banned (bit j of byte b is token 8 b + j,
+    little-endian): numpy unpacks the bits in one call (~6 us for 16 x 4,096 tokens, where a
+    torch gather of a byte -> bits table takes ~100)."""
+    return np.unpackbits(np.invert(bitmask.numpy().view(np.uint8)), axis=-1, bitorder="little")
+
+
+def _mask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    """The CPU path of ``apply_token_bitmask_``: one vectorised ``torch.minimum`` of the logits
+    with a penalty of +inf (allowed) / -inf (banned) in the logits' dtype, built with one
+    ``np.take`` of a byte -> 8 penalties table (bit j of byte b is token 8 b + j on a
+    little-endian host). The penalty covers the columns past the bitmask (-inf) and, when
+    ``rows`` names the constrained rows, every row (+inf in the others), so there is no gather
+    or scatter of logits rows. 16 x 4,096 logits in ~25-35 us, where unpacking the bits and a
+    boolean ``where`` took ~80-250, and the gather / tail fill / scatter around it as much again
+    (docs/benchmarks.md, eleventh session). False when this case is not one it takes.
+
+    A NaN logit of a banned token stays NaN here (minimum propagates NaN; ``masked_fill_``
+    makes it -inf). NaN logits are a broken model either way."""
+    table = _penalty_table(logits.dtype)
+    if table is None or sys.byteorder != "little" or logits.stride(1) != 1:
+        return False
+    itype, neg, pos = _INF_BITS[logits.dtype]
+    k, vocab = bitmask.shape[0], logits.shape[1]
+    n = min(vocab, 32 * bitmask.shape[1])
+    allowed = np.take(table, bitmask.numpy().view(np.uint8), axis=0).reshape(k, -1)  # [k, 32 W]
+    if rows is None:
+        target = logits[:k]
+        if n == vocab:
+            pen = allowed[:, :n]
+        else:
+            pen = np.empty((k, vocab), itype)
+            pen[:, :n] = allowed[:, :n]
+            pen[:, n:] = neg
+    else:
+        target = logits
+        pen = np.full(tuple(logits.shape), pos, itype)
+        at = rows.numpy()
+        pen[at, :n] = allowed[:, :n]
+        pen[at, n:] = neg
+    torch.minimum(target, torch.from_numpy(pen).view(logits.dtype), out=target)
+    return True
+
+
 def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     k, vocab = bitmask.shape[0], logits.shape[1]
     if k == 0:
         return
-    if sys.byteorder == "little" and bitmask.device.type == "cpu" and bitmask.is_contiguous():
-        # numpy unpacks the bits in one call (~6 us for 16 x 4,096 tokens, where the gather below
-        # takes ~100: docs/benchmarks.md); bit j of byte b is token 8 b + j, little-endian.
-        bits = np.unpackbits(np.invert(bitmask.numpy().view(np.uint8)), axis=-1, bitorder="little")
-        banned = torch.from_numpy(bits.view(np.bool_))  # [k, 32 W], True = banned
+    bitmask = bitmask.contiguous()  # the byte views below need it (a no-op for xgrammar's rows)
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu" and _mask_cpu_(logits, bitmask, rows):
+        return
+    n = min(vocab, 32 * bitmask.shape[1])
+    target = logits[:k] if rows is None else logits.index_select(0, rows)  # [k, V]
+    head = target[:, :n]
+    if sys.byteorder == "little" and bitmask.device.type == "cpu":
+        banned = torch.from_numpy(_banned_np(bitmask).view(np.bool_))  # [k, 32 W], True = banned
     elif sys.byteorder == "little":
         # One gather of a byte -> 8 bits table: about half the time of shifting every word by
-        # 0..31 and comparing on the CPU (16 x 4,096 logits: ~50 against ~110 us). Byte b of word
-        # w holds tokens 32 w + 8 b .. + 7 on a little-endian host.
+        # 0..31 and comparing. Byte b of word w holds tokens 32 w + 8 b .. + 7 on a little-endian
+        # host.
         banned = _banned_bits(bitmask.device)[bitmask.view(torch.uint8).long()].view(k, -1)
     else:
         shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
         banned = (((bitmask.unsqueeze(-1) >> shifts) & 1) == 0).view(k, -1)  # [k, 32 W]
-    n = min(vocab, banned.shape[1])
-    target = logits[:k] if rows is None else logits.index_select(0, rows)  # [k, V]
-    head = target[:, :n]
-    if head.device.type == "cpu":
-        # where() written into the logits: half of masked_fill_'s time on the CPU (16 x 4,096
-        # fp32: 69 against 144 us; docs/benchmarks.md, tenth session)
-        torch.where(banned[:, :n], _NEG_INF, head, out=head)
-    else:
-        head.masked_fill_(banned[:, :n], float("-inf"))
+    head.masked_fill_(banned[:, :n].to(head.device), float("-inf"))
     if n < vocab:  # past the bitmask: banned
         target[:, n:] = float("-inf")
     if rows is not None:

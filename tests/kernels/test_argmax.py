@@ -51,3 +51,25 @@ def test_dispatch(device) -> None:
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     with kernels.use_backend("triton"), pytest.raises(UnsupportedError, match="must be"):
         argmax_rows(torch.randn(2, 3, 4, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_cpu_argmax_gives_torchs_index_with_ties_nan_inf_and_strides(dtype) -> None:
+    """The CPU path (numpy, bf16 / fp16 cast to fp32 first) returns torch.argmax's index: the
+    first maximum, the first NaN, 0 for a row of -inf; strided and empty inputs too."""
+    from pdserve.kernels.argmax import argmax_cpu
+
+    torch.manual_seed(1)
+    x = torch.randn(7, 4096).to(dtype)
+    x[1, [10, 3000]] = 100.0  # a tie: the lower index
+    x[2, [50, 9]] = float("nan")  # the first NaN wins over everything
+    x[3] = float("-inf")
+    x[4, 4095] = float("inf")
+    x[5] = x[5].round()  # many ties after rounding (bf16 / fp16 have few values near 0)
+    want = x.argmax(dim=-1)
+    got = argmax_cpu(x)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got[1] == 10 and got[2] == 9 and got[3] == 0 and got[4] == 4095
+    assert torch.equal(argmax_rows(x), want)  # what the engine calls on CPU
+    assert torch.equal(argmax_cpu(x[::2, 1:]), x[::2, 1:].argmax(dim=-1))
+    assert argmax_cpu(torch.empty(0, 5, dtype=dtype)).shape == (0,)

@@ -88,3 +88,51 @@ def test_a_bitmask_narrower_than_the_vocabulary_bans_the_rest(force_triton, devi
             apply_token_bitmask_torch(x, bitmask.to(device), idx)
         assert torch.equal(x.cpu(), want), impl
         assert torch.isinf(x[0, covered:]).all() and torch.equal(x[1].cpu(), logits[1]), impl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, [3, 0]])
+def test_the_cpu_penalty_mask_equals_the_reference_and_the_boolean_fallback(monkeypatch, dtype, rows) -> None:
+    """The CPU path (a +inf / -inf penalty built from the bits, one torch.minimum) bans exactly
+    the 0 bits, keeps every allowed value (also +inf / -inf logits) bit for bit, and agrees with
+    the boolean path other devices take; a non-contiguous bitmask works too."""
+    from pdserve.kernels import bitmask as bitmask_module
+
+    torch.manual_seed(7)
+    vocab = 4096 + 40  # the bitmask covers 4,064 tokens: the rest is banned
+    logits = torch.randn(4, vocab).to(dtype)
+    logits[0, 5] = float("inf")
+    logits[0, 6] = float("-inf")
+    k = 2 if rows is not None else 4
+    allowed = torch.rand(k, 4064) < 0.4
+    allowed[0, 5] = allowed[0, 6] = True
+    full = torch.zeros(k, vocab, dtype=torch.bool)
+    full[:, :4064] = allowed
+    want = _reference(logits, full, rows if rows is not None else list(range(k)))
+    bitmask = _pack(allowed)
+    idx = torch.tensor(rows) if rows is not None else None
+    fast = logits.clone()
+    apply_token_bitmask_torch(fast, bitmask, idx)
+    assert torch.equal(fast, want)
+    strided = torch.zeros(k, 2 * bitmask.shape[1], dtype=torch.int32)[:, ::2]
+    strided.copy_(bitmask)
+    assert not strided.is_contiguous()
+    again = logits.clone()
+    apply_token_bitmask_torch(again, strided, idx)
+    assert torch.equal(again, want)
+    monkeypatch.setattr(bitmask_module, "_mask_cpu_", lambda logits, bitmask, rows: False)
+    slow = logits.clone()
+    apply_token_bitmask_torch(slow, bitmask, idx)
+    assert torch.equal(slow, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_penalty_mask_with_a_bitmask_wider_than_the_vocabulary(dtype) -> None:
+    """32 W > V (the last word's high bits are past the vocabulary): the penalty is cut to V."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 37).to(dtype)
+    allowed = torch.rand(3, 64) < 0.5
+    want = _reference(logits, allowed[:, :37], [0, 1, 2])
+    got = logits.clone()
+    apply_token_bitmask_torch(got, _pack(allowed), None)
+    assert torch.equal(got, want)
