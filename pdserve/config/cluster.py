@@ -198,6 +198,9 @@ class NodeConfig(_Frozen):
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
     step_timeout_s: float = Field(default=300.0, gt=0)  # a device step taking longer fails its requests
+    # torch's intra-op CPU threads per engine process (see EngineConfig.cpu_threads); None: half
+    # the usable cores on a CPU device, torch's default elsewhere
+    cpu_threads: int | None = Field(default=None, ge=1)
     # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
     drain_timeout_s: float = Field(default=30.0, gt=0)

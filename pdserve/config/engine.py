@@ -5,6 +5,7 @@ Sizes found at run time (how many KV blocks fit) live in :class:`CacheSizes`, no
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -103,6 +104,13 @@ class EngineConfig:
     # Longest a step's device work may take before the engine gives up on it (a hung kernel or
     # device then fails the requests with an error instead of blocking the node forever).
     step_timeout_s: float = 300.0
+    # torch's intra-op CPU threads in each of the engine's processes. None: on a CPU device half
+    # the host's usable cores (at least one), split between the engine's processes (TP ranks,
+    # pipeline stages), leaving the rest to the node's other processes (front end, router,
+    # clients): on a 2-core host one thread made the tiny model's engine 10-15% faster than two
+    # (docs/benchmarks.md, eleventh session); on other devices torch's default. A number: that
+    # many threads in each of the engine's processes, on any device.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -111,6 +119,25 @@ class EngineConfig:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1 (or unset for auto), got {self.cpu_threads}")
+
+    def intra_op_threads(self, cpu_device: bool, processes: int = 1) -> int | None:
+        """torch's intra-op threads for one of the engine's ``processes`` (``cpu_threads``);
+        None: leave torch's default (auto on a device other than the CPU)."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        if not cpu_device:
+            return None
+        return max(1, usable_cpus() // (2 * processes))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; a container's cgroup limit may be less)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

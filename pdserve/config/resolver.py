@@ -152,6 +152,7 @@ class ResolvedNode:
             enforce_eager=n.enforce_eager,
             async_scheduling=n.async_scheduling,
             step_timeout_s=n.step_timeout_s,
+            cpu_threads=n.cpu_threads,
             cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=n.max_num_seqs,

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.tp_worker import NCCL_ENV, tp_backend
-from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
+from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput, set_intra_op_threads
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.backend import TransferBackend, TransferError
@@ -345,8 +345,7 @@ def stage_main(
     world = len(ranges)
     kv_backend: TransferBackend | None = None
     last = rank == world - 1
-    if backend == "gloo":  # CPU stages share the host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    set_intra_op_threads(config, world)  # CPU stages share the host's cores
     try:
         dist.init_process_group(
             backend,

@@ -142,10 +142,10 @@ def worker_main(
 ) -> None:
     """TP rank ``rank``: build the same engine, then replay rank 0's calls until "close"."""
     from pdserve.engine.llm_engine import LLMEngine  # the engine imports this module
+    from pdserve.engine.model_runner import set_intra_op_threads
 
     world = config.parallel.tensor_parallel_size
-    if backend == "gloo":  # CPU ranks share the host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    set_intra_op_threads(config, world)  # CPU ranks share the host's cores
     try:
         init_tp(world, rank, init_method, backend, timeout_s)
         engine = LLMEngine(config, load_tokenizer_=load_tokenizer_, tp_rank=rank)

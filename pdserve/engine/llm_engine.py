@@ -42,7 +42,7 @@ from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.mm_inputs import check_mm_items
-from pdserve.engine.model_runner import ModelRunner, PendingStep
+from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.request import FINISH_REASON, MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -95,6 +95,8 @@ class LLMEngine:
         self.config = config
         self._tp_group: TPWorkerGroup | None = None
         tp = config.parallel.tensor_parallel_size
+        if tp_rank == 0:  # TP workers and pipeline stages set their own (tp_worker, pp_stage)
+            set_intra_op_threads(config, tp * config.parallel.pipeline_parallel_size)
         if tp > 1:
             if on_hold_for_transfer is not None:
                 raise UnsupportedError(

@@ -54,6 +54,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
+def set_intra_op_threads(config: EngineConfig, processes: int = 1) -> None:
+    """Apply ``config.cpu_threads`` (auto: see ``EngineConfig.intra_op_threads``) to this
+    process, one of the engine's ``processes`` on the host."""
+    n = config.intra_op_threads(resolve_device(config.device).type == "cpu", processes)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+
+
 def resolve_device(device: str) -> torch.device:
     """The device of this process; TP rank r on CUDA takes GPU r (``cuda:N``: GPU N + r)."""
     if device == "auto":

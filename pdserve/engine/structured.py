@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import queue
 import sys
 import threading
@@ -26,6 +25,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.config.engine import usable_cpus
 from pdserve.errors import InvalidRequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -215,14 +215,6 @@ def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
     """Row i of ``bitmask`` ([len(states), GrammarCompiler.mask_words] int32, host) := state i's
     allowed next tokens; one call."""
     _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask; a container's cgroup limit may be less)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 class BitmaskFill:

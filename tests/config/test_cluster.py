@@ -222,6 +222,7 @@ def test_same_port_on_different_hosts_is_fine() -> None:
         ({"block_size": 12}, "power of two"),
         ({"device": "gpu"}, "device must be"),
         ({"dtype": "fp8"}, "dtype"),
+        ({"cpu_threads": 0}, "cpu_threads"),
     ],
 )
 def test_bad_node_fields(kw: dict[str, Any], needle: str) -> None:
@@ -445,6 +446,7 @@ def test_engine_config_mapping() -> None:
             max_num_seqs=8,
             max_num_batched_tokens=512,
             pp=2,
+            cpu_threads=3,
         )
     )
     r = resolve_node_settings(c, "p0", is_multimodal=_text)
@@ -454,7 +456,27 @@ def test_engine_config_mapping() -> None:
     assert (e.cache.block_size, e.cache.kv_cache_memory_bytes) == (16, 1 << 30)
     assert (e.scheduler.max_num_seqs, e.scheduler.max_num_batched_tokens) == (8, 512)
     assert (e.parallel.pipeline_parallel_size, e.parallel.pipeline_rank) == (2, 1)
+    assert e.cpu_threads == 3
     assert r.served_model_name == "m"
+
+
+def test_cpu_threads_auto_leaves_half_the_cores_and_a_set_value_wins(monkeypatch) -> None:
+    """EngineConfig.cpu_threads: auto is half the usable cores on a CPU device, split between
+    the engine's processes, at least one; torch's default (None) on other devices; a set value
+    is taken as it is on any device; below one is refused naming the value."""
+    from pdserve.config import engine as engine_config
+
+    monkeypatch.setattr(engine_config, "usable_cpus", lambda: 16)
+    auto = EngineConfig(model="/m")
+    assert auto.intra_op_threads(cpu_device=True) == 8
+    assert auto.intra_op_threads(cpu_device=True, processes=2) == 4
+    assert auto.intra_op_threads(cpu_device=True, processes=32) == 1
+    assert auto.intra_op_threads(cpu_device=False) is None
+    assert EngineConfig(model="/m", cpu_threads=3).intra_op_threads(cpu_device=False) == 3
+    monkeypatch.setattr(engine_config, "usable_cpus", lambda: 2)
+    assert auto.intra_op_threads(cpu_device=True) == 1
+    with pytest.raises(ConfigError, match=r"cpu_threads must be >= 1.*got 0"):
+        EngineConfig(model="/m", cpu_threads=0)
 
 
 def test_checkpoint_is_multimodal(tmp_path: Path) -> None:

@@ -142,3 +142,23 @@ def test_prompt_embeds_equal_their_token_ids(async_scheduling, tiny_models, make
             None, SamplingParams(), "nan", prompt_embeds=torch.full((2, table.shape[1]), float("nan"))
         )
     assert not eng.has_unfinished()
+
+
+def test_the_engine_sets_torchs_cpu_threads_from_cpu_threads(tiny_models, make_llm) -> None:
+    """A CPU engine applies ``cpu_threads`` to torch (a set value as it is; auto: half the
+    usable cores, at least one) and still generates."""
+    import torch
+
+    from pdserve.config.engine import usable_cpus
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        llm = make_llm(tiny_models["llama"], device="cpu", cpu_threads=1)
+        assert torch.get_num_threads() == 1
+        out = llm.generate(["Say"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3
+        make_llm(tiny_models["llama"], device="cpu")
+        assert torch.get_num_threads() == max(1, usable_cpus() // 2)
+    finally:
+        torch.set_num_threads(before)
