@@ -32,7 +32,7 @@ from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_logprobs, prompt_logprob_spans
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only
+from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only, draw_
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.structured import (
     BitmaskFill,
@@ -328,7 +328,7 @@ class ModelRunner:
             # sampler draws them, so the stream goes on where that node left it, not from its start.
             skip = torch.empty(vocab_size, device=self.device)
             for _ in range(len(request.output_token_ids)):
-                skip.exponential_(generator=g)
+                draw_(skip, g)
             self._generators[request.request_id] = g
         return g
 

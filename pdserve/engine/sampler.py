@@ -17,6 +17,7 @@ The exponential race draws q ~ Exp(1) per vocabulary entry and takes argmax(prob
 samples exactly from probs. It is computed as argmax(logits - log q): same argmax, no softmax,
 no underflow. A seeded row draws its q with its own generator, V values per step, so its tokens
 depend only on its own logits and seed, never on the other rows of the batch or its position.
+On the CPU the draws are uniform and turned into Exp(1) in one vectorised pass (``draw_``).
 """
 
 from __future__ import annotations
@@ -253,13 +254,29 @@ def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch
     q = torch.empty_like(x)  # [S, V] ~ Exp(1)
     seeded = [(j, i.generator) for j, i in enumerate(inputs) if i.generator is not None]
     if len(seeded) < num_rows:
-        q.exponential_()
+        draw_(q, None)
     for j, gen in seeded:
         assert gen.device.type == device.type, (gen.device, device)
-        q[j].exponential_(generator=gen)
+        draw_(q[j], gen)
+    if device.type == "cpu":
+        q = torch.log1p(q.neg_()).neg_()  # u in [0, 1) -> -log(1 - u) ~ Exp(1), one vectorised pass
     # Exp(1) draws can be exactly 0 (u == 0); keep log finite so a masked -inf stays -inf.
     q.clamp_(min=torch.finfo(torch.float32).tiny)
     return kernels.argmax_rows(x - q.log())
+
+
+def draw_(q: torch.Tensor, generator: torch.Generator | None) -> None:
+    """One step's race draws for ``q``'s rows from ``generator`` (None: torch's default): Exp(1)
+    values on a GPU; on the CPU uniform [0, 1) values that ``_sample`` turns into Exp(1) with
+    one vectorised -log(1 - u), because torch's CPU ``exponential_`` is a scalar loop ~6x the
+    cost of ``uniform_`` (16 x 4,096 draws: ~1.26 ms against ~0.2; docs/benchmarks.md, eleventh
+    session). A seeded request's stream position is the number of draws, so a node that
+    continues another's request (P/D, recompute) skips its earlier draws with this same call
+    (``ModelRunner._generator``)."""
+    if q.device.type == "cpu":
+        q.uniform_(generator=generator)
+    else:
+        q.exponential_(generator=generator)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> None:

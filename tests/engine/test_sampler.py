@@ -72,6 +72,29 @@ def test_temperature_distribution(sampler: Sampler) -> None:
         assert torch.allclose(_frequencies(out.token_ids, 4), expected, atol=0.03), temperature
 
 
+def test_seeded_rows_draw_from_the_distribution_and_one_seed_one_stream(sampler: Sampler) -> None:
+    """Rows with their own generators (one seed each) sample the tempered distribution; a seed
+    gives the same token over the same logits, and skipping one step's draws with ``draw_`` (what
+    a node continuing a request does) lands where sampling that step would have."""
+    from pdserve.engine.sampler import draw_
+
+    base = torch.tensor([1.5, 0.5, 0.0, -2.0])
+    rows = [make_input(temperature=1.0, seed=s) for s in range(NUM_DRAWS)]
+    out = sampler(base.expand(NUM_DRAWS, 4), rows)
+    assert torch.allclose(_frequencies(out.token_ids, 4), base.softmax(dim=-1), atol=0.03)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    a = sampler(logits, [make_input(temperature=1.0, seed=7) for _ in range(3)])
+    b = sampler(logits, [make_input(temperature=1.0, seed=7) for _ in range(3)])
+    assert a.token_ids == b.token_ids
+    two_steps = make_input(temperature=1.0, seed=9)
+    sampler(logits[:1], [two_steps])
+    second = sampler(logits[1:2], [two_steps]).token_ids
+    skipped = make_input(temperature=1.0, seed=9)
+    assert skipped.generator is not None
+    draw_(torch.empty(50), skipped.generator)
+    assert sampler(logits[1:2], [skipped]).token_ids == second
+
+
 def test_top_k_renormalises(sampler: Sampler) -> None:
     torch.manual_seed(0)
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
