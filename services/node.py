@@ -148,6 +148,9 @@ class NodeBase:
         self.registry.register(_NodeCollector(self))
         self.steps_address = ""  # set once a Steps front-end process listens (frontend_port)
         self.frontend: FrontendProcess | None = None
+        # Set with readiness (health SERVING): until then GetLoad answers UNAVAILABLE, so a router
+        # polling a starting node never takes it before its front end's steps_address is known.
+        self.started = False
 
     # hooks -------------------------------------------------------------------------------------
     def _on_hold(self, req: Any, block_ids: list[int]) -> bool:
@@ -250,6 +253,7 @@ class NodeBase:
             if self.backend is not None:
                 self.backend.close()
             raise
+        self.started = True
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s node %s serving on %s (epoch %s)", self.opts.role, self.opts.name, addr, self.epoch)
         print(f"pdserve {self.opts.role} node {self.opts.name} ready on {addr}", flush=True)
@@ -370,7 +374,12 @@ class NodeBase:
         self._stop_event.set()
 
     async def answer_load(self, pb: Any, context: grpc.aio.ServicerContext) -> Any:
-        """GetLoad: the report, or UNAVAILABLE once the engine died (the router drops the node)."""
+        """GetLoad: the report; UNAVAILABLE while the node is starting (its readiness is not
+        SERVING yet: a router that took it then would open its streams on the node's own server,
+        not on the front end whose address the report carries once it listens) and once the
+        engine died (the router drops the node)."""
+        if not self.started:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.opts.name} is starting")
         try:
             return self.load_report(pb)
         except EngineDeadError as e:

@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.config.engine import EngineConfig
@@ -120,8 +121,10 @@ def test_prefill_engine_death_is_unavailable_for_the_router_to_retry(tiny_models
 
 def test_readiness_waits_for_the_front_end_and_liveness_does_not(tiny_models, monkeypatch) -> None:
     """While the Steps front-end process is starting, the node's gRPC server already answers:
-    liveness SERVING, readiness NOT_SERVING; once the front end listens, readiness turns SERVING
-    and GetLoad names its address (a ready node never reports an empty steps_address)."""
+    liveness SERVING, readiness NOT_SERVING, GetLoad UNAVAILABLE (a router polling then would
+    take the node without its front end and open its streams on the node's own server); once
+    the front end listens, readiness turns SERVING and GetLoad names its address (a ready node
+    never reports an empty steps_address)."""
     from services.node import NodeBase
     from services.node_lifecycle import LIVENESS_SERVICE
 
@@ -152,6 +155,10 @@ def test_readiness_waits_for_the_front_end_and_liveness_does_not(tiny_models, mo
 
         assert await asyncio.wait_for(status(LIVENESS_SERVICE), 60) == health_pb2.HealthCheckResponse.SERVING
         assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as starting:
+            await pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=5)
+        assert starting.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "is starting" in (starting.value.details() or "")
         assert not ready.is_set()
         gate.set()
         await asyncio.wait_for(ready.wait(), 60)
