@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_triton
+from pdserve.kernels.backend import HALF_DTYPES, TRITON_DTYPES, device_unsupported_reason, wants_triton
 
 MAX_COLS = 1 << 30  # chunk indices are int32 in the kernel
 _triton_impl: ModuleType | None = None
@@ -50,15 +50,14 @@ def _triton() -> ModuleType:
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float64)
-_UPCAST_DTYPES = (torch.bfloat16, torch.float16)  # to fp32 exactly
 
 
 def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a CPU tensor through numpy (same index; see the module docstring)."""
-    if x.dim() != 2 or 0 in x.shape or x.dtype not in _NUMPY_DTYPES + _UPCAST_DTYPES:
+    if x.dim() != 2 or 0 in x.shape or x.dtype not in _NUMPY_DTYPES + HALF_DTYPES:
         return x.argmax(dim=-1)
     a = x.detach()
-    if a.dtype in _UPCAST_DTYPES:
+    if a.dtype in HALF_DTYPES:
         a = a.float()
     return torch.from_numpy(np.argmax(a.numpy(), axis=-1).astype(np.int64, copy=False))
 

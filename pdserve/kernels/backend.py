@@ -24,6 +24,7 @@ from pdserve.errors import ConfigError
 
 Backend = Literal["auto", "torch", "triton"]
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # exactly representable in fp32
 
 _backend: Backend = "auto"
 

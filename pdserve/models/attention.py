@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import UnsupportedError
+from pdserve.kernels.backend import HALF_DTYPES
 from pdserve.models import cudnn_prefill, flash_prefill
 
 AttentionBackend = Literal["torch", "triton"]
@@ -319,7 +320,7 @@ def attend_cached(
     assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
 
     batch = meta.batch_size
-    if batch == 1 and q.dtype in _HALF and q.device.type == "cpu" and not meta.static_bounds:
+    if batch == 1 and q.dtype in HALF_DTYPES and q.device.type == "cpu" and not meta.static_bounds:
         out = _one_request_attention(q, kv_cache, meta, scale)
         if out is not None:
             return out
@@ -353,7 +354,6 @@ def attend_cached(
 
 # CPU bf16 decode: below this many (request, KV head) pairs SDPA's kernel is as fast or faster
 EAGER_BF16_MIN_ROWS = 8
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _one_request_attention(

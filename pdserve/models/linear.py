@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.backend import HALF_DTYPES
+
 SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
 SMALL_GEMM_MAX_ROWS = 16  # past it the fp32 route loses (1 x 128 x 384 at 64 rows: 48 -> 79 us)
-_HALF = (torch.bfloat16, torch.float16)
 
 
 class Linear(nn.Linear):
@@ -43,7 +44,11 @@ class Linear(nn.Linear):
 
 def small_gemm_eligible(weight: torch.Tensor) -> bool:
     """Whether a layer with this weight takes the fp32 route for small calls."""
-    return weight.device.type == "cpu" and weight.dtype in _HALF and weight.numel() <= SMALL_GEMM_MAX_WEIGHT
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in HALF_DTYPES
+        and weight.numel() <= SMALL_GEMM_MAX_WEIGHT
+    )
 
 
 def prepare_small_gemms(model: nn.Module) -> int:
