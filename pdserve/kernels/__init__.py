@@ -1,4 +1,5 @@
-"""Kernels: Triton on GPUs, pure-torch twins on CPU (and as test references).
+"""Kernels: Triton on GPUs, pure-torch twins on CPU (and as test references), and on the CPU a few
+native C kernels for small bf16 steps (``cpu_native``: they fall back to the twins).
 
 Call sites use only the dispatching functions below (``rms_norm``, ``fused_add_rms_norm``,
 ``gated_rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``argmax_rows``, ``apply_token_bitmask_``); which implementation runs
@@ -17,7 +18,14 @@ from pdserve.kernels.activation import (
     silu_and_mul_unsupported_reason,
 )
 from pdserve.kernels.argmax import argmax_rows, argmax_unsupported_reason
-from pdserve.kernels.backend import Backend, get_backend, set_backend, use_backend, wants_triton
+from pdserve.kernels.backend import (
+    Backend,
+    get_backend,
+    set_backend,
+    use_backend,
+    wants_native,
+    wants_triton,
+)
 from pdserve.kernels.bitmask import apply_token_bitmask_, bitmask_unsupported_reason
 from pdserve.kernels.rmsnorm import (
     MAX_HIDDEN,
@@ -71,5 +79,6 @@ __all__ = [
     "triton_can_run",
     "triton_unsupported_reason",
     "use_backend",
+    "wants_native",
     "wants_triton",
 ]

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_triton
+from pdserve.kernels import cpu_native
+from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_native, wants_triton
 
 _triton_impl: ModuleType | None = None
 
@@ -57,6 +58,10 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2*I] -> silu(gate) * up, a new contiguous [..., I] tensor; one launch on CUDA."""
     if not wants_triton(gate_up):
+        if wants_native(gate_up):
+            out = cpu_native.silu_and_mul(gate_up)
+            if out is not None:
+                return out
         return silu_and_mul_torch(gate_up)
     reason = silu_and_mul_unsupported_reason(gate_up)
     if reason is not None:

@@ -2,6 +2,8 @@
 
     backend   tensor on    -> runs
     -------   ---------    ----------------------------------------------------------------
+    auto      CPU, bf16    native C kernel where one fits (cpu_native: norms, silu * up, rotary +
+                           KV store, decode attention), else the torch twin
     auto      CPU / other  torch twin (no triton import, one compare of overhead)
     auto      CUDA         Triton kernel; an unsupported case raises UnsupportedError
     triton    any          Triton kernel (CPU needs TRITON_INTERPRET=1); else UnsupportedError
@@ -67,3 +69,9 @@ def wants_triton(x: torch.Tensor) -> bool:
     """Whether this call should take a Triton kernel (the caller then checks its predicate and
     raises if it cannot run). The CPU hot path costs two compares and no triton import."""
     return not (_backend == "torch" or (_backend == "auto" and x.device.type != "cuda"))
+
+
+def wants_native(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` may take a native CPU kernel (``kernels.cpu_native``, which then
+    checks the rest and answers None when the case is not for it): backend auto, a CPU bf16 tensor."""
+    return _backend == "auto" and x.dtype is torch.bfloat16 and x.device.type == "cpu"

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_triton
+from pdserve.kernels import cpu_native
+from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_native, wants_triton
 
 Activation = Literal["silu", "sigmoid"]
 
@@ -160,6 +161,10 @@ def gated_rms_norm_torch(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * weight, computed in fp32, returned in x.dtype. x: [..., hidden]."""
     if not _use_triton(x, weight):
+        if wants_native(x):
+            y = cpu_native.rms_norm(x, weight, eps)
+            if y is not None:
+                return y
         return rms_norm_torch(x, weight, eps)
     _check_shapes(x, weight)
     y = _triton().rms_norm_fwd(_as_rows(x), weight.contiguous(), eps)  # [rows, hidden]
@@ -171,6 +176,10 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'). Inputs are not mutated."""
     if not _use_triton(x, residual, weight):
+        if wants_native(x):
+            pair = cpu_native.fused_add_rms_norm(x, residual, weight, eps)
+            if pair is not None:
+                return pair
         return fused_add_rms_norm_torch(x, residual, weight, eps)
     _check_shapes(x, weight, residual)
     if residual.dtype != x.dtype:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import UnsupportedError
+from pdserve.kernels import cpu_native
 from pdserve.kernels.backend import HALF_DTYPES
 from pdserve.models import cudnn_prefill, flash_prefill
 
@@ -84,6 +85,11 @@ class AttentionMetadata:
     _rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False
     )
+    # Native CPU kernels (kernels.cpu_native), per step: whether the step's slots, lengths and
+    # block ids passed the bounds check those kernels rely on (for a cache of that many blocks),
+    # and whether its positions did (for those positions and that cos/sin cache).
+    _native_kv_ok: tuple[int, bool] | None = field(default=None, repr=False)
+    _native_pos_ok: tuple[torch.Tensor, torch.Tensor, bool] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -96,6 +102,8 @@ class AttentionMetadata:
         self._dense_plan = None
         self._store_index = None
         self._rotary = None
+        self._native_kv_ok = None
+        self._native_pos_ok = None
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -233,6 +241,37 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: At
     _write_kv(k, v, kv_cache, meta._store_index)
 
 
+def _native_kv_ok(meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+    """``cpu_native.kv_indices_ok`` for this step: computed by its first layer, kept for the rest."""
+    ok = meta._native_kv_ok
+    num_blocks = kv_cache.shape[0]
+    if ok is None or ok[0] != num_blocks:
+        passed = cpu_native.kv_indices_ok(
+            meta.slot_mapping,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_seq_len,
+            num_blocks,
+            kv_cache.shape[2],
+        )
+        ok = meta._native_kv_ok = (num_blocks, passed)
+    return ok[1]
+
+
+def _native_positions_ok(
+    meta: AttentionMetadata, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> bool:
+    """``cpu_native.positions_ok`` for this step's positions, likewise once per step."""
+    ok = meta._native_pos_ok
+    if ok is None or ok[0] is not positions or ok[1] is not cos_sin_cache:
+        ok = meta._native_pos_ok = (
+            positions,
+            cos_sin_cache,
+            cpu_native.positions_ok(positions, cos_sin_cache.shape[0]),
+        )
+    return ok[2]
+
+
 def rotary_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -258,6 +297,15 @@ def rotary_and_store_kv(
         return triton_rotary.rotary_store_kv_fwd(
             q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping, k_out
         )
+    if (
+        k_out is None
+        and kernels.wants_native(q)
+        and _native_positions_ok(meta, positions, cos_sin_cache)
+        and _native_kv_ok(meta, kv_cache)
+    ):
+        q_rot = cpu_native.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping)
+        if q_rot is not None:
+            return q_rot
     if kernels.wants_triton(q):
         q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
     else:  # the torch twin, its cos / sin gathered once per step
@@ -320,6 +368,18 @@ def attend_cached(
     assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
 
     batch = meta.batch_size
+    if (
+        meta.max_query_len == 1
+        and num_tokens == batch
+        and kernels.wants_native(q)
+        and not meta.static_bounds
+        and _native_kv_ok(meta, kv_cache)
+    ):
+        out = cpu_native.decode_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+        )
+        if out is not None:
+            return out
     if batch == 1 and q.dtype in HALF_DTYPES and q.device.type == "cpu" and not meta.static_bounds:
         out = _one_request_attention(q, kv_cache, meta, scale)
         if out is not None:

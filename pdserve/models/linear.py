@@ -8,7 +8,9 @@ copy (at most 256 KiB each), and calls of up to ``SMALL_GEMM_MAX_ROWS`` rows com
 from it and round once to the input's dtype. Larger layers, larger calls, fp32 models and every
 other device keep the plain path: there the fp32 route is slower (at one row 128 x 384 takes
 20 -> 9 us, 1,024 x 3,072 330 -> 407 us: memory-bound; at 64 rows 128 x 384 48 -> 79 us) and
-its copy costs memory (docs/benchmarks.md, tenth session).
+its copy costs memory (docs/benchmarks.md, tenth session). A bf16 call of up to
+``cpu_native.MAX_LINEAR_ROWS`` rows goes one step further: one native call reads the transposed
+fp32 copy and rounds once (~4 against ~10 us for 1 x 128 x 384; twelfth session).
 
 Numerics: the products of bf16 values are exact in fp32 and the sum is fp32, as in oneDNN's
 bf16 kernel; only the order of the additions differs, so a result can differ from the oneDNN
@@ -23,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.backend import HALF_DTYPES
+from pdserve.kernels import cpu_native
+from pdserve.kernels.backend import HALF_DTYPES, wants_native
 
 SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
 SMALL_GEMM_MAX_ROWS = 16  # past it the fp32 route loses (1 x 128 x 384 at 64 rows: 48 -> 79 us)
@@ -32,12 +35,20 @@ SMALL_GEMM_MAX_ROWS = 16  # past it the fp32 route loses (1 x 128 x 384 at 64 ro
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) plus the small-GEMM route once prepared."""
 
+    # The fp32 copy, stored transposed ([in, out] contiguous, what the native kernel reads);
+    # weight_fp32 is its [out, in] view, what F.linear takes (MKL reads either layout).
+    weight_fp32_t: torch.Tensor | None = None
     weight_fp32: torch.Tensor | None = None
     bias_fp32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_fp32
         if w is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            if wants_native(x):  # a few bf16 rows: one native call (kernels.cpu_native.linear)
+                assert self.weight_fp32_t is not None
+                y = cpu_native.linear(x, self.weight_fp32_t, self.bias_fp32)
+                if y is not None:
+                    return y
             return F.linear(x.float(), w, self.bias_fp32).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
@@ -57,7 +68,8 @@ def prepare_small_gemms(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, Linear) and small_gemm_eligible(m.weight):
-            m.weight_fp32 = m.weight.detach().float()
+            m.weight_fp32_t = m.weight.detach().float().t().contiguous()
+            m.weight_fp32 = m.weight_fp32_t.t()
             m.bias_fp32 = None if m.bias is None else m.bias.detach().float()
             n += 1
     return n

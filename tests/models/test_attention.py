@@ -167,8 +167,11 @@ def test_one_request_in_half_precision_takes_the_short_path_with_the_same_attent
     """CPU bf16, one request: a fresh prompt, and a decode step of few KV heads, take
     _one_request_attention (keys cut to the request's length, one causal call); a chunk after
     cached context and a decode of many KV heads (the eager form) do not. Same attention as the
-    general path within bf16 rounding."""
+    general path within bf16 rounding. The native kernels are kept out: a decode step would take
+    cpu_native.decode_attention first (tests/kernels/test_cpu_native.py)."""
     from pdserve.models import attention as at
+
+    monkeypatch.setattr(at.kernels, "wants_native", lambda x: False)
 
     gen = torch.Generator().manual_seed(seq_len)
     num_heads = 2 * num_kv_heads

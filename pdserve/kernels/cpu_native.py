@@ -1,0 +1,506 @@
+"""Native CPU kernels for small bf16 steps: ``cpu_native.c``, a CPython extension module built on
+first use with the host's C compiler (and Python's headers) and imported from a cache.
+
+Why: a CPU decode step of a small model is bound by the count of torch ops, each ~1-2 us of
+dispatch, not by arithmetic. On the tiny bench Llama (hidden 128, 4 layers) at one request a
+step spent ~31 us per fused add + RMS norm, ~60 us per layer on rotary + KV store and ~75 us per
+layer on attention (docs/benchmarks.md, twelfth session). Each function here is one call for one
+of those: ~3-5 us with the Python around it (an output tensor's allocation is ~1 us of that; a
+call through ctypes was ~2 us on its own, so the functions take addresses as Python ints through
+CPython's fast-call protocol instead).
+
+When: ``backend`` "auto" (the default), a CPU bf16 tensor, and the work under each function's
+cap (past it torch's vectorised, multi-threaded kernels win); the callers in ``rmsnorm``,
+``activation`` and ``models.attention`` fall back to their torch twins when a function here
+returns None. Backend "torch" never comes here.
+
+``PDSERVE_CPU_KERNELS`` (read once, at first use):
+  auto    (default) native when the module builds (a C compiler and Python.h); otherwise the
+          torch twins, one warning
+  torch   never native
+  native  native required: a failed build raises (tests and benchmarks that must measure it)
+
+The library is cached under ``$PDSERVE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pdserve`` or
+``~/.cache/pdserve``), named by a hash of the source, the flags, Python's headers and (for
+``-march=native``) the CPU, so a changed source or another host builds anew; a build takes ~1 s.
+Built with ``-march=native`` where a compiler is at hand; a portable build already in the cache
+(``python -m pdserve.kernels.cpu_native --portable``, as the container image does at build time)
+serves a host without one. Always ``-ffp-contract=off``.
+
+Numerics (bf16 only; fp16 and fp32 keep the torch twins): elementwise results (rotary, the KV
+store, the residual add) are the twins' bits; the norm's mean of squares and attention's sums
+are added in another order and silu uses the C library's expf, so those can differ from the twin
+by one bf16 rounding step. The CPU bf16 path was not token-identical to ``transformers`` before
+either (models/linear.py); fp32, the path the token-identity tests hold, does not come here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+ABI_VERSION = 2
+ENV = "PDSERVE_CPU_KERNELS"
+MODES = ("auto", "torch", "native")
+_BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+_BUILD_TIMEOUT_S = 120
+
+# Caps on one call's work: past them torch's kernels (vectorised, threaded) are as fast or faster.
+MAX_ROW_ELEMENTS = 1 << 16  # norms, silu * up: rows x width
+MAX_HEAD_DIM = 512  # the C side's stack buffers
+MAX_ATTENTION_SCORES = 1 << 15  # decode attention: batch x heads x longest context
+MAX_LINEAR_ROWS = 4  # the small-layer GEMM (models/linear.py's fp32 route): rows of one call
+
+_lock = threading.Lock()
+_lib: ModuleType | None = None
+_loaded = False  # the one attempt was made (its result is _lib)
+_load_error: str | None = None
+
+
+def mode() -> str:
+    """``PDSERVE_CPU_KERNELS``, checked."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ConfigError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "pdserve"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compile SOURCE to ``out`` (atomically); None on success, else the compiler's complaint."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".so.tmp", dir=out.parent)
+    os.close(fd)
+    include = sysconfig.get_paths()["include"]
+    try:
+        proc = subprocess.run(
+            [cc, *flags, f"-I{include}", "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if proc.returncode != 0:
+            return (proc.stderr or proc.stdout).strip()[-2000:] or f"exit status {proc.returncode}"
+        os.replace(tmp, out)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_NATIVE_FLAGS = ["-march=native", *_BASE_FLAGS]
+
+
+def _module_path(flags: list[str]) -> Path:
+    """Where the module built with ``flags`` lives in the cache: named by the source, the flags,
+    this Python's headers and, for ``-march=native``, the CPU."""
+    include = sysconfig.get_paths()["include"]
+    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), include.encode()]
+    if "-march=native" in flags:
+        parts.append(_cpu_id().encode())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return cache_dir() / f"cpu_native-{key}{suffix}"
+
+
+def _build(portable_only: bool = False) -> Path:
+    """The cached module's path, building it if needed; raises RuntimeError with the reason.
+
+    A module for this CPU (``-march=native``) is preferred; one of portable flags is taken when
+    it is already in the cache (an image built it, ``build_portable``) or this CPU's will not
+    build. No compiler is needed when the cache holds either."""
+    candidates = [_BASE_FLAGS] if portable_only else [_NATIVE_FLAGS, _BASE_FLAGS]
+    for flags in candidates:
+        path = _module_path(flags)
+        if path.exists():
+            return path
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang on PATH, or $CC)")
+    include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        raise RuntimeError(f"no Python.h under {include} (Python's development headers)")
+    errors = []
+    for flags in candidates:
+        path = _module_path(flags)
+        error = _compile(cc, flags, path)
+        if error is None:
+            logger.info("built the native CPU kernels: %s", path)
+            return path
+        errors.append(f"{' '.join(flags)}: {error}")
+    raise RuntimeError(f"{cc} could not build {SOURCE.name}: " + " | ".join(errors))
+
+
+def build_portable() -> Path:
+    """Build the portable module into the cache (a container image does this at build time, so a
+    runtime without a compiler still has the kernels); returns its path."""
+    path = _build(portable_only=True)
+    _open(path)  # it must import
+    return path
+
+
+def _open(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("pdserve_cpu_native", str(path))
+    spec = importlib.util.spec_from_file_location("pdserve_cpu_native", path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    got = getattr(module, "ABI_VERSION", None)
+    if got != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {got}, this pdserve wants {ABI_VERSION}")
+    return module
+
+
+def library() -> ModuleType | None:
+    """The loaded library, or None (mode "torch", or the build failed in mode "auto")."""
+    global _lib, _loaded, _load_error
+    if _loaded:
+        return _lib
+    with _lock:
+        if _loaded:
+            return _lib
+        m = mode()
+        if m == "torch":
+            _load_error = f"{ENV}=torch"
+        else:
+            try:
+                _lib = _open(_build())
+            except (RuntimeError, OSError, ImportError) as e:
+                _load_error = str(e)
+                if m == "native":
+                    raise RuntimeError(f"{ENV}=native but the native CPU kernels are unavailable: {e}") from e
+                logger.warning("native CPU kernels unavailable, using the torch twins: %s", e)
+        _loaded = True
+        return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _load_error if _lib is None else None
+
+
+def _reset_for_tests() -> None:
+    global _lib, _loaded, _load_error
+    with _lock:
+        _lib, _loaded, _load_error = None, False, None
+
+
+_BF16 = torch.bfloat16
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, width] with unit column stride (a 2-D view as it is, or a contiguous tensor
+    flattened), or None. The callers' hot case is 2-D."""
+    if x.dim() == 2:
+        return x if x.stride(1) == 1 else None
+    if x.dim() > 2 and x.is_contiguous():
+        return x.view(-1, x.shape[-1])
+    return None
+
+
+def _row_stride(x: torch.Tensor) -> int:
+    return x.stride(0) if x.shape[0] > 1 else x.shape[1]
+
+
+def _weight_ok(weight: torch.Tensor, h: int) -> bool:
+    return (
+        weight.dtype is _BF16
+        and weight.is_cpu
+        and weight.dim() == 1
+        and weight.shape[0] == h
+        and weight.stride(0) == 1
+    )
+
+
+# The hot wrappers below are written for their cost: every attribute read of a tensor is
+# ~0.1-0.3 us, and they run ~10 times a layer. Their callers have checked ``wants_native(x)``:
+# backend auto, x a CPU bf16 tensor.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``rms_norm_torch`` in one call, or None when this case is not for the native kernel."""
+    lib = _lib if _loaded else library()
+    if lib is None or x.dtype is not _BF16 or x.requires_grad or not x.is_cpu:
+        return None
+    rows = _as_rows(x)
+    if rows is None:
+        return None
+    n, h = rows.shape
+    if h == 0 or n * h > MAX_ROW_ELEMENTS or not _weight_ok(weight, h):
+        return None
+    out = torch.empty(x.shape, dtype=_BF16)
+    lib.rms_norm(rows.data_ptr(), _row_stride(rows), weight.data_ptr(), eps, out.data_ptr(), n, h)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fused_add_rms_norm_torch`` in one call, or None when not for the native kernel."""
+    lib = _lib if _loaded else library()
+    if lib is None or x.dtype is not _BF16 or residual.dtype is not _BF16 or not x.is_cpu:
+        return None
+    if x.requires_grad or residual.requires_grad:
+        return None
+    rx, rr = _as_rows(x), _as_rows(residual)
+    if rx is None or rr is None or not residual.is_cpu or rx.shape != rr.shape:
+        return None
+    n, h = rx.shape
+    if h == 0 or n * h > MAX_ROW_ELEMENTS or not _weight_ok(weight, h):
+        return None
+    out = torch.empty(x.shape, dtype=_BF16)
+    new_residual = torch.empty(x.shape, dtype=_BF16)
+    lib.add_rms_norm(
+        rx.data_ptr(), _row_stride(rx), rr.data_ptr(), _row_stride(rr), weight.data_ptr(), eps,
+        out.data_ptr(), new_residual.data_ptr(), n, h,
+    )  # fmt: skip
+    return out, new_residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu_and_mul_torch`` in one call ([..., 2 I] -> [..., I]), or None."""
+    lib = _lib if _loaded else library()
+    if lib is None or gate_up.dtype is not _BF16 or gate_up.requires_grad or not gate_up.is_cpu:
+        return None
+    rows = _as_rows(gate_up)
+    if rows is None:
+        return None
+    n, width = rows.shape
+    if width == 0 or width % 2 or n * width > MAX_ROW_ELEMENTS:
+        return None
+    inter = width // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=_BF16)
+    lib.silu_mul(rows.data_ptr(), _row_stride(rows), out.data_ptr(), n, inter)
+    return out
+
+
+def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear(x.float(), weight_t.t(), bias).to(bf16)`` in one call for a few bf16 rows
+    (``MAX_LINEAR_ROWS``), or None. ``weight_t``: the fp32 copy ``models.linear`` keeps of a small
+    layer, transposed ([in, out] contiguous: the kernel accumulates whole output rows)."""
+    lib = _lib if _loaded else library()
+    if lib is None or x.dtype is not _BF16 or x.requires_grad or not x.is_cpu or x.dim() != 2:
+        return None
+    rows, n_in = x.shape
+    if rows > MAX_LINEAR_ROWS or x.stride(1) != 1 or weight_t.dtype is not torch.float32:
+        return None
+    if weight_t.dim() != 2 or weight_t.shape[0] != n_in or not weight_t.is_contiguous():
+        return None
+    n_out = weight_t.shape[1]
+    if bias is not None and (
+        bias.dtype is not torch.float32 or bias.shape != (n_out,) or bias.stride(0) != 1
+    ):
+        return None
+    out = torch.empty((rows, n_out), dtype=_BF16)
+    lib.linear(
+        x.data_ptr(), _row_stride(x), weight_t.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), rows, n_in, n_out,
+    )  # fmt: skip
+    return out
+
+
+def _cache_ok(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> bool:
+    """A layer's view [blocks, 2, block_size, Hkv, D] whose inner four dims are contiguous."""
+    if kv_cache.dim() != 5 or kv_cache.dtype is not torch.bfloat16 or kv_cache.device.type != "cpu":
+        return False
+    _, two, bs, hkv, d = kv_cache.shape
+    if two != 2 or hkv != num_kv_heads or d != head_dim:
+        return False
+    return kv_cache.stride()[1:] == (bs * hkv * d, hkv * d, d, 1)
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor | None:
+    """Rotate q and k (NeoX halves), store the rotated k and v at ``slot_mapping`` (< 0: skipped)
+    and return the rotated q ([n, H, D], new, contiguous), in one call; None when q, k, v are not
+    three adjacent views of one fused projection row, or anything else is not for this kernel.
+    The caller has checked the indices (``positions_ok``, ``kv_indices_ok``): the C side trusts
+    them."""
+    lib = _lib if _loaded else library()
+    if lib is None or q.dtype is not _BF16 or q.requires_grad or not q.is_cpu or q.dim() != 3:
+        return None
+    n, nh, d = q.shape
+    nkv = k.shape[1]
+    width = (nh + 2 * nkv) * d
+    row = q.stride(0) if n > 1 else width
+    # q, k, v: consecutive head runs of one row (the fused qkv output's split views)
+    if (
+        n == 0
+        or d % 2
+        or d > MAX_HEAD_DIM
+        or k.shape != (n, nkv, d)
+        or v.shape != (n, nkv, d)
+        or q.stride()[1:] != (d, 1)
+        or k.stride()[1:] != (d, 1)
+        or v.stride()[1:] != (d, 1)
+        or row < width
+        or (n > 1 and (k.stride(0) != row or v.stride(0) != row))
+        or k.data_ptr() != q.data_ptr() + nh * d * 2
+        or v.data_ptr() != k.data_ptr() + nkv * d * 2
+        or k.dtype is not _BF16
+        or v.dtype is not _BF16
+        or q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+    ):
+        return None
+    if (
+        positions.dtype is not torch.int64
+        or slot_mapping.dtype is not torch.int64
+        or positions.shape != (n,)
+        or slot_mapping.shape != (n,)
+        or (n > 1 and (positions.stride(0) != 1 or slot_mapping.stride(0) != 1))
+        or cos_sin_cache.dtype is not torch.float32
+        or cos_sin_cache.dim() != 2
+        or cos_sin_cache.shape[1] != d
+        or not cos_sin_cache.is_contiguous()
+        or not _cache_ok(kv_cache, nkv, d)
+    ):
+        return None
+    q_out = torch.empty((n, nh, d), dtype=_BF16)
+    lib.rotary_store(
+        q.data_ptr(), row, nh, nkv, d, positions.data_ptr(), cos_sin_cache.data_ptr(),
+        kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.shape[2], slot_mapping.data_ptr(), n,
+        q_out.data_ptr(),
+    )  # fmt: skip
+    return q_out
+
+
+def positions_ok(positions: torch.Tensor, num_positions: int) -> bool:
+    """Whether every position indexes a row of the cos/sin cache (``rotary_store_kv`` trusts it)."""
+    return not positions.numel() or (0 <= int(positions.min()) and int(positions.max()) < num_positions)
+
+
+def kv_indices_ok(
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seq_len: int,
+    num_blocks: int,
+    block_size: int,
+) -> bool:
+    """Whether a step's slots, lengths and block ids stay inside the KV cache and the block table
+    (``rotary_store_kv`` and ``decode_attention`` trust them). Once per step, ~10 us: a step
+    that fails it takes the torch twins, which raise on a bad index."""
+    if slot_mapping.numel() and int(slot_mapping.max()) >= num_blocks * block_size:
+        return False
+    if seq_lens.numel():
+        if int(seq_lens.min()) < 0 or int(seq_lens.max()) > max_seq_len:
+            return False
+        if max_seq_len > block_tables.shape[1] * block_size:
+            return False
+        used = block_tables[:, : -(-max_seq_len // block_size)]
+        if used.numel() and not (0 <= int(used.min()) and int(used.max()) < num_blocks):
+            return False
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """One query per request over its cached context (this step's K/V already stored):
+    q [B, H, D] -> [B, H, D]; None when not for the native kernel (the work over
+    ``MAX_ATTENTION_SCORES``, a layout it does not read, ...). The caller has checked the
+    lengths and block ids (``kv_indices_ok``): the C side trusts them."""
+    lib = _lib if _loaded else library()
+    if lib is None or q.dtype is not _BF16 or q.requires_grad or not q.is_cpu:
+        return None
+    if q.dim() != 3 or kv_cache.dim() != 5:
+        return None
+    batch, nh, d = q.shape
+    nkv = kv_cache.shape[3]
+    if (
+        batch == 0
+        or d > MAX_HEAD_DIM
+        or batch * nh * max_seq_len > MAX_ATTENTION_SCORES
+        or nh % nkv
+        or not q.is_contiguous()
+        or not _cache_ok(kv_cache, nkv, d)
+        or block_tables.dtype is not torch.int32
+        or seq_lens.dtype is not torch.int32
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != batch
+        or block_tables.stride(1) != 1
+        or seq_lens.shape != (batch,)
+        or (batch > 1 and seq_lens.stride(0) != 1)
+        or block_tables.shape[1] * kv_cache.shape[2] < max_seq_len
+    ):
+        return None
+    out = torch.empty((batch, nh, d), dtype=_BF16)
+    lib.decode_attention(
+        q.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.shape[2], nkv, d,
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), batch, nh, scale,
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--portable"]:
+        sys.exit("usage: python -m pdserve.kernels.cpu_native --portable  (build into $PDSERVE_CACHE_DIR)")
+    print(build_portable())
