@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_triton
+from pdserve.kernels import cpu_native
+from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, get_backend, wants_triton
 
 _triton_impl: ModuleType | None = None
 
@@ -169,6 +170,9 @@ def apply_token_bitmask_(
     """Set the disallowed tokens of ``logits[rows]`` to -inf, in place (no host sync)."""
     _check(logits, bitmask, rows)
     if not wants_triton(logits):
+        # CPU, backend auto: the native kernel (~10 us for 16 x 4,096) where it takes the case
+        if get_backend() == "auto" and logits.is_cpu and cpu_native.apply_bitmask_(logits, bitmask, rows):
+            return
         apply_token_bitmask_torch(logits, bitmask, rows)
         return
     reason = bitmask_unsupported_reason(logits, bitmask, rows)

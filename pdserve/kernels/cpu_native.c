@@ -182,6 +182,39 @@ static int pd_linear_bf16_f32(const bf16 *x, long x_stride, const float *w_t, co
     return 0;
 }
 
+/* Grammar masks: every token of logits row rows[r] (r when rows is NULL) whose bit in bitmask
+ * row r is clear, and every column past 32 * words, := -inf (neg_bits, the logits' dtype's -inf
+ * pattern); elem: 2 or 4 bytes. Bit j of word w is token 32 w + j (xgrammar's layout). */
+static void pd_apply_bitmask(void *logits, long row_stride, int elem, uint32_t neg_bits, const int64_t *rows,
+                             long k, const int32_t *bitmask, long words, long vocab) {
+    long n = 32 * words < vocab ? 32 * words : vocab;
+    for (long r = 0; r < k; r++) {
+        long row = rows != NULL ? (long)rows[r] : r;
+        const uint32_t *m = (const uint32_t *)bitmask + r * words;
+        if (elem == 4) {
+            uint32_t *p = (uint32_t *)logits + row * row_stride;
+            for (long w = 0; w * 32 < n; w++) {
+                uint32_t bits = m[w];
+                if (bits == 0xffffffffu) continue;
+                long end = n - w * 32 < 32 ? n - w * 32 : 32;
+                uint32_t *q = p + w * 32;
+                for (long j = 0; j < end; j++) q[j] = (bits >> j) & 1u ? q[j] : neg_bits;
+            }
+            for (long t = n; t < vocab; t++) p[t] = neg_bits;
+        } else {
+            uint16_t *p = (uint16_t *)logits + row * row_stride, neg = (uint16_t)neg_bits;
+            for (long w = 0; w * 32 < n; w++) {
+                uint32_t bits = m[w];
+                if (bits == 0xffffffffu) continue;
+                long end = n - w * 32 < 32 ? n - w * 32 : 32;
+                uint16_t *q = p + w * 32;
+                for (long j = 0; j < end; j++) q[j] = (bits >> j) & 1u ? q[j] : neg;
+            }
+            for (long t = n; t < vocab; t++) p[t] = neg;
+        }
+    }
+}
+
 /* One query per request: out[b, h] = softmax(scale * q[b, h] . K[b]) V[b] over the request's
  * seq_lens[b] cached positions, K and V of KV head h / (nh / nkv). q, out: [B, nh, d]
  * contiguous. Returns 0, or -1 when the scratch could not be allocated (nothing written). */
@@ -236,7 +269,7 @@ static int pd_decode_attention_bf16(const bf16 *q, const bf16 *cache, long block
 
 /* ------------------------------------------------------------------------- the Python module */
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
 /* args[i] as a C long / pointer / float; *bad set on a wrong type (Python's error is set) */
 static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {
@@ -244,12 +277,10 @@ static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {
     if (v == -1 && PyErr_Occurred()) *bad = 1;
     return v;
 }
+/* an address; 0 is allowed (an empty tensor's), the sizes that come with it are then 0 */
 static void *arg_p(PyObject *const *args, Py_ssize_t i, int *bad) {
     void *v = PyLong_AsVoidPtr(args[i]);
-    if (v == NULL) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "argument %zd: null address", i);
-        *bad = 1;
-    }
+    if (v == NULL && PyErr_Occurred()) *bad = 1;
     return v;
 }
 static float arg_f(PyObject *const *args, Py_ssize_t i, int *bad) {
@@ -357,7 +388,28 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
+static PyObject *py_apply_bitmask(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (!nargs_ok("apply_bitmask", n, 9)) return NULL;
+    int bad = 0;
+    void *logits = arg_p(args, 0, &bad);
+    long row_stride = arg_l(args, 1, &bad), elem = arg_l(args, 2, &bad);
+    uint32_t neg = (uint32_t)PyLong_AsUnsignedLongMask(args[3]);
+    if (neg == (uint32_t)-1 && PyErr_Occurred()) bad = 1;
+    const int64_t *rows = args[4] == Py_None ? NULL : arg_p(args, 4, &bad);
+    long k = arg_l(args, 5, &bad);
+    const int32_t *bitmask = arg_p(args, 6, &bad);
+    long words = arg_l(args, 7, &bad), vocab = arg_l(args, 8, &bad);
+    if (bad) return NULL;
+    if (elem != 2 && elem != 4) {
+        PyErr_Format(PyExc_ValueError, "apply_bitmask: element size %ld is not 2 or 4", elem);
+        return NULL;
+    }
+    pd_apply_bitmask(logits, row_stride, (int)elem, neg, rows, k, bitmask, words, vocab);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"apply_bitmask", (PyCFunction)(void (*)(void))py_apply_bitmask, METH_FASTCALL, NULL},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL, NULL},

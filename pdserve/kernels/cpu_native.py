@@ -57,7 +57,7 @@ from pdserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-ABI_VERSION = 2
+ABI_VERSION = 3
 ENV = "PDSERVE_CPU_KERNELS"
 MODES = ("auto", "torch", "native")
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -350,6 +350,39 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
         out.data_ptr(), rows, n_in, n_out,
     )  # fmt: skip
     return out
+
+
+_NEG_INF_BITS = {torch.float32: (4, 0xFF800000), torch.bfloat16: (2, 0xFF80), torch.float16: (2, 0xFC00)}
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    """``kernels.apply_token_bitmask_`` on CPU logits (fp32, bf16 or fp16) in one call: the
+    tokens row i of ``bitmask`` bans in ``logits[rows[i]]`` (row i when ``rows`` is None), and
+    every column past the bitmask, := -inf, in place. False when not for the native kernel (then
+    nothing was written). Any dtype the table names: the grammar mask runs on fp32 logits too.
+    ``rows`` must be distinct, in-range int64 row indices (the model runner's)."""
+    lib = _lib if _loaded else library()
+    if lib is None or not logits.is_cpu or logits.dim() != 2 or logits.requires_grad:
+        return False
+    kind = _NEG_INF_BITS.get(logits.dtype)
+    if kind is None or logits.stride(1) != 1 or bitmask.dtype is not torch.int32 or not bitmask.is_cpu:
+        return False
+    k = bitmask.shape[0]
+    if bitmask.dim() != 2 or not bitmask.is_contiguous() or (rows is None and k > logits.shape[0]):
+        return False
+    if rows is not None and (
+        rows.dtype is not torch.int64 or rows.shape != (k,) or not rows.is_contiguous() or not rows.is_cpu
+    ):
+        return False
+    if k == 0:
+        return True
+    if rows is not None and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
+        return False
+    lib.apply_bitmask(
+        logits.data_ptr(), logits.stride(0), kind[0], kind[1], None if rows is None else rows.data_ptr(),
+        k, bitmask.data_ptr(), bitmask.shape[1], logits.shape[1],
+    )  # fmt: skip
+    return True
 
 
 def _cache_ok(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> bool:

@@ -340,3 +340,62 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
     got = cpu_native.rms_norm(x, w, 1e-6)
     assert got is not None
     _within_one_step(got, rms_norm_torch(x, w, 1e-6))
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16])
+@pytest.mark.parametrize(("vocab", "words"), [(4096, 128), (4100, 129), (4096, 100)])
+@pytest.mark.parametrize("named_rows", [False, True])
+def test_the_grammar_mask_equals_the_twin(
+    dtype: torch.dtype, vocab: int, words: int, named_rows: bool
+) -> None:
+    """Random bitmask words, a row of all-allowed and one of all-banned, a bitmask narrower than
+    the vocabulary (its tail banned) and one whose last word is partly past it; the constrained
+    rows named (others untouched) or the first k."""
+    from pdserve.kernels.bitmask import apply_token_bitmask_torch
+
+    gen = torch.Generator().manual_seed(vocab + words)
+    logits = torch.randn(20, vocab, generator=gen).to(dtype)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (16, words), generator=gen, dtype=torch.int64).to(
+        torch.int32
+    )
+    bitmask[3], bitmask[5] = -1, 0
+    rows = torch.tensor([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 19]) if named_rows else None
+    got, want = logits.clone(), logits.clone()
+    assert cpu_native.apply_bitmask_(got, bitmask, rows)
+    apply_token_bitmask_torch(want, bitmask, rows)
+    assert torch.equal(got, want)
+    assert int(torch.isinf(got).sum()) > 0
+    again = logits.clone()
+    kernels.apply_token_bitmask_(again, bitmask, rows)  # the dispatcher on the CPU: the same
+    assert torch.equal(again, want)
+
+
+@pytest.mark.usefixtures("native")
+def test_grammar_masks_it_does_not_take_write_nothing() -> None:
+    logits = torch.randn(4, 64)
+    before = logits.clone()
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    assert not cpu_native.apply_bitmask_(logits.to(torch.float64), bitmask, None)  # dtype
+    assert not cpu_native.apply_bitmask_(logits.t().contiguous().t(), bitmask, None)  # column stride
+    assert not cpu_native.apply_bitmask_(logits, bitmask, torch.tensor([0, 1], dtype=torch.int32))
+    assert not cpu_native.apply_bitmask_(logits, bitmask, torch.tensor([0, 4]))  # row 4 of 4
+    assert not cpu_native.apply_bitmask_(logits, torch.zeros(5, 2, dtype=torch.int32), None)  # 5 rows of 4
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.usefixtures("native")
+def test_empty_inputs_are_no_work() -> None:
+    none = torch.empty(0, 64, dtype=BF16)
+    w = torch.randn(64).to(BF16)
+    got = cpu_native.rms_norm(none, w, 1e-6)
+    assert got is not None and got.shape == (0, 64)
+    pair = cpu_native.fused_add_rms_norm(none, none, w, 1e-6)
+    assert pair is not None and pair[0].shape == pair[1].shape == (0, 64)
+    act = cpu_native.silu_and_mul(none)
+    assert act is not None and act.shape == (0, 32)
+    logits = torch.zeros(2, 40)
+    assert cpu_native.apply_bitmask_(
+        logits, torch.zeros(0, 2, dtype=torch.int32), torch.empty(0, dtype=torch.long)
+    )
+    assert torch.equal(logits, torch.zeros(2, 40))
