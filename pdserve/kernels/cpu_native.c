@@ -31,6 +31,7 @@ typedef uint16_t bf16;
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
+#define MAX_HEADS_PER_KV 64
 
 static inline float bf2f(bf16 v) {
     uint32_t u = (uint32_t)v << 16;
@@ -133,17 +134,6 @@ static void pd_rotary_store_bf16(const bf16 *qkv, long row_stride, long nh, long
     }
 }
 
-static inline float dot_f_bf(const float *a, const bf16 *b, long d) {
-    float acc[LANES] = {0};
-    long i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * bf2f(b[i + l]);
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; i < d; i++) s += a[i] * bf2f(b[i]);
-    return s;
-}
-
 static inline float dot_f_f(const float *a, const float *b, long n) {
     float acc[LANES] = {0};
     long i = 0;
@@ -215,52 +205,87 @@ static void pd_apply_bitmask(void *logits, long row_stride, int elem, uint32_t n
     }
 }
 
+/* LANES partial sums of a . b, folded as a tree (vectorisable: no reassociation is needed) */
+static inline float dot_tree(const float *a, const float *b, long n) {
+    float acc[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    float s = acc[0];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* One query per request: out[b, h] = softmax(scale * q[b, h] . K[b]) V[b] over the request's
- * seq_lens[b] cached positions, K and V of KV head h / (nh / nkv). q, out: [B, nh, d]
- * contiguous. Returns 0, or -1 when the scratch could not be allocated (nothing written). */
+ * seq_lens[b] cached positions, K and V of KV head h / (nh / nkv). The query heads that share a
+ * KV head go together: each cached key and value row is widened to fp32 once for all of them.
+ * q, out: [B, nh, d] contiguous. Returns 0, or -1 when the scratch could not be allocated
+ * (nothing written). */
 static int pd_decode_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride, long block_size,
-                             long nkv, long d, const int32_t *block_tables, long bt_stride,
-                             const int32_t *seq_lens, long batch, long nh, float scale, bf16 *out) {
+                                    long nkv, long d, const int32_t *block_tables, long bt_stride,
+                                    const int32_t *seq_lens, long batch, long nh, float scale, bf16 *out) {
     long max_len = 0;
     for (long b = 0; b < batch; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
-    float *p = malloc((size_t)(max_len > 0 ? max_len : 1) * sizeof(float));
-    if (p == NULL) return -1;
     long group = nh / nkv, v_off = block_size * nkv * d;
-    float qf[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    /* scores [group, max_len], then the group's queries and accumulators [group, d] each */
+    float *p = malloc((size_t)(group * (max_len > 0 ? max_len : 1) + 2 * group * d) * sizeof(float));
+    if (p == NULL) return -1;
+    float *qf = p + group * (max_len > 0 ? max_len : 1), *acc = qf + group * d;
+    float row[MAX_HEAD_DIM], m[MAX_HEADS_PER_KV], total[MAX_HEADS_PER_KV];
     for (long b = 0; b < batch; b++) {
         long len = seq_lens[b];
         const int32_t *table = block_tables + b * bt_stride;
-        for (long h = 0; h < nh; h++) {
-            long kvh = h / group;
-            const bf16 *qh = q + (b * nh + h) * d;
-            bf16 *oh = out + (b * nh + h) * d;
-            for (long i = 0; i < d; i++) qf[i] = bf2f(qh[i]);
-            float m = -INFINITY;
-            for (long s = 0; s < len; s++) {
-                const bf16 *k = cache + (long)table[s / block_size] * block_stride +
-                                ((s % block_size) * nkv + kvh) * d;
-                float score = dot_f_bf(qf, k, d) * scale;
-                p[s] = score;
-                if (score > m) m = score;
+        for (long kvh = 0; kvh < nkv; kvh++) {
+            long h0 = kvh * group;
+            for (long g = 0; g < group; g++) {
+                const bf16 *qh = q + (b * nh + h0 + g) * d;
+                for (long i = 0; i < d; i++) qf[g * d + i] = bf2f(qh[i]);
+                m[g] = -INFINITY;
+                total[g] = 0.0f;
             }
-            float total = 0.0f;
-            for (long s = 0; s < len; s++) {
-                p[s] = expf(p[s] - m);
-                total += p[s];
+            for (long s0 = 0; s0 < len; s0 += block_size) { /* block by block: no division per key */
+                const bf16 *k = cache + (long)table[s0 / block_size] * block_stride + kvh * d;
+                long n = len - s0 < block_size ? len - s0 : block_size;
+                for (long o = 0; o < n; o++, k += nkv * d) {
+                    for (long i = 0; i < d; i++) row[i] = bf2f(k[i]);
+                    for (long g = 0; g < group; g++) {
+                        float score = dot_tree(qf + g * d, row, d) * scale;
+                        p[g * max_len + s0 + o] = score;
+                        if (score > m[g]) m[g] = score;
+                    }
+                }
             }
-            for (long i = 0; i < d; i++) acc[i] = 0.0f;
-            for (long s = 0; s < len; s++) {
-                const bf16 *v = cache + (long)table[s / block_size] * block_stride + v_off +
-                                ((s % block_size) * nkv + kvh) * d;
-                float w = p[s];
-                for (long i = 0; i < d; i++) acc[i] += w * bf2f(v[i]);
+            for (long g = 0; g < group; g++) {
+                float *pg = p + g * max_len;
+                for (long s = 0; s < len; s++) {
+                    pg[s] = expf(pg[s] - m[g]);
+                    total[g] += pg[s];
+                }
             }
-            if (len == 0 || !(total > 0.0f)) { /* no keys (or a NaN row): NaN, as SDPA gives */
-                for (long i = 0; i < d; i++) oh[i] = (bf16)0x7fc0;
-                continue;
+            for (long i = 0; i < group * d; i++) acc[i] = 0.0f;
+            for (long s0 = 0; s0 < len; s0 += block_size) {
+                const bf16 *v = cache + (long)table[s0 / block_size] * block_stride + v_off + kvh * d;
+                long n = len - s0 < block_size ? len - s0 : block_size;
+                for (long o = 0; o < n; o++, v += nkv * d) {
+                    for (long i = 0; i < d; i++) row[i] = bf2f(v[i]);
+                    for (long g = 0; g < group; g++) {
+                        float w = p[g * max_len + s0 + o];
+                        float *ag = acc + g * d;
+                        for (long i = 0; i < d; i++) ag[i] += w * row[i];
+                    }
+                }
             }
-            for (long i = 0; i < d; i++) oh[i] = f2bf(acc[i] / total);
+            for (long g = 0; g < group; g++) {
+                bf16 *oh = out + (b * nh + h0 + g) * d;
+                if (len == 0 || !(total[g] > 0.0f)) { /* no keys (or a NaN row): NaN, as SDPA gives */
+                    for (long i = 0; i < d; i++) oh[i] = (bf16)0x7fc0;
+                    continue;
+                }
+                for (long i = 0; i < d; i++) oh[i] = f2bf(acc[g * d + i] / total[g]);
+            }
         }
     }
     free(p);
@@ -269,7 +294,7 @@ static int pd_decode_attention_bf16(const bf16 *q, const bf16 *cache, long block
 
 /* ------------------------------------------------------------------------- the Python module */
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 
 /* args[i] as a C long / pointer / float; *bad set on a wrong type (Python's error is set) */
 static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {

@@ -57,7 +57,7 @@ from pdserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-ABI_VERSION = 3
+ABI_VERSION = 4
 ENV = "PDSERVE_CPU_KERNELS"
 MODES = ("auto", "torch", "native")
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -66,6 +66,7 @@ _BUILD_TIMEOUT_S = 120
 # Caps on one call's work: past them torch's kernels (vectorised, threaded) are as fast or faster.
 MAX_ROW_ELEMENTS = 1 << 16  # norms, silu * up: rows x width
 MAX_HEAD_DIM = 512  # the C side's stack buffers
+MAX_HEADS_PER_KV = 64  # decode attention: query heads sharing one KV head (likewise)
 MAX_ATTENTION_SCORES = 1 << 15  # decode attention: batch x heads x longest context
 MAX_LINEAR_ROWS = 4  # the small-layer GEMM (models/linear.py's fp32 route): rows of one call
 
@@ -510,6 +511,7 @@ def decode_attention(
         or d > MAX_HEAD_DIM
         or batch * nh * max_seq_len > MAX_ATTENTION_SCORES
         or nh % nkv
+        or nh // nkv > MAX_HEADS_PER_KV
         or not q.is_contiguous()
         or not _cache_ok(kv_cache, nkv, d)
         or block_tables.dtype is not torch.int32
