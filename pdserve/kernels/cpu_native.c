@@ -218,73 +218,79 @@ static inline float dot_tree(const float *a, const float *b, long n) {
     return s;
 }
 
-/* One query per request: out[b, h] = softmax(scale * q[b, h] . K[b]) V[b] over the request's
- * seq_lens[b] cached positions, K and V of KV head h / (nh / nkv). The query heads that share a
- * KV head go together: each cached key and value row is widened to fp32 once for all of them.
- * q, out: [B, nh, d] contiguous. Returns 0, or -1 when the scratch could not be allocated
- * (nothing written). */
-static int pd_decode_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride, long block_size,
-                                    long nkv, long d, const int32_t *block_tables, long bt_stride,
-                                    const int32_t *seq_lens, long batch, long nh, float scale, bf16 *out) {
+/* Causal attention over the paged cache, this step's K/V already stored. Request b's query tokens
+ * are rows query_start[b] .. query_start[b + 1] - 1 of q and out ([T, nh, d] contiguous); they
+ * are the last of its seq_lens[b] positions, and token i of n sees positions 0 .. seq_len - n + i.
+ * K and V of query head h are those of KV head h / (nh / nkv); the query heads that share a KV
+ * head go together, each cached key and value row widened to fp32 once for all of them. A decode
+ * step is the case of one query per request. Returns 0, or -1 when the scratch could not be
+ * allocated (nothing written). */
+static int pd_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride, long block_size, long nkv,
+                             long d, const int32_t *block_tables, long bt_stride, const int32_t *query_start,
+                             const int32_t *seq_lens, long batch, long nh, float scale, bf16 *out) {
     long max_len = 0;
     for (long b = 0; b < batch; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    if (max_len < 1) max_len = 1;
     long group = nh / nkv, v_off = block_size * nkv * d;
     /* scores [group, max_len], then the group's queries and accumulators [group, d] each */
-    float *p = malloc((size_t)(group * (max_len > 0 ? max_len : 1) + 2 * group * d) * sizeof(float));
+    float *p = malloc((size_t)(group * max_len + 2 * group * d) * sizeof(float));
     if (p == NULL) return -1;
-    float *qf = p + group * (max_len > 0 ? max_len : 1), *acc = qf + group * d;
+    float *qf = p + group * max_len, *acc = qf + group * d;
     float row[MAX_HEAD_DIM], m[MAX_HEADS_PER_KV], total[MAX_HEADS_PER_KV];
     for (long b = 0; b < batch; b++) {
-        long len = seq_lens[b];
+        long first = query_start[b], n_q = query_start[b + 1] - first, seq_len = seq_lens[b];
         const int32_t *table = block_tables + b * bt_stride;
-        for (long kvh = 0; kvh < nkv; kvh++) {
-            long h0 = kvh * group;
-            for (long g = 0; g < group; g++) {
-                const bf16 *qh = q + (b * nh + h0 + g) * d;
-                for (long i = 0; i < d; i++) qf[g * d + i] = bf2f(qh[i]);
-                m[g] = -INFINITY;
-                total[g] = 0.0f;
-            }
-            for (long s0 = 0; s0 < len; s0 += block_size) { /* block by block: no division per key */
-                const bf16 *k = cache + (long)table[s0 / block_size] * block_stride + kvh * d;
-                long n = len - s0 < block_size ? len - s0 : block_size;
-                for (long o = 0; o < n; o++, k += nkv * d) {
-                    for (long i = 0; i < d; i++) row[i] = bf2f(k[i]);
-                    for (long g = 0; g < group; g++) {
-                        float score = dot_tree(qf + g * d, row, d) * scale;
-                        p[g * max_len + s0 + o] = score;
-                        if (score > m[g]) m[g] = score;
+        for (long t = 0; t < n_q; t++) {
+            long tok = first + t, len = seq_len - n_q + t + 1; /* causal: keys 0 .. len - 1 */
+            for (long kvh = 0; kvh < nkv; kvh++) {
+                long h0 = kvh * group;
+                for (long g = 0; g < group; g++) {
+                    const bf16 *qh = q + (tok * nh + h0 + g) * d;
+                    for (long i = 0; i < d; i++) qf[g * d + i] = bf2f(qh[i]);
+                    m[g] = -INFINITY;
+                    total[g] = 0.0f;
+                }
+                for (long s0 = 0; s0 < len; s0 += block_size) { /* block by block: no division per key */
+                    const bf16 *k = cache + (long)table[s0 / block_size] * block_stride + kvh * d;
+                    long nk = len - s0 < block_size ? len - s0 : block_size;
+                    for (long o = 0; o < nk; o++, k += nkv * d) {
+                        for (long i = 0; i < d; i++) row[i] = bf2f(k[i]);
+                        for (long g = 0; g < group; g++) {
+                            float score = dot_tree(qf + g * d, row, d) * scale;
+                            p[g * max_len + s0 + o] = score;
+                            if (score > m[g]) m[g] = score;
+                        }
                     }
                 }
-            }
-            for (long g = 0; g < group; g++) {
-                float *pg = p + g * max_len;
-                for (long s = 0; s < len; s++) {
-                    pg[s] = expf(pg[s] - m[g]);
-                    total[g] += pg[s];
-                }
-            }
-            for (long i = 0; i < group * d; i++) acc[i] = 0.0f;
-            for (long s0 = 0; s0 < len; s0 += block_size) {
-                const bf16 *v = cache + (long)table[s0 / block_size] * block_stride + v_off + kvh * d;
-                long n = len - s0 < block_size ? len - s0 : block_size;
-                for (long o = 0; o < n; o++, v += nkv * d) {
-                    for (long i = 0; i < d; i++) row[i] = bf2f(v[i]);
-                    for (long g = 0; g < group; g++) {
-                        float w = p[g * max_len + s0 + o];
-                        float *ag = acc + g * d;
-                        for (long i = 0; i < d; i++) ag[i] += w * row[i];
+                for (long g = 0; g < group; g++) {
+                    float *pg = p + g * max_len;
+                    for (long s = 0; s < len; s++) {
+                        pg[s] = expf(pg[s] - m[g]);
+                        total[g] += pg[s];
                     }
                 }
-            }
-            for (long g = 0; g < group; g++) {
-                bf16 *oh = out + (b * nh + h0 + g) * d;
-                if (len == 0 || !(total[g] > 0.0f)) { /* no keys (or a NaN row): NaN, as SDPA gives */
-                    for (long i = 0; i < d; i++) oh[i] = (bf16)0x7fc0;
-                    continue;
+                for (long i = 0; i < group * d; i++) acc[i] = 0.0f;
+                for (long s0 = 0; s0 < len; s0 += block_size) {
+                    const bf16 *v = cache + (long)table[s0 / block_size] * block_stride + v_off + kvh * d;
+                    long nk = len - s0 < block_size ? len - s0 : block_size;
+                    for (long o = 0; o < nk; o++, v += nkv * d) {
+                        for (long i = 0; i < d; i++) row[i] = bf2f(v[i]);
+                        for (long g = 0; g < group; g++) {
+                            float w = p[g * max_len + s0 + o];
+                            float *ag = acc + g * d;
+                            for (long i = 0; i < d; i++) ag[i] += w * row[i];
+                        }
+                    }
                 }
-                for (long i = 0; i < d; i++) oh[i] = f2bf(acc[g * d + i] / total[g]);
+                for (long g = 0; g < group; g++) {
+                    bf16 *oh = out + (tok * nh + h0 + g) * d;
+                    if (len <= 0 || !(total[g] > 0.0f)) { /* no keys (or a NaN row): NaN, as SDPA gives */
+                        for (long i = 0; i < d; i++) oh[i] = (bf16)0x7fc0;
+                        continue;
+                    }
+                    for (long i = 0; i < d; i++) oh[i] = f2bf(acc[g * d + i] / total[g]);
+                }
             }
         }
     }
@@ -294,7 +300,7 @@ static int pd_decode_attention_bf16(const bf16 *q, const bf16 *cache, long block
 
 /* ------------------------------------------------------------------------- the Python module */
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 
 /* args[i] as a C long / pointer / float; *bad set on a wrong type (Python's error is set) */
 static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {
@@ -379,8 +385,8 @@ static PyObject *py_rotary_store(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (!nargs_ok("decode_attention", n, 13)) return NULL;
+static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (!nargs_ok("attention", n, 14)) return NULL;
     int bad = 0;
     const bf16 *q = arg_p(args, 0, &bad);
     const bf16 *cache = arg_p(args, 1, &bad);
@@ -388,13 +394,14 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     long nkv = arg_l(args, 4, &bad), d = arg_l(args, 5, &bad);
     const int32_t *tables = arg_p(args, 6, &bad);
     long bt_stride = arg_l(args, 7, &bad);
-    const int32_t *lens = arg_p(args, 8, &bad);
-    long batch = arg_l(args, 9, &bad), nh = arg_l(args, 10, &bad);
-    float scale = arg_f(args, 11, &bad);
-    bf16 *out = arg_p(args, 12, &bad);
+    const int32_t *starts = arg_p(args, 8, &bad);
+    const int32_t *lens = arg_p(args, 9, &bad);
+    long batch = arg_l(args, 10, &bad), nh = arg_l(args, 11, &bad);
+    float scale = arg_f(args, 12, &bad);
+    bf16 *out = arg_p(args, 13, &bad);
     if (bad) return NULL;
-    if (pd_decode_attention_bf16(q, cache, block_stride, block_size, nkv, d, tables, bt_stride, lens, batch,
-                                 nh, scale, out) != 0)
+    if (pd_attention_bf16(q, cache, block_stride, block_size, nkv, d, tables, bt_stride, starts, lens, batch, nh,
+                          scale, out) != 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -440,7 +447,7 @@ static PyMethodDef methods[] = {
     {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL, NULL},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},
     {"rotary_store", (PyCFunction)(void (*)(void))py_rotary_store, METH_FASTCALL, NULL},
-    {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, NULL},
+    {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -253,6 +253,7 @@ def _native_kv_ok(meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
             meta.max_seq_len,
             num_blocks,
             kv_cache.shape[2],
+            meta.query_start_loc,
         )
         ok = meta._native_kv_ok = (num_blocks, passed)
     return ok[1]
@@ -368,15 +369,21 @@ def attend_cached(
     assert meta.num_tokens == num_tokens and meta.slot_mapping.shape == (num_tokens,)
 
     batch = meta.batch_size
-    if (
-        meta.max_query_len == 1
-        and num_tokens == batch
-        and kernels.wants_native(q)
-        and not meta.static_bounds
-        and _native_kv_ok(meta, kv_cache)
-    ):
-        out = cpu_native.decode_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+    if kernels.wants_native(q) and not meta.static_bounds and _native_kv_ok(meta, kv_cache):
+        # prefill, decode and mixed steps alike, under the kernel's cap on work
+        if meta.max_query_len == 1:
+            scores = num_heads * batch * meta.max_seq_len  # a bound, cheaper than the sum
+        else:
+            scores = cpu_native.attention_scores(meta.query_lens_cpu, meta.seq_lens_cpu, num_heads)
+        out = cpu_native.attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_seq_len,
+            scale,
+            scores,
         )
         if out is not None:
             return out

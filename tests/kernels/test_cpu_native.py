@@ -51,7 +51,10 @@ def _within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.usefixtures("native")
 @pytest.mark.parametrize(("rows", "width"), [(1, 128), (16, 128), (5, 4096)])
 @pytest.mark.parametrize("strided", [False, True])
-def test_the_norms_and_silu_match_their_twins(rows: int, width: int, strided: bool) -> None:
+def test_the_norms_and_silu_match_their_twins(
+    rows: int, width: int, strided: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The silu kernel past the size it is used at (MAX_SILU_ELEMENTS, raised here), too."""
     gen = torch.Generator().manual_seed(rows * width)
 
     def make(cols: int, scale: float = 3.0) -> torch.Tensor:
@@ -69,6 +72,9 @@ def test_the_norms_and_silu_match_their_twins(rows: int, width: int, strided: bo
     want_normed, want_residual = fused_add_rms_norm_torch(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, want_residual)  # one elementwise add: the same bits
     _within_one_step(normed, want_normed)
+    if gate_up.numel() > cpu_native.MAX_SILU_ELEMENTS:
+        assert cpu_native.silu_and_mul(gate_up) is None  # torch's vectorised kernel is faster there
+    monkeypatch.setattr(cpu_native, "MAX_SILU_ELEMENTS", 1 << 20)
     act = cpu_native.silu_and_mul(gate_up)
     assert act is not None
     _within_one_step(act, silu_and_mul_torch(gate_up))
@@ -148,31 +154,57 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 
 @pytest.mark.usefixtures("native")
-def test_decode_attention_matches_the_fp32_reference_and_the_twin() -> None:
-    """Requests of different lengths over shuffled blocks of a layer view, grouped query heads,
-    huge garbage in every slot no request owns; against a naive fp32 reference and the twin."""
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1, 1], [1, 9, 30, 16]), ([1, 9, 5, 16], [12, 9, 30, 16])],
+    ids=["decode", "mixed"],
+)
+def test_attention_matches_the_fp32_reference_and_the_twin(
+    query_lens: list[int], seq_lens: list[int]
+) -> None:
+    """Decode rows, a fresh prompt, a chunk after cached context and a decode beside them, over
+    shuffled blocks of a layer view, grouped query heads, huge garbage in every slot no request
+    owns: causal attention against a naive fp32 reference and the twin."""
+    from pdserve.models.attention import attend_cached
+
     gen = torch.Generator().manual_seed(7)
-    nh, nkv, seq_lens = 8, 2, [1, 9, 30, 16]
+    nh, nkv = 8, 2
     num_blocks = sum(-(-s // BLOCK) for s in seq_lens) + 3
     cache = allocate_kv_cache(num_blocks, 2, BLOCK, nkv, HEAD_DIM, BF16)
     layer = cache[:, 1]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-s // BLOCK))] for s in seq_lens]
-    q = torch.randn(len(seq_lens), nh, HEAD_DIM, generator=gen).to(BF16)
-    want = []
-    for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
+    q = torch.randn(sum(query_lens), nh, HEAD_DIM, generator=gen).to(BF16)
+    want, row = [], 0
+    for n, s, table in zip(query_lens, seq_lens, tables, strict=True):
         kv = torch.randn(2, s, nkv, HEAD_DIM, generator=gen).to(BF16)
         for pos in range(s):
             layer[table[pos // BLOCK], :, pos % BLOCK] = kv[:, pos]
-        want.append(_reference_attention(q[i].float(), kv[0].float(), kv[1].float(), HEAD_DIM**-0.5))
-    meta = build_metadata([1] * len(seq_lens), seq_lens, tables, BLOCK)
-    got = cpu_native.decode_attention(
-        q, layer, meta.block_tables, meta.seq_lens, meta.max_seq_len, HEAD_DIM**-0.5
+        for t in range(n):  # token t of the request's n sees keys 0 .. s - n + t
+            keys = s - n + t + 1
+            want.append(
+                _reference_attention(
+                    q[row].float(), kv[0, :keys].float(), kv[1, :keys].float(), HEAD_DIM**-0.5
+                )
+            )
+            row += 1
+    meta = build_metadata(query_lens, seq_lens, tables, BLOCK)
+    scores = cpu_native.attention_scores(query_lens, seq_lens, nh)
+    assert scores == nh * sum(
+        s - n + t + 1 for n, s in zip(query_lens, seq_lens, strict=True) for t in range(n)
+    )
+    got = cpu_native.attention(
+        q,
+        layer,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.max_seq_len,
+        HEAD_DIM**-0.5,
+        scores,
     )
     assert got is not None and got.dtype == BF16 and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), torch.stack(want), rtol=1e-2, atol=1e-2)
-    from pdserve.models.attention import attend_cached
-
     assert torch.equal(attend_cached(q, layer, meta, HEAD_DIM**-0.5), got)  # the default path
     with kernels.use_backend("torch"):
         twin = attend_cached(q, layer, meta, HEAD_DIM**-0.5)
@@ -199,15 +231,29 @@ def test_cases_not_for_the_native_kernels_get_none() -> None:
     assert cpu_native.rotary_store_kv(q, k.clone(), v, pos, cos_sin, cache, slots) is None  # not adjacent
     assert cpu_native.rotary_store_kv(q, k, v, pos.int(), cos_sin, cache, slots) is None  # int32 positions
     meta = build_metadata([1], [40], [list(range(10))], BLOCK)
-    wide = torch.randn(1, cpu_native.MAX_ATTENTION_SCORES // 40 + 1, HEAD_DIM).to(BF16)
-    big_cache = torch.zeros(10, 2, BLOCK, 1, HEAD_DIM, dtype=BF16)
-    assert cpu_native.decode_attention(wide, big_cache, meta.block_tables, meta.seq_lens, 40, 0.1) is None
+    one = torch.randn(1, 2, HEAD_DIM).to(BF16)
+    cache1 = torch.zeros(10, 2, BLOCK, 1, HEAD_DIM, dtype=BF16)
+    args = (cache1, meta.block_tables, meta.query_start_loc, meta.seq_lens, 40, 0.1)
+    assert cpu_native.attention(one, *args, cpu_native.attention_scores([1], [40], 2)) is not None
+    assert cpu_native.attention(one, *args, cpu_native.MAX_ATTENTION_SCORES + 1) is None  # over the cap
 
 
 def test_indices_that_leave_the_buffers_fail_the_step_check() -> None:
     meta = build_metadata([1, 1], [5, 3], [[2, 1], [0]], BLOCK)
     ok = (meta.slot_mapping, meta.seq_lens, meta.block_tables, meta.max_seq_len)
     assert cpu_native.kv_indices_ok(*ok, num_blocks=3, block_size=BLOCK)
+    assert cpu_native.kv_indices_ok(*ok, 3, BLOCK, meta.query_start_loc)
+    for bad_starts in ([0, 1, 3], [1, 1, 2], [0, 2, 1]):  # past the tokens, not from 0, decreasing
+        assert not cpu_native.kv_indices_ok(*ok, 3, BLOCK, torch.tensor(bad_starts, dtype=torch.int32))
+    long_query = build_metadata([5, 1], [5, 3], [[2, 1], [0]], BLOCK)
+    starts = torch.tensor([0, 4, 6], dtype=torch.int32)  # request 1: 2 queries, 3 keys: fine
+    assert cpu_native.kv_indices_ok(
+        long_query.slot_mapping, long_query.seq_lens, long_query.block_tables, 5, 3, BLOCK, starts
+    )
+    starts = torch.tensor([0, 0, 6], dtype=torch.int32)  # request 1: 6 queries over 3 keys
+    assert not cpu_native.kv_indices_ok(
+        long_query.slot_mapping, long_query.seq_lens, long_query.block_tables, 5, 3, BLOCK, starts
+    )
     assert not cpu_native.kv_indices_ok(*ok, num_blocks=2, block_size=BLOCK)  # block 2 is out
     bad_len = meta.seq_lens.clone()
     bad_len[1] = 99
@@ -222,12 +268,12 @@ def test_a_bf16_model_step_takes_the_native_kernels_and_stays_close_to_the_twins
     tiny_models: Mapping[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two requests' prompts, then three decode steps of both, through the Llama model in bf16:
-    the prompts and the decode steps run the native rotary + store in every layer, the decode steps
-    the native attention (a prompt's attention keeps the twin), and the decode steps' logits
+    the prompts and the decode steps run the native rotary + store and attention in every layer,
+    and the decode steps' logits
     stay as close to the fp32 model's as the torch twins' do."""
     from pdserve.models.loader import load_model
 
-    calls = {"rotary_store_kv": 0, "decode_attention": 0}
+    calls = {"rotary_store_kv": 0, "attention": 0}
     for name in calls:
         real = getattr(cpu_native, name)
 
@@ -262,7 +308,7 @@ def test_a_bf16_model_step_takes_the_native_kernels_and_stays_close_to_the_twins
 
     ref = run(model32, torch.float32)
     native = run(model16, BF16)
-    want_calls = {"rotary_store_kv": (2 + 3) * n_layers, "decode_attention": 3 * n_layers}
+    want_calls = {"rotary_store_kv": (2 + 3) * n_layers, "attention": (2 + 3) * n_layers}
     assert calls == want_calls
     with kernels.use_backend("torch"):
         twin = run(model16, BF16)
