@@ -3,7 +3,8 @@
     backend   tensor on    -> runs
     -------   ---------    ----------------------------------------------------------------
     auto      CPU, bf16    native C kernel where one fits (cpu_native: norms, silu * up, rotary +
-                           KV store, decode attention), else the torch twin
+                           KV store, attention, small GEMMs; the grammar mask for any CPU
+                           logits dtype), else the torch twin
     auto      CPU / other  torch twin (no triton import, one compare of overhead)
     auto      CUDA         Triton kernel; an unsupported case raises UnsupportedError
     triton    any          Triton kernel (CPU needs TRITON_INTERPRET=1); else UnsupportedError
@@ -27,6 +28,13 @@ from pdserve.errors import ConfigError
 Backend = Literal["auto", "torch", "triton"]
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # exactly representable in fp32
+# dtype -> the bit pattern of -inf as a signed integer of the dtype's width (the grammar masks
+# write it: bitmask.py's penalty table, cpu_native's C pass)
+NEG_INF_BITS: dict[torch.dtype, int] = {
+    torch.float32: -0x00800000,  # 0xFF800000 as int32
+    torch.bfloat16: -0x0080,  # 0xFF80 as int16
+    torch.float16: -0x0400,  # 0xFC00 as int16
+}
 
 _backend: Backend = "auto"
 

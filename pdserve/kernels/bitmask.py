@@ -23,7 +23,13 @@ import torch
 
 from pdserve.errors import UnsupportedError
 from pdserve.kernels import cpu_native
-from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, get_backend, wants_triton
+from pdserve.kernels.backend import (
+    NEG_INF_BITS,
+    TRITON_DTYPES,
+    device_unsupported_reason,
+    get_backend,
+    wants_triton,
+)
 
 _triton_impl: ModuleType | None = None
 
@@ -67,9 +73,9 @@ def _banned_bits(device: torch.device) -> torch.Tensor:
 
 # dtype -> bit patterns of (-inf, +inf) in a numpy integer type of the dtype's width
 _INF_BITS: dict[torch.dtype, tuple[type, int, int]] = {
-    torch.float32: (np.int32, -0x00800000, 0x7F800000),  # 0xFF800000 as int32
-    torch.bfloat16: (np.int16, -0x0080, 0x7F80),  # 0xFF80
-    torch.float16: (np.int16, -0x0400, 0x7C00),  # 0xFC00
+    torch.float32: (np.int32, NEG_INF_BITS[torch.float32], 0x7F800000),
+    torch.bfloat16: (np.int16, NEG_INF_BITS[torch.bfloat16], 0x7F80),
+    torch.float16: (np.int16, NEG_INF_BITS[torch.float16], 0x7C00),
 }
 _PENALTY: dict[torch.dtype, np.ndarray] = {}
 

@@ -174,7 +174,8 @@ static int pd_linear_bf16_f32(const bf16 *x, long x_stride, const float *w_t, co
 
 /* Grammar masks: every token of logits row rows[r] (r when rows is NULL) whose bit in bitmask
  * row r is clear, and every column past 32 * words, := -inf (neg_bits, the logits' dtype's -inf
- * pattern); elem: 2 or 4 bytes. Bit j of word w is token 32 w + j (xgrammar's layout). */
+ * pattern, in its low 16 or 32 bits); elem: 2 or 4 bytes. Bit j of word w is token 32 w + j
+ * (xgrammar's layout). */
 static void pd_apply_bitmask(void *logits, long row_stride, int elem, uint32_t neg_bits, const int64_t *rows,
                              long k, const int32_t *bitmask, long words, long vocab) {
     long n = 32 * words < vocab ? 32 * words : vocab;

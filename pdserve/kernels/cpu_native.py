@@ -53,6 +53,7 @@ from types import ModuleType
 import torch
 
 from pdserve.errors import ConfigError
+from pdserve.kernels.backend import NEG_INF_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +164,8 @@ def _build(portable_only: bool = False) -> Path:
     it is already in the cache (an image built it, ``build_portable``) or this CPU's will not
     build. No compiler is needed when the cache holds either."""
     candidates = [_BASE_FLAGS] if portable_only else [_NATIVE_FLAGS, _BASE_FLAGS]
-    for flags in candidates:
-        path = _module_path(flags)
+    paths = [_module_path(flags) for flags in candidates]  # hashes the source (and cpuinfo) once
+    for path in paths:
         if path.exists():
             return path
     cc = _compiler()
@@ -174,8 +175,7 @@ def _build(portable_only: bool = False) -> Path:
     if not os.path.exists(os.path.join(include, "Python.h")):
         raise RuntimeError(f"no Python.h under {include} (Python's development headers)")
     errors = []
-    for flags in candidates:
-        path = _module_path(flags)
+    for flags, path in zip(candidates, paths, strict=True):
         error = _compile(cc, flags, path)
         if error is None:
             logger.info("built the native CPU kernels: %s", path)
@@ -356,9 +356,6 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
     return out
 
 
-_NEG_INF_BITS = {torch.float32: (4, 0xFF800000), torch.bfloat16: (2, 0xFF80), torch.float16: (2, 0xFC00)}
-
-
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
     """``kernels.apply_token_bitmask_`` on CPU logits (fp32, bf16 or fp16) in one call: the
     tokens row i of ``bitmask`` bans in ``logits[rows[i]]`` (row i when ``rows`` is None), and
@@ -368,8 +365,8 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tens
     lib = _lib if _loaded else library()
     if lib is None or not logits.is_cpu or logits.dim() != 2 or logits.requires_grad:
         return False
-    kind = _NEG_INF_BITS.get(logits.dtype)
-    if kind is None or logits.stride(1) != 1 or bitmask.dtype is not torch.int32 or not bitmask.is_cpu:
+    neg = NEG_INF_BITS.get(logits.dtype)  # signed; the C side keeps the dtype's low bits
+    if neg is None or logits.stride(1) != 1 or bitmask.dtype is not torch.int32 or not bitmask.is_cpu:
         return False
     k = bitmask.shape[0]
     if bitmask.dim() != 2 or not bitmask.is_contiguous() or (rows is None and k > logits.shape[0]):
@@ -383,7 +380,7 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tens
     if rows is not None and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
         return False
     lib.apply_bitmask(
-        logits.data_ptr(), logits.stride(0), kind[0], kind[1], None if rows is None else rows.data_ptr(),
+        logits.data_ptr(), logits.stride(0), logits.element_size(), neg, None if rows is None else rows.data_ptr(),
         k, bitmask.data_ptr(), bitmask.shape[1], logits.shape[1],
     )  # fmt: skip
     return True
