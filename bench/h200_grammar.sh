@@ -6,7 +6,8 @@
 # GRAMMAR_ARGS adds to every bench run (e.g. "--tokens 64"); GRAMMAR_SHAPE (llama-1b) and
 # GRAMMAR_DEVICE (cuda) let it run elsewhere (e.g. tiny / cpu to check the script); GRAMMAR_SPY
 # below, GRAMMAR_SPY_ARGS adds to py-spy's (e.g. --native); GRAMMAR_THREAD: the bench's
-# --grammar-thread values to run (e.g. "on off"; default auto).
+# --grammar-thread values to run (e.g. "on off"; default auto); GRAMMAR_PHASES="" skips the
+# greedy run with per-phase host timers (--phases).
 set -uo pipefail
 OUT=${1:-bench/results/h200}
 SHAPE=${GRAMMAR_SHAPE:-llama-1b}
@@ -20,6 +21,10 @@ for gt in ${GRAMMAR_THREAD:-auto}; do
   echo "--- greedy, all modes, grammar thread $gt"
   "${B[@]}" --reps 5 --temperature 0 --grammar-thread "$gt" 2>&1 | tail -8
 done
+if [ -n "${GRAMMAR_PHASES-1}" ]; then  # GRAMMAR_PHASES="": skip
+  echo "--- greedy, host time per phase (--phases: timers on, so tok/s is a little lower)"
+  "${B[@]}" --reps 3 --temperature 0 --phases 2>&1 | tail -24
+fi
 SPY=$(command -v py-spy || ls /tmp/pdserve-site/bin/py-spy 2>/dev/null)
 [ -n "$SPY" ] || { echo "py-spy not found: no profiles"; exit 0; }
 mkdir -p "$OUT/spy"

@@ -16,7 +16,11 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
@@ -57,6 +61,83 @@ def run(
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
     return n / dt, n
+
+
+# (owner, attribute, label): the engine's functions --phases times, in the order it prints them.
+# "fill" runs on the filler thread when there is one (not on the step's critical path then).
+def _phase_targets() -> list[tuple[Any, str, str]]:
+    from pdserve.engine import llm_engine, model_runner, scheduler, structured
+
+    return [
+        (llm_engine.LLMEngine, "step", "whole step"),
+        (scheduler.Scheduler, "schedule", "schedule"),
+        (model_runner.ModelRunner, "launch", "launch (inputs, forward, logits)"),
+        (model_runner.PendingStep, "result", "wait for the device (result)"),
+        (scheduler.Scheduler, "update_from_output", "update_from_output"),
+        (model_runner.ModelRunner, "_start_grammar_masks", "grammar: advance + submit"),
+        (model_runner, "advance", "  of it: advance (accept)"),
+        (llm_engine.LLMEngine, "_process", "detokenize, deltas (_process)"),
+        (model_runner.ModelRunner, "_apply_grammar_masks", "grammar: wait, copy, mask"),
+        (structured.BitmaskFill, "wait", "  of it: wait for the fill"),
+        (model_runner.ModelRunner, "sample_deferred", "sampler launch (sample_deferred)"),
+        (structured, "fill_bitmask", "fill (xgrammar; filler thread if on)"),
+        (model_runner, "fill_bitmask", "fill (xgrammar; filler thread if on)"),  # its own import
+    ]
+
+
+def _labels() -> list[str]:
+    return list(dict.fromkeys(label for _, _, label in _phase_targets()))
+
+
+class PhaseTimers:
+    """Wraps the engine's functions with wall-clock accumulators (--phases): host time per step of
+    each phase. The timers cost every mode alike (a few hundred ns per call)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        for owner, attr, label in _phase_targets():
+            fn = getattr(owner, attr)
+            self._saved.append((owner, attr, fn))
+            setattr(owner, attr, self._wrap(fn, label))
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                dt = clock() - t0
+                with self._lock:
+                    self.total[label] += dt
+                    self.calls[label] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, float]:
+        """µs per engine step of each phase since reset()."""
+        steps = max(1, self.calls.get("whole step", 0))
+        return {label: self.total.get(label, 0.0) * 1e6 / steps for label in _labels()}
+
+
+def print_phases(per_mode: dict[str, list[dict[str, float]]], steps: dict[str, int]) -> None:
+    names = list(per_mode)
+    print("\nhost µs per engine step (median over reps; --phases timers on)")
+    print(f"{'phase':<40}" + "".join(f"{n.split()[0][:12]:>14}" for n in names))
+    for label in _labels():
+        row = [statistics.median(r[label] for r in per_mode[n]) for n in names]
+        print(f"{label:<40}" + "".join(f"{v:>14.1f}" for v in row))
+    print(f"{'steps per rep':<40}" + "".join(f"{steps[n]:>14}" for n in names))
 
 
 def model_vocab(model_dir: str) -> int:
@@ -104,6 +185,11 @@ def main() -> None:
         default="auto",
         help="bitmask fills on the runner's filler thread (auto: on CUDA hosts of 4+ cores)",
     )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time the engine's phases (host µs per step, per mode); slows every mode a little",
+    )
     args = ap.parse_args()
     picked = {k: v for k, v in MODES.items() if k.split()[0].replace("json_schema", "json") in args.modes}
     with tempfile.TemporaryDirectory() as d:
@@ -121,11 +207,21 @@ def main() -> None:
             run(llm, 2, 4, mode, **kw)
         results: dict[str, list[float]] = {m: [] for m in picked}
         counts: dict[str, int] = {}
+        timers = PhaseTimers() if args.phases else None
+        if timers is not None:
+            timers.install()
+        phases: dict[str, list[dict[str, float]]] = {m: [] for m in picked}
+        steps: dict[str, int] = {}
         for _ in range(args.reps):
             for name, mode in picked.items():
+                if timers is not None:
+                    timers.reset()
                 tps, n = run(llm, args.batch, args.tokens, mode, **kw)
                 results[name].append(tps)
                 counts[name] = n
+                if timers is not None:
+                    phases[name].append(timers.snapshot())
+                    steps[name] = timers.calls.get("whole step", 0)
     base = statistics.median(next(iter(results.values())))
     where = str(llm.engine.runner.device)
     if llm.engine.runner.device.type == "cuda":
@@ -142,6 +238,8 @@ def main() -> None:
     for name, xs in results.items():
         m = statistics.median(xs)
         print(f"{name:<24} {m:>9.1f} {m / base - 1:>+16.1%} {counts[name]:>7}")
+    if args.phases:
+        print_phases(phases, steps)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pdserve.engine.structured import (
     BitmaskFiller,
     GrammarCompiler,
     GrammarState,
+    SteadyRows,
     advance,
     fill_bitmask,
     usable_cpus,
@@ -174,6 +175,7 @@ class ModelRunner:
         self.sampler = Sampler(self.staging)
         self._generators: dict[str, torch.Generator] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured-output matchers by request id
+        self._steady_grammars = SteadyRows()  # the last step's grammar rows (steady decode)
         self._grammar_compiler: GrammarCompiler | None = None
         # Bitmask fills on a thread of their own where cores are to spare (made by the first fill
         # that can overlap: asynchronous scheduling, where they overlap the previous step's
@@ -336,7 +338,8 @@ class ModelRunner:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
         for rid in request_ids:
             self._generators.pop(rid, None)
-            self._grammars.pop(rid, None)
+            if self._grammars.pop(rid, None) is not None and rid in self._steady_grammars.ids:
+                self._steady_grammars.forget()
 
     def _grammar(self, request: Request, vocab_size: int) -> GrammarState:
         """The request's matcher, built on first sight (``advance`` then feeds it the output
@@ -368,27 +371,46 @@ class ModelRunner:
         of requests that finished while the step was in flight are skipped (their tokens are
         dropped)."""
         vocab = job.logits.shape[1]
-        pairs: list[tuple[GrammarState, list[int]]] = []
-        rows: list[int] = []
-        for i in job.grammar_rows:
-            req = job.chunks[i].request
-            if req.is_finished:
-                continue
-            # Only this step's own token may be in flight: every earlier one is in the history,
-            # so the mask is never built from a stale matcher.
-            assert req.num_output_placeholders == 1, (req.request_id, req.num_output_placeholders)
-            pairs.append((self._grammar(req, vocab), req.output_token_ids))
-            rows.append(i)
-        if not pairs:
-            return GrammarMasks([], None, None)
-        assert self._grammar_compiler is not None  # made by the first _grammar() call above
-        live = advance(pairs, self._grammar_compiler.stop_ids)
+        chunks = job.chunks
+        reqs = [chunks[i].request for i in job.grammar_rows]
+        ids = [r.request_id for r in reqs]
+        steady = self._steady_grammars
+        # Only this step's own token may be in flight: every earlier one is in the history, so
+        # the mask is never built from a stale matcher.
+        assert all(r.num_output_placeholders == 1 or r.is_finished for r in reqs), ids
+        steadied = None
+        if not any(r.is_finished for r in reqs) and self._grammar_compiler is not None:
+            steadied = steady.advance(
+                ids, [r.output_token_ids for r in reqs], self._grammar_compiler.stop_ids
+            )
+        if steadied is not None:
+            live, states = steadied
+            rows = job.grammar_rows if len(live) == len(reqs) else [job.grammar_rows[k] for k in live]
+        else:  # the general path; rows of requests that finished meanwhile are skipped
+            pairs: list[tuple[GrammarState, list[int]]] = []
+            all_rows = []
+            for i, req in zip(job.grammar_rows, reqs, strict=True):
+                if req.is_finished:
+                    continue
+                pairs.append((self._grammar(req, vocab), req.output_token_ids))
+                all_rows.append(i)
+            if not pairs:
+                steady.forget()
+                return GrammarMasks([], None, None)
+            assert self._grammar_compiler is not None  # made by the first _grammar() call above
+            live = advance(pairs, self._grammar_compiler.stop_ids)
+            if len(pairs) == len(ids):
+                steady.keep(ids, [p[0] for p in pairs], live)
+            else:
+                steady.forget()
+            states = [pairs[k][0] for k in live]
+            rows = [all_rows[k] for k in live]
         if not live:
             return GrammarMasks([], None, None)
+        assert self._grammar_compiler is not None
         # The bitmask covers the tokenizer's ids (GrammarCompiler.mask_vocab); the mask kernel
         # bans every logits column past it (the LM head's padding rows).
         host = self.staging.host_empty((len(live), self._grammar_compiler.mask_words), torch.int32)
-        states = [pairs[k][0] for k in live]
         fill = None
         if overlap and self._use_filler:
             if self._filler is None:
@@ -396,7 +418,7 @@ class ModelRunner:
             fill = self._filler.submit(states, host)
         else:
             fill_bitmask(states, host)
-        return GrammarMasks([rows[k] for k in live], host, fill)
+        return GrammarMasks(rows, host, fill)
 
     def _apply_grammar_masks(self, job: SampleJob, masks: GrammarMasks) -> None:
         """Wait for ``masks``' fill, copy the bitmask to the device and mask those rows of the

@@ -211,6 +211,66 @@ def advance(states: list[tuple[GrammarState, list[int]]], stop_ids: Collection[i
     return live
 
 
+class SteadyRows:
+    """The grammar rows of the step before, kept for the next while a step's rows are the same
+    requests in the same order (steady decode). Their live matchers are then caught up with one
+    batched accept and a counter per row, without ``advance``'s per-row bookkeeping; ``advance``
+    stays the general path (a row joined, left, ended or fell behind). Rows whose grammar is
+    done (ended, failed) stay in the key and are skipped."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []  # request ids, one per row; empty: nothing kept
+        self._live: list[int] = []  # indices into ids of the rows still constrained
+        self._states: list[GrammarState] = []  # theirs
+        self._matchers: list[Any] = []
+        self._next_lengths: list[int] = []  # their output lengths at the next step
+
+    def keep(self, ids: list[str], states: list[GrammarState], live: list[int]) -> None:
+        """Remember a step's rows after ``advance``: ``ids`` and ``states`` of every row,
+        ``live`` the indices ``advance`` returned."""
+        self.ids, self._live = ids, live
+        self._states = [states[k] for k in live]
+        self._matchers = [s.matcher for s in self._states]
+        self._next_lengths = [s.num_accepted + 1 for s in self._states]
+
+    def forget(self) -> None:
+        self.ids, self._live, self._states, self._matchers, self._next_lengths = [], [], [], [], []
+
+    def advance(
+        self, ids: list[str], outputs: list[list[int]], stop_ids: frozenset[int]
+    ) -> tuple[list[int], list[GrammarState]] | None:
+        """Advance the kept rows when ``ids`` are they and each live one has exactly one new
+        token, none a stop token. Returns the live rows (indices into ``ids``) and their states
+        (all that were live, unless a token was rejected). None: nothing was touched, use
+        ``advance``."""
+        if ids != self.ids or not ids:
+            return None
+        live = self._live
+        if not live:
+            return [], []
+        if len(live) < len(outputs):
+            outputs = [outputs[k] for k in live]
+        lengths = [len(o) for o in outputs]
+        if lengths != self._next_lengths:
+            return None
+        tokens = [o[-1] for o in outputs]
+        if not stop_ids.isdisjoint(tokens):
+            return None  # a matcher may end here: advance() asks it
+        accepted = _batch_accept(self._matchers, tokens)
+        states = self._states
+        for state in states:
+            state.num_accepted += 1
+        self._next_lengths = [n + 1 for n in lengths]
+        if accepted is None:
+            return live, states
+        for state, ok in zip(states, accepted, strict=True):
+            if not ok:
+                state.failed = state.done = True
+        kept = [j for j, ok in enumerate(accepted) if ok]
+        self.forget()
+        return [live[j] for j in kept], [states[j] for j in kept]
+
+
 def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
     """Row i of ``bitmask`` ([len(states), GrammarCompiler.mask_words] int32, host) := state i's
     allowed next tokens; one call."""

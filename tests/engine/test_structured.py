@@ -446,3 +446,76 @@ def test_the_batched_accept_reports_rejections_with_and_without_xgrammar_interna
     assert structured._batch_accept(ms, [a, b, a]) == [False, True, False]  # "ab" ended "a+b"
     ms.append(compiler.matcher("regex", "a+b").matcher)
     assert structured._batch_accept(ms, [a, a, b, b]) == [False, False, False, False]  # all ended / b first
+
+
+def test_steady_rows_advance_only_the_same_rows_one_token_each_and_leave_the_rest_to_advance(
+    tiny_models,
+) -> None:
+    """SteadyRows: the kept rows move by one batched accept when the step's rows are the same
+    requests with one new token each; any other step (a row joined or fell behind, a stop
+    token) is handed back untouched (None); a rejected token fails its row and drops the rows."""
+    from pdserve.engine.structured import GrammarCompiler, SteadyRows, advance
+    from pdserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_models["llama"])
+    compiler = GrammarCompiler(tok, len(tok))
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    stop = next(iter(compiler.stop_ids))
+    states = [compiler.matcher("regex", "[ab]+") for _ in range(3)]
+    outs: list[list[int]] = [[a], [b], [a]]
+    ids = ["r0", "r1", "r2"]
+    steady = SteadyRows()
+    assert steady.advance(ids, outs, compiler.stop_ids) is None  # nothing kept yet
+    assert advance(list(zip(states, outs, strict=True)), compiler.stop_ids) == [0, 1, 2]
+    steady.keep(ids, states, [0, 1, 2])
+    for o in outs:
+        o.append(b)
+    assert steady.advance(["r0", "r2", "r1"], outs, compiler.stop_ids) is None  # other order
+    assert all(s.num_accepted == 1 for s in states)  # untouched
+    assert steady.advance(ids, outs, compiler.stop_ids) == ([0, 1, 2], states)
+    assert [s.num_accepted for s in states] == [2, 2, 2]
+    outs[1].append(a)  # r1 alone moved: the others did not
+    assert steady.advance(ids, outs, compiler.stop_ids) is None
+    outs[0].append(a)
+    outs[2].append(stop)  # a stop token: advance() decides whether the matcher ended
+    assert steady.advance(ids, outs, compiler.stop_ids) is None
+    assert [s.num_accepted for s in states] == [2, 2, 2]
+    assert advance(list(zip(states, outs, strict=True)), compiler.stop_ids) == [0, 1]
+    assert states[2].done
+    # a row whose grammar is done stays in the key and is skipped
+    steady.keep(ids, states, [0, 1])
+    for o in outs:
+        o.append(a)
+    assert steady.advance(ids, outs, compiler.stop_ids) == ([0, 1], [states[0], states[1]])
+    assert [s.num_accepted for s in states] == [4, 4, 3]
+    # a rejection through the steady path: the row fails, the kept rows are dropped
+    fresh = [compiler.matcher("regex", "ab") for _ in range(2)]
+    outs2: list[list[int]] = [[a], [a]]
+    assert advance(list(zip(fresh, outs2, strict=True)), compiler.stop_ids) == [0, 1]
+    steady.keep(["x", "y"], fresh, [0, 1])
+    outs2[0].append(b)
+    outs2[1].append(a)  # "aa" does not match "ab"
+    assert steady.advance(["x", "y"], outs2, compiler.stop_ids) == ([0], [fresh[0]])
+    assert fresh[1].failed and fresh[1].done and not fresh[0].done
+    assert steady.ids == [] and steady.advance(["x", "y"], outs2, compiler.stop_ids) is None
+
+
+def test_a_steady_constrained_batch_skips_the_general_advance(tiny_models, make_llm, monkeypatch) -> None:
+    """While a batch's constrained rows stay the same requests, each step's matchers move by the
+    steady path: the general advance() runs when rows change (the first step, a row's end), not
+    on every step; the outputs still satisfy their regex."""
+    from pdserve.engine import model_runner
+
+    calls = []
+    general = model_runner.advance
+    monkeypatch.setattr(model_runner, "advance", lambda *a: calls.append(1) or general(*a))
+    llm = make_llm(tiny_models["llama"])
+    params = [
+        # the grammar cannot end within 24 tokens, so every row runs all of them under it
+        SamplingParams(temperature=1.0, seed=s, max_tokens=24, structured=("regex", "[a-z]{300}"))
+        for s in range(4)
+    ]
+    outs = llm.generate(["The answer is"] * 4, params)
+    assert all(re.fullmatch("[a-z]+", o.text) for o in outs), [o.text for o in outs]
+    steps = max(len(o.token_ids) for o in outs)
+    assert steps == 24 and 1 <= len(calls) <= 3, len(calls)
