@@ -107,19 +107,21 @@ class RouterConfig(_Frozen):
     nonstream_flush_ms: int = Field(default=100, ge=0, le=60_000)
     # Streaming requests on the multiplexed stream, likewise (vLLM's stream_interval, in time):
     # the first token at once, then a stream's tokens merged into one message and one SSE event
-    # at most every this many ms, and the finish at once. 0 (the default) = every step. Fewer
-    # events cost the node, router and client less per token; the client sees tokens in groups.
-    stream_flush_ms: int = Field(default=0, ge=0, le=60_000)
+    # at most every this many ms, and the finish at once; 0 = every engine step. A stream whose
+    # tokens come slower than this (most GPU serving) is not touched; a faster one (a small model,
+    # a CPU host) gets them in groups, at 100 events/s at most by default, and its node, router
+    # and client spend that much less per token (docs/benchmarks.md, thirteenth session).
+    stream_flush_ms: int = Field(default=10, ge=0, le=60_000)
     # Router worker processes sharing the HTTP port (issue 12): each runs its own event loop,
     # node connections and registry view; /metrics adds them up. 1 = the router is one process.
     workers: int = Field(default=1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
-        # nonstream_flush_ms has a non-zero default, so only an explicit value is refused there
+        # Both have non-zero defaults, which per_request does without; an explicit one is refused.
         held = {
             "nonstream_flush_ms": "nonstream_flush_ms" in self.model_fields_set,
-            "stream_flush_ms": self.stream_flush_ms > 0,
+            "stream_flush_ms": "stream_flush_ms" in self.model_fields_set and self.stream_flush_ms > 0,
         }
         for name, asked in held.items():
             ms = getattr(self, name)

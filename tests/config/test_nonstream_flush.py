@@ -21,5 +21,7 @@ def test_stream_flush_is_refused_with_the_per_request_stream_or_over_half_the_ti
         RouterConfig(decode_stream="per_request", stream_flush_ms=20)
     with pytest.raises(ValueError, match=r"stream_flush_ms \(9000\).*inter_token_timeout_s"):
         RouterConfig(stream_flush_ms=9000, inter_token_timeout_s=15.0)
-    assert RouterConfig(decode_stream="per_request").stream_flush_ms == 0  # default: every step
+    # the default (10 ms) is unused there, and allowed, as is an explicit 0 (every step)
+    assert RouterConfig(decode_stream="per_request").stream_flush_ms == 10
+    assert RouterConfig(decode_stream="per_request", stream_flush_ms=0).stream_flush_ms == 0
     assert RouterConfig(stream_flush_ms=50).stream_flush_ms == 50
