@@ -369,7 +369,7 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
 
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(fresh_native)}
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.kernels.cpu_native", "--portable"],
+        [sys.executable, "-m", "pdserve.kernels.cpu_native_build", "--portable"],
         env=env,
         capture_output=True,
         text=True,
