@@ -6,8 +6,9 @@
 # GRAMMAR_ARGS adds to every bench run (e.g. "--tokens 64"); GRAMMAR_SHAPE (llama-1b) and
 # GRAMMAR_DEVICE (cuda) let it run elsewhere (e.g. tiny / cpu to check the script); GRAMMAR_SPY
 # below, GRAMMAR_SPY_ARGS adds to py-spy's (e.g. --native); GRAMMAR_THREAD: the bench's
-# --grammar-thread values to run (e.g. "on off"; default auto); GRAMMAR_PHASES="" skips the
-# greedy run with per-phase host timers (--phases).
+# --grammar-thread values to run (e.g. "on off"; default auto); GRAMMAR_TEMPS the temperatures
+# (default "1 0": sampled and greedy); GRAMMAR_PHASES="" skips the greedy run with per-phase
+# host timers (--phases).
 set -uo pipefail
 OUT=${1:-bench/results/h200}
 SHAPE=${GRAMMAR_SHAPE:-llama-1b}
@@ -16,15 +17,15 @@ M=$(python3 -c "from bench.served import build_model; print(build_model('$SHAPE'
 B=(python3 bench/structured_cpu.py --device "${GRAMMAR_DEVICE:-cuda}" --batch 64 --tokens 128 --model "$M"
   ${GRAMMAR_ARGS:-})
 for gt in ${GRAMMAR_THREAD:-auto}; do
-  echo "--- sampled (temperature 1, seeded), all modes, grammar thread $gt"
-  "${B[@]}" --reps 5 --grammar-thread "$gt" 2>&1 | tail -8
-  echo "--- greedy, all modes, grammar thread $gt"
-  "${B[@]}" --reps 5 --temperature 0 --grammar-thread "$gt" 2>&1 | tail -8
+  for t in ${GRAMMAR_TEMPS:-1 0}; do
+    echo "--- temperature $t ($([ "$t" = 0 ] && echo greedy || echo "sampled, seeded")), all modes, grammar thread $gt"
+    "${B[@]}" --reps 5 --temperature "$t" --grammar-thread "$gt" 2>&1 | tail -8
+  done
+  if [ -n "${GRAMMAR_PHASES-1}" ]; then  # GRAMMAR_PHASES="": skip
+    echo "--- greedy, host time per phase, grammar thread $gt (--phases: timers on, so tok/s is a little lower)"
+    "${B[@]}" --reps 3 --temperature 0 --phases --grammar-thread "$gt" 2>&1 | tail -24
+  fi
 done
-if [ -n "${GRAMMAR_PHASES-1}" ]; then  # GRAMMAR_PHASES="": skip
-  echo "--- greedy, host time per phase (--phases: timers on, so tok/s is a little lower)"
-  "${B[@]}" --reps 3 --temperature 0 --phases 2>&1 | tail -24
-fi
 SPY=$(command -v py-spy || ls /tmp/pdserve-site/bin/py-spy 2>/dev/null)
 [ -n "$SPY" ] || { echo "py-spy not found: no profiles"; exit 0; }
 mkdir -p "$OUT/spy"
@@ -41,5 +42,6 @@ for run in ${GRAMMAR_SPY-1:unconstrained 1:regex 0:unconstrained 0:regex}; do
     python3 bench/pyspy_summary.py "$f" --top 25 --self --under LLMEngine.step
   } >>"$OUT/spy-summary.txt"
 done
-tar -C "$OUT" -czf "$OUT/spy.tar.gz" spy && rm -rf "$OUT/spy"
+[ -d "$OUT/spy" ] && [ -n "$(ls -A "$OUT/spy")" ] && tar -C "$OUT" -czf "$OUT/spy.tar.gz" spy
+rm -rf "$OUT/spy"
 [ -f "$OUT/spy-summary.txt" ] && cat "$OUT/spy-summary.txt" | grep -v "^py-spy> You can" | cut -c1-90 | head -150

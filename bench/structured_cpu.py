@@ -66,7 +66,8 @@ def run(
 # (owner, attribute, label): the engine's functions --phases times, in the order it prints them.
 # "fill" runs on the filler thread when there is one (not on the step's critical path then).
 def _phase_targets() -> list[tuple[Any, str, str]]:
-    from pdserve.engine import llm_engine, model_runner, scheduler, structured
+    from pdserve import kernels
+    from pdserve.engine import host_batch, llm_engine, model_runner, scheduler, structured
 
     return [
         (llm_engine.LLMEngine, "step", "whole step"),
@@ -76,9 +77,14 @@ def _phase_targets() -> list[tuple[Any, str, str]]:
         (scheduler.Scheduler, "update_from_output", "update_from_output"),
         (model_runner.ModelRunner, "_start_grammar_masks", "grammar: advance + submit"),
         (model_runner, "advance", "  of it: advance (accept)"),
+        (structured.SteadyRows, "advance", "  of it: steady rows (accept)"),
+        (host_batch.PinnedStaging, "host_empty", "  of it: bitmask buffer"),
+        (structured.BitmaskFiller, "submit", "  of it: submit to the filler"),
         (llm_engine.LLMEngine, "_process", "detokenize, deltas (_process)"),
         (model_runner.ModelRunner, "_apply_grammar_masks", "grammar: wait, copy, mask"),
         (structured.BitmaskFill, "wait", "  of it: wait for the fill"),
+        (model_runner.ModelRunner, "_bitmask_to_device", "  of it: bitmask copy"),
+        (kernels, "apply_token_bitmask_", "  of it: mask kernel"),
         (model_runner.ModelRunner, "sample_deferred", "sampler launch (sample_deferred)"),
         (structured, "fill_bitmask", "fill (xgrammar; filler thread if on)"),
         (model_runner, "fill_bitmask", "fill (xgrammar; filler thread if on)"),  # its own import
