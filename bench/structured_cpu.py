@@ -192,11 +192,28 @@ def main() -> None:
         help="bitmask fills on the runner's filler thread (auto: on CUDA hosts of 4+ cores)",
     )
     ap.add_argument(
+        "--xgrammar-threads",
+        type=int,
+        default=None,
+        help="threads of xgrammar's batched fill (default: the engine's choice, a quarter of the cores, at most 4)",
+    )
+    ap.add_argument(
         "--phases",
         action="store_true",
         help="also time the engine's phases (host µs per step, per mode); slows every mode a little",
     )
     args = ap.parse_args()
+    if args.xgrammar_threads is not None:
+        import functools
+
+        import xgrammar as xgr
+
+        from pdserve.engine import structured
+
+        n = args.xgrammar_threads
+        structured._batch_matcher = functools.lru_cache(maxsize=1)(
+            lambda: xgr.BatchGrammarMatcher(max_threads=n)
+        )
     picked = {k: v for k, v in MODES.items() if k.split()[0].replace("json_schema", "json") in args.modes}
     with tempfile.TemporaryDirectory() as d:
         if args.model:
@@ -238,6 +255,7 @@ def main() -> None:
         f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), {where}, "
         f"async scheduling {'on' if llm.engine.async_scheduling else 'off'}, "
         f"grammar thread {'on' if llm.engine.runner._use_filler else 'off'}, temperature {args.temperature}"
+        f"{'' if args.xgrammar_threads is None else f', xgrammar threads {args.xgrammar_threads}'}"
         f"{'' if args.temperature == 0 else ', unseeded' if args.no_seed else ', seeded per request'}"
     )
     print(f"{'mode':<24} {'tok/s':>9} {'vs ' + next(iter(results)):>17} {'tokens':>7}")
