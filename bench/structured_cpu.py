@@ -102,14 +102,11 @@ class PhaseTimers:
     def __init__(self) -> None:
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self._saved: list[tuple[Any, str, Any]] = []
         self._lock = threading.Lock()
 
     def install(self) -> None:
         for owner, attr, label in _phase_targets():
-            fn = getattr(owner, attr)
-            self._saved.append((owner, attr, fn))
-            setattr(owner, attr, self._wrap(fn, label))
+            setattr(owner, attr, self._wrap(getattr(owner, attr), label))
 
     def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         clock = time.perf_counter

@@ -338,8 +338,8 @@ class ModelRunner:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
         for rid in request_ids:
             self._generators.pop(rid, None)
-            if self._grammars.pop(rid, None) is not None and rid in self._steady_grammars.ids:
-                self._steady_grammars.forget()
+            if self._grammars.pop(rid, None) is not None:
+                self._steady_grammars.forget()  # a row left: the next step's rows differ anyway
 
     def _grammar(self, request: Request, vocab_size: int) -> GrammarState:
         """The request's matcher, built on first sight (``advance`` then feeds it the output
