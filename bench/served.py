@@ -3,6 +3,7 @@
     .venv/bin/python bench/served.py [--quick] [--concurrency 1 16 64 256] [--model DIR]
         [--shape tiny|llama-1b] [--dtype bfloat16] [--device cpu|cuda] [--prompt-tokens 48]
         [--max-tokens 64] [--ignore-eos] [--client-procs 4] [--skip-vllm] [--vllm-venv DIR]
+        [--reuse-prompts]
 
 One run, one table. For each concurrency level the same requests (random token-id prompts of
 ``--prompt-tokens`` tokens, greedy, ``--max-tokens`` new tokens with ``ignore_eos``) go
@@ -25,6 +26,14 @@ variant's ratio to the in-process engine at the same level is printed next to it
 (gap between streamed chunks, divided by the tokens each carries) p50/p99 come from the
 streaming variants. Only one server set runs at a time (the host has 2 cores).
 
+P/D diagnostics (a second table, and ``diagnostics`` in each JSON row): the router's and every
+node's ``/metrics`` are scraped before and after each measured window; from their differences
+come the mean prefill leg (``router_prefill_leg_seconds``), the mean decode leg's open-to-first-
+delta (``router_decode_first_delta_seconds``: for P/D decode's KV pull and first step), the
+mean KV pull on decode (``kv_pull_seconds``), and per node engine steps/s and the mean
+sequences, decode sequences and tokens per step (``engine_step*``); the in-process row gets the
+same per-step numbers from its engine. A metric that is missing prints as "-".
+
 ``--quick``: levels 1 and 16, fewer requests. On the H200 (see docs/benchmarks.md):
     python bench/served.py --device cuda --shape llama-1b --dtype bfloat16 --prompt-tokens 512 \\
         --max-tokens 128 --concurrency 1 16 64 256 --client-procs 8 --skip-vllm
@@ -44,6 +53,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +166,7 @@ def inprocess_level(engine: Any, prompts: list[list[int]], args: argparse.Namesp
     pending = list(enumerate(prompts))[::-1]
     recs: dict[str, dict] = {}
     in_flight = 0
+    c0 = engine_counters(engine)
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and in_flight < level:
@@ -178,7 +189,130 @@ def inprocess_level(engine: Any, prompts: list[list[int]], args: argparse.Namesp
                 r["n"] += k
             if d.finish_reason is not None:
                 in_flight -= 1
-    return summarize("in-process", level, list(recs.values()), time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    res = summarize("in-process", level, list(recs.values()), wall)
+    c1 = engine_counters(engine)
+    res["diagnostics"] = {
+        "nodes": {"in-process": step_stats(*(b - a for a, b in zip(c0, c1, strict=True)), wall)}
+    }
+    return res
+
+
+def engine_counters(engine: Any) -> tuple[int, int, int, int]:
+    """An in-process engine's (steps, sequences, decode sequences, tokens) so far."""
+    return (
+        engine.num_steps_total,
+        engine.num_step_seqs_total,
+        engine.num_step_decode_seqs_total,
+        engine.num_step_tokens_total,
+    )
+
+
+# -- P/D diagnostics: router and node /metrics around each measured window ---------------------
+Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Snapshot | None:
+    """Every sample of a /metrics page, or None when it cannot be read or parsed."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url, timeout=5.0).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+    except Exception as e:  # a diagnostic: never the reason a measurement fails
+        log(f"  scrape of {url} failed: {e!r}")
+        return None
+
+
+def moved(before: Snapshot | None, after: Snapshot | None, name: str, **labels: str) -> float | None:
+    """The change of the samples called ``name`` (summed over those carrying ``labels``) between
+    two scrapes; None when either scrape failed or the metric is not there."""
+    if before is None or after is None:
+        return None
+
+    def total(snap: Snapshot) -> float | None:
+        vals = [
+            v
+            for (n, ls), v in snap.items()
+            if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
+        ]
+        return sum(vals) if vals else None
+
+    a, b = total(after), total(before)
+    return None if a is None else a - (b or 0.0)
+
+
+def _ratio(num: float | None, den: float | None, scale: float = 1.0, nd: int = 2) -> float | None:
+    return round(scale * num / den, nd) if num is not None and den else None
+
+
+def step_stats(
+    steps: float | None, seqs: float | None, dec: float | None, toks: float | None, window_s: float
+) -> dict:
+    return {
+        "steps_per_s": _ratio(steps, window_s, nd=1),
+        "seqs_per_step": _ratio(seqs, steps),
+        "decode_seqs_per_step": _ratio(dec, steps),
+        "tokens_per_step": _ratio(toks, steps, nd=1),
+    }
+
+
+def path_share(before: Snapshot | None, after: Snapshot | None) -> float | None:
+    """Of the sequences routed in the window, the share prefilled on a prefill node (the rest were
+    prefilled on the decode node: short, seen there before, or every prefill node failed)."""
+    by = {
+        p: moved(before, after, "pdserve:router_requests_by_path_total", path=p)
+        for p in ("disaggregated", "local", "local_fallback")
+    }
+    if all(v is None for v in by.values()):
+        return None
+    return _ratio(by["disaggregated"] or 0.0, sum(v or 0.0 for v in by.values()))
+
+
+def pd_diagnostics(
+    before: dict[str, Snapshot | None], after: dict[str, Snapshot | None], window_s: float
+) -> dict:
+    """Means over one measured window from the router's (key "router") and the nodes' scrapes."""
+
+    def mean_ms(snaps: list[str], hist: str, **labels: str) -> float | None:
+        n = [moved(before[k], after[k], hist + "_count", **labels) for k in snaps]
+        s = [moved(before[k], after[k], hist + "_sum", **labels) for k in snaps]
+        pairs = [(a, b) for a, b in zip(s, n, strict=True) if a is not None and b is not None]
+        return _ratio(sum(a for a, _ in pairs), sum(b for _, b in pairs), 1e3) if pairs else None
+
+    nodes = [k for k in before if k != "router"]
+    first = "pdserve:router_decode_first_delta_seconds"
+    out: dict[str, Any] = {
+        "prefill_leg_ms": mean_ms(["router"], "pdserve:router_prefill_leg_seconds"),
+        "decode_first_delta_ms": mean_ms(["router"], first),
+        "decode_first_delta_ms_by_path": {
+            p: mean_ms(["router"], first, path=p) for p in ("disaggregated", "local")
+        },
+        "kv_pull_ms": mean_ms(nodes, "pdserve:kv_pull_seconds"),
+        "disaggregated_share": path_share(before["router"], after["router"]),
+        "window_s": round(window_s, 3),
+        "nodes": {},
+    }
+    for k in nodes:
+        b, a = before[k], after[k]
+        out["nodes"][k] = step_stats(
+            *(
+                moved(b, a, f"pdserve:{m}_total")
+                for m in (
+                    "engine_steps",
+                    "engine_step_sequences",
+                    "engine_step_decode_sequences",
+                    "engine_step_tokens",
+                )
+            ),
+            window_s,
+        )
+    return out
 
 
 def child_env() -> dict[str, str]:
@@ -197,6 +331,7 @@ def http_level(
     stream: bool,
     name: str,
     server_pids: dict[str, int] | None = None,
+    metrics_urls: dict[str, str] | None = None,
 ) -> dict:
     nproc = max(1, min(args.client_procs, level))
     # Plain processes running only bench/_served_client.py: a multiprocessing client (spawn or
@@ -232,6 +367,8 @@ def http_level(
         touch_s = max(touch_s, float(line[1]))
     t_ready = time.perf_counter()
     cpu0 = {k: proc_cpu_s(pid) for k, pid in (server_pids or {}).items()}
+    m0 = {k: scrape(u) for k, u in (metrics_urls or {}).items()}  # before "go": outside the window
+    t_m0 = time.perf_counter()
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
@@ -240,6 +377,8 @@ def http_level(
     for p in procs:
         assert p.stdout is not None
         recs.extend(json.loads(p.stdout.readline()))
+    t_m1 = time.perf_counter()
+    m1 = {k: scrape(u) for k, u in (metrics_urls or {}).items()}
     cpu = {k: round(proc_cpu_s(pid) - cpu0[k], 3) for k, pid in (server_pids or {}).items()}
     cpu["clients"] = round(sum(r.get("client_cpu_s", 0.0) for r in recs), 3)
     t_done = time.perf_counter()
@@ -263,6 +402,8 @@ def http_level(
     # where a host with few cores spends what the served path costs.
     ntok = sum(r["n"] for r in recs) or 1
     res["cpu_ms_per_tok"] = {k: round(v * 1e3 / ntok, 3) for k, v in cpu.items()}
+    if metrics_urls:
+        res["diagnostics"] = pd_diagnostics(m0, m1, t_m1 - t_m0)
     return res
 
 
@@ -390,6 +531,13 @@ class Cluster:
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p, _ in self.procs}
 
+    def metrics_urls(self) -> dict[str, str]:
+        """/metrics of the router (key "router") and of every node (by name)."""
+        return {
+            "router": self.url + "/metrics",
+            **{n["name"]: f"http://127.0.0.1:{n['metrics_port']}/metrics" for n in self.nodes},
+        }
+
     def stop(self) -> None:
         for _, p, _ in self.procs:
             if p.poll() is None:
@@ -491,6 +639,47 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['output_tok_s'] / v['output_tok_s']:>8.2f}{f(r['ttft_p50_ms'], '.1f'):>10}"
                 f"{f(v['ttft_p50_ms'], '.1f'):>8}"
             )
+    print_diagnostics(rows)
+
+
+def print_diagnostics(rows: list[dict]) -> None:
+    """Where a request's time goes, per (variant, level): the router's mean prefill leg, decode
+    leg open -> first delta and decode's KV pull; per node steps/s and the batch per step."""
+    diag = [r for r in rows if r.get("diagnostics")]
+    if not diag:
+        return
+
+    def f(x: Any, spec: str) -> str:
+        return format(x, spec) if x is not None else "-"
+
+    hdr = (
+        f"{'P/D diagnostics':<32}{'conc':>5}{'P/D share':>10}{'prefill ms':>11}{'1st delta ms':>13}"
+        f"{'KV pull ms':>11}  "
+        f"{'node':<12}{'steps/s':>9}{'seqs/step':>10}{'dec/step':>9}{'tok/step':>10}"
+    )
+    print("\n" + hdr)
+    print("-" * len(hdr))
+    for r in sorted(diag, key=lambda r: (r["concurrency"], r["variant"] != "in-process", r["variant"])):
+        d = r["diagnostics"]
+        lead = (
+            f"{r['variant']:<32}{r['concurrency']:>5}{f(d.get('disaggregated_share'), '.2f'):>10}"
+            f"{f(d.get('prefill_leg_ms'), '.1f'):>11}"
+            f"{f(d.get('decode_first_delta_ms'), '.1f'):>13}{f(d.get('kv_pull_ms'), '.1f'):>11}  "
+        )
+        for i, (node, st) in enumerate(sorted(d.get("nodes", {}).items()) or [("-", {})]):
+            print(
+                (lead if i == 0 else " " * len(lead))
+                + f"{node:<12}{f(st.get('steps_per_s'), '.1f'):>9}{f(st.get('seqs_per_step'), '.2f'):>10}"
+                f"{f(st.get('decode_seqs_per_step'), '.2f'):>9}{f(st.get('tokens_per_step'), '.1f'):>10}"
+            )
+    print(
+        "means over each measured window (router and node /metrics before and after it): P/D share = "
+        "sequences prefilled on a prefill node / all (router_requests_by_path), prefill ms = "
+        "router_prefill_leg_seconds, 1st delta ms = router_decode_first_delta_seconds (P/D: decode's "
+        "KV pull + first step), KV pull ms = kv_pull_seconds on decode; per node engine steps/s and "
+        "sequences / decode sequences / tokens per step",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -545,6 +734,15 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
     ap.add_argument(
+        "--reuse-prompts",
+        action="store_true",
+        help="send each level's prompts again in every measurement (variant, mode, repetition), as "
+        "this bench did before the fourteenth session: after the first pass they hit the prefix "
+        "caches, and the pd variant's router prefills them on decode-0 (their blocks were seen "
+        "there; the P/D diagnostics' P/D share drops to 0). Default: new random prompts for "
+        "every measurement, so P/D rows are P/D and no row is a prefix-cache hit",
+    )
+    ap.add_argument(
         "--profile-level",
         type=int,
         default=None,
@@ -574,6 +772,15 @@ def main() -> None:
     vocab = model_vocab(model_dir)
     nreq = {lv: max(8, int(args.requests_per_level * lv)) for lv in levels}
     prompts = {lv: make_prompts(nreq[lv], args.prompt_tokens, vocab, seed=lv) for lv in levels}
+
+    def pick(lv: int, rep: int, label: str) -> list[list[int]]:
+        """The prompts of one measurement: new ones, or (--reuse-prompts) the level's own."""
+        if args.reuse_prompts:
+            return prompts[lv]
+        return make_prompts(
+            nreq[lv], args.prompt_tokens, vocab, seed=zlib.crc32(f"{lv}/{rep}/{label}".encode())
+        )
+
     rows: list[dict] = []
     run_dir = args.out.parent / "served-logs"
     t_start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -606,7 +813,7 @@ def main() -> None:
         raw: dict[tuple[str, int], list[dict]] = {}
         for rep in range(args.reps):
             for lv in levels:
-                r = inprocess_level(engine, prompts[lv], args, lv)
+                r = inprocess_level(engine, pick(lv, rep, "in-process"), args, lv)
                 raw.setdefault(("in-process", lv), []).append(r)
                 log(f"rep {rep} in-process c={lv}: {r['output_tok_s']} tok/s")
                 for name, url in servers.items():
@@ -615,8 +822,19 @@ def main() -> None:
                         spies = []
                         if rep == 0 and lv == args.profile_level and name in clusters_by_name:
                             spies = start_spies(clusters_by_name[name], run_dir, f"{name}-{mode}-c{lv}")
-                        pids = clusters_by_name[name].pids() if name in clusters_by_name else None
-                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, mode == "stream", label, pids)
+                        srv = clusters_by_name.get(name)
+                        pids, murls = (srv.pids(), srv.metrics_urls()) if srv is not None else (None, None)
+                        r = http_level(
+                            url,
+                            SERVED_NAME,
+                            pick(lv, rep, label),
+                            args,
+                            lv,
+                            mode == "stream",
+                            label,
+                            pids,
+                            murls,
+                        )
                         stop_spies(spies)
                         raw.setdefault((label, lv), []).append(r)
                         log(
@@ -652,7 +870,16 @@ def main() -> None:
                 for rep in range(args.reps):
                     for lv in vllm_levels:
                         pids = {"vllm": vserver.proc.pid} if vserver.proc is not None else None
-                        r = http_level(url, SERVED_NAME, prompts[lv], args, lv, True, "vllm stream", pids)
+                        r = http_level(
+                            url,
+                            SERVED_NAME,
+                            pick(lv, rep, "vllm stream"),
+                            args,
+                            lv,
+                            True,
+                            "vllm stream",
+                            pids,
+                        )
                         raw.setdefault(("vllm stream", lv), []).append(r)
                         log(
                             f"rep {rep} vllm stream c={lv}: {r['output_tok_s']} tok/s, wall {r['wall_s']} s, "

@@ -444,6 +444,20 @@ class _NodeCollector:
         yield gauge("ec_reservations", "Embedding-buffer reservations alive", n.ec_reservations())
         yield gauge("prefix_cache_hit_rate", "Prefix-cache block hit rate", pool.hit_rate)
         yield counter("num_preemptions", "Preemptions by recompute", st.num_preemptions_total)
+        # Batch shape: rate(engine_step_sequences) / rate(engine_steps) is the mean batch,
+        # engine_step_decode_sequences the same for decodes, engine_step_tokens tokens per step.
+        yield counter("engine_steps", "Engine steps launched with something scheduled", eng.num_steps_total)
+        yield counter(
+            "engine_step_sequences", "Sequences scheduled, summed over engine steps", eng.num_step_seqs_total
+        )
+        yield counter(
+            "engine_step_tokens", "Tokens scheduled, summed over engine steps", eng.num_step_tokens_total
+        )
+        yield counter(
+            "engine_step_decode_sequences",
+            "Sequences computing a single token (decodes), summed over engine steps",
+            eng.num_step_decode_seqs_total,
+        )
         yield counter(
             "requests_aborted",
             "Requests aborted on this node",

@@ -164,6 +164,13 @@ class LLMEngine:
         self._undelivered: list[GenerationDelta] = []
         self._failed_step_seq: int | None = None  # a step whose launch raised (see fail_all)
         self.num_aborted_total = 0
+        # Steps launched with something scheduled, and their sums of sequences, tokens and
+        # single-token chunks (decodes): ratios of their rates are the mean batch, the mean tokens
+        # per step and the mean decode batch (the node's pdserve:engine_step_* counters).
+        self.num_steps_total = 0
+        self.num_step_seqs_total = 0
+        self.num_step_tokens_total = 0
+        self.num_step_decode_seqs_total = 0
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d, async scheduling %s",
@@ -453,6 +460,15 @@ class LLMEngine:
             # so the blocks freed for its requests are not deferred forever.
             self._failed_step_seq = sched.step_seq
             raise
+        n, ntok = len(sched.chunks), sched.total_num_scheduled_tokens
+        self.num_steps_total += 1
+        self.num_step_seqs_total += n
+        self.num_step_tokens_total += ntok
+        # A decode chunk computes one token (so does a prompt's one-token remainder, rarely). Every
+        # chunk holds >= 1 token, so tokens == chunks means all of them: no loop in a decode step.
+        self.num_step_decode_seqs_total += (
+            n if ntok == n else sum(1 for c in sched.chunks if c.num_tokens == 1)
+        )
         if not self.async_scheduling:
             return self._complete(sched, pending)
         assert isinstance(runner, ModelRunner)

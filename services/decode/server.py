@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import Histogram
 
 from pdserve.distributed.pp_stage import StageEndpoint
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
@@ -32,6 +34,8 @@ from services.prefill.server import handshake_from_pb, handshake_to_pb
 from services.steps_direct import DirectSteps
 
 logger = logging.getLogger(__name__)
+# 1 ms .. 60 s: a pull on one host over TCP takes milliseconds, one queued behind many seconds.
+KV_PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60)
 
 
 class DecodeNode(NodeBase):
@@ -54,6 +58,14 @@ class DecodeNode(NodeBase):
         self.stage_pull_bytes = [0] * len(self.stages)  # per decode stage (metrics, GetLoad)
         self.stage_pull_failures = [0] * len(self.stages)
         self.stage_pulls = [0] * len(self.stages)
+        self.kv_pull_seconds = Histogram(
+            "pdserve:kv_pull_seconds",
+            "Successful KV pulls: from the engine handing the pull over (its blocks allocated) to "
+            "every stage's KV written (handshake and PushKV of all stages included).",
+            ["node", "role"],
+            buckets=KV_PULL_BUCKETS,
+            registry=self.registry,
+        ).labels(opts.name, opts.role)
 
     def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
         return (self.stage_pull_bytes[pp_rank], self.stage_pull_failures[pp_rank], self.stage_pulls[pp_rank])
@@ -148,20 +160,22 @@ class DecodeNode(NodeBase):
     # engine thread -> event loop: start the pulls a step asked for
     def _on_kv_loads(self, loads: list[KVLoadSpec]) -> None:
         assert self.loop is not None
+        t = time.monotonic()  # the pulls' start, for kv_pull_seconds (the event loop may be busy)
         for spec in loads:
-            self.loop.call_soon_threadsafe(self._start_pull, spec)
+            self.loop.call_soon_threadsafe(self._start_pull, spec, t)
 
-    def _start_pull(self, spec: KVLoadSpec) -> None:
-        task = asyncio.get_running_loop().create_task(self._pull(spec))
+    def _start_pull(self, spec: KVLoadSpec, t_handed: float | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._pull(spec, t_handed))
         self._pulls.add(task)
         task.add_done_callback(self._pulls.discard)
 
-    async def _pull(self, spec: KVLoadSpec) -> None:
+    async def _pull(self, spec: KVLoadSpec, t_handed: float | None = None) -> None:
         p = spec.params
         addr = p.prefill_address
         ok, err = False, ""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        t_start = time.monotonic() if t_handed is None else t_handed
         try:
             peer = self._peers.get(addr) or await self.ensure_handshake(addr)
             # One PushKV per decode stage, into that stage's regions and session (issue 11); the
@@ -196,7 +210,9 @@ class DecodeNode(NodeBase):
         finally:
             self._last_checksum.pop(p.transfer_id, None)
         self.pull_seconds_total += loop.time() - t0
-        if not ok:
+        if ok:
+            self.kv_pull_seconds.observe(time.monotonic() - t_start)
+        else:
             self.pull_failures_total += 1
             logger.warning(
                 "KV pull %s failed: %s (policy %s)", p.transfer_id, err, self.opts.kv_load_failure_policy

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Coroutine
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.outputs import GenerationDelta
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.5
 AFFINITY_BLOCKS = 4  # leading blocks that decide prefix affinity
 SEEN_PREFIXES_PER_NODE = 4096
+# Leg timings, 1 ms .. 60 s (a prefill leg is bounded by prefill_timeout_s, 30 s by default).
+LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60)
 
 
 @dataclass
@@ -137,6 +140,25 @@ class PDBackend:
             ["role", "code"],
             registry=reg,
         )
+        self.prefill_leg_seconds = Histogram(
+            "pdserve:router_prefill_leg_seconds",
+            "Successful prefill legs: the Prefill call to its answer (prefill's queue, the prompt, "
+            "the first token with the KV held).",
+            buckets=LEG_BUCKETS,
+            registry=reg,
+        )
+        self.decode_first_delta_seconds = Histogram(
+            "pdserve:router_decode_first_delta_seconds",
+            "Decode legs: opening the leg to its first delta, by path (disaggregated: decode's KV "
+            "pull and first step included; local: the prompt prefilled on the decode node).",
+            ["path"],
+            buckets=LEG_BUCKETS,
+            registry=reg,
+        )
+        self._first_delta_by_path = {
+            "disaggregated": self.decode_first_delta_seconds.labels("disaggregated"),
+            "local": self.decode_first_delta_seconds.labels("local"),
+        }
         self.node_load = Gauge(
             "pdserve:router_node_load",
             "Sequences per node as the router sees them.",
@@ -400,6 +422,7 @@ class PDBackend:
     ) -> GenerationDelta:
         stub = pb_grpc.PrefillServiceStub(p.channel)
         p.in_flight += 1
+        t0 = time.monotonic()
         try:
             call = stub.Prefill(
                 pb.PrefillRequest(
@@ -434,6 +457,7 @@ class PDBackend:
                 raise
         finally:
             p.in_flight -= 1
+        self.prefill_leg_seconds.observe(time.monotonic() - t0)
         d = convert.delta_from_pb(resp.first)
         d.request_id = req.request_id
         if resp.epoch:
@@ -472,6 +496,8 @@ class PDBackend:
             flush_interval_ms=self.policy.stream_flush_ms if req.streamed else self.policy.nonstream_flush_ms,
         )
         d_node.in_flight += 1
+        first_delta = self._first_delta_by_path["disaggregated" if transfer_id is not None else "local"]
+        t_open = time.monotonic()
         call: Any
         if self.policy.decode_stream == "multiplexed":
             if d_node.mux is None:
@@ -506,11 +532,13 @@ class PDBackend:
                 if m is grpc.aio.EOF:
                     break
                 deadline = self.policy.inter_token_timeout_s
-                streamed = True
+                is_first, streamed = not streamed, True
                 d = convert.delta_from_pb(m)
                 d.request_id = req.request_id
                 finished = d.finish_reason is not None
                 errored = d.finish_reason == "error"
+                if is_first and not errored:
+                    first_delta.observe(time.monotonic() - t_open)
                 if finished and not errored:
                     d_node.breaker.record_success()
                 yield d

@@ -108,12 +108,59 @@ def test_a_stop_token_id_comes_back_as_an_int(cluster, tokenizer, reference, pro
     _wait_all_free(cluster)
 
 
+def _samples(url: str) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _moved(before: dict, after: dict, name: str, **labels: str) -> float:
+    """How much the samples called ``name`` carrying ``labels`` moved between two scrapes."""
+
+    def total(snap: dict) -> float:
+        return sum(v for (n, ls), v in snap.items() if n == name and set(labels.items()) <= ls)
+
+    return total(after) - total(before)
+
+
 def test_both_paths_were_taken(cluster) -> None:
+    """One local and one P/D request: each path counted, the router's leg histograms take one
+    observation per leg, decode's KV pull histogram one per pull, and the nodes' engine step
+    counters move (decode's by the P/D request's decode step too)."""
+    urls = {
+        "router": cluster.cluster.router_url + "/metrics",
+        **{n: f"http://127.0.0.1:{cluster.node(n).metrics_port}/metrics" for n in ("prefill-0", "decode-0")},
+    }
+    before = {k: _samples(u) for k, u in urls.items()}
     c = _client(cluster)
     c.completions.create(model=cluster.model_name, prompt="hi", max_tokens=2, temperature=0)
     c.completions.create(model=cluster.model_name, prompt="word " * 40, max_tokens=2, temperature=0)
     assert _metric(cluster, 'pdserve:router_requests_by_path_total{path="local"}') >= 1
     assert _metric(cluster, 'pdserve:router_requests_by_path_total{path="disaggregated"}') >= 1
+    after = {k: _samples(u) for k, u in urls.items()}
+    r0, r1 = before["router"], after["router"]
+    assert _moved(r0, r1, "pdserve:router_prefill_leg_seconds_count") == 1
+    assert _moved(r0, r1, "pdserve:router_prefill_leg_seconds_sum") > 0
+    first = "pdserve:router_decode_first_delta_seconds_count"
+    assert _moved(r0, r1, first, path="disaggregated") == 1
+    assert _moved(r0, r1, first, path="local") == 1
+    assert _moved(r0, r1, "pdserve:router_decode_first_delta_seconds_bucket", le="+Inf") == 2
+    d0, d1 = before["decode-0"], after["decode-0"]
+    assert _moved(d0, d1, "pdserve:kv_pull_seconds_count", node="decode-0") == 1
+    assert _moved(d0, d1, "pdserve:kv_pull_seconds_sum") > 0
+    # decode: the local prompt (a prefill step and a decode) and the P/D request's one decode
+    assert _moved(d0, d1, "pdserve:engine_step_decode_sequences_total") == 2
+    assert _moved(d0, d1, "pdserve:engine_steps_total") >= 2
+    # prefill: the 40-word prompt, its first token sampled there; no decode
+    p0, p1 = before["prefill-0"], after["prefill-0"]
+    assert _moved(p0, p1, "pdserve:engine_steps_total") >= 1
+    assert _moved(p0, p1, "pdserve:engine_step_tokens_total") >= 40
+    assert _moved(p0, p1, "pdserve:engine_step_decode_sequences_total") == 0
 
 
 def test_chat_stream_usage_is_exact(cluster, tokenizer, reference) -> None:

@@ -162,3 +162,21 @@ def test_the_engine_sets_torchs_cpu_threads_from_cpu_threads(tiny_models, make_l
         assert torch.get_num_threads() == max(1, usable_cpus() // 2)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_counters_sum_sequences_tokens_and_decodes(async_scheduling, tiny_models, make_llm) -> None:
+    """The engine's step counters (the nodes' pdserve:engine_step_* metrics): one step per launch
+    with something scheduled, its chunks, tokens and one-token chunks (decodes) summed."""
+    llm = make_llm(tiny_models["llama"], max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    eng = llm.engine
+    assert (eng.num_steps_total, eng.num_step_seqs_total, eng.num_step_tokens_total) == (0, 0, 0)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([list(range(3, 23)), list(range(100, 105))], sp)
+    assert [len(o.token_ids) for o in out] == [4, 4]
+    # 1: A's first 16 prompt tokens (the budget); 2: A's last 4 + B's 5 (both sample); 3-5: two
+    # decodes each. Under asynchronous scheduling the same chunks (no row past max_tokens).
+    assert eng.num_steps_total == 5
+    assert eng.num_step_seqs_total == 1 + 2 + 3 * 2
+    assert eng.num_step_tokens_total == 16 + (4 + 5) + 3 * 2
+    assert eng.num_step_decode_seqs_total == 3 * 2
