@@ -8,7 +8,9 @@
 # below, GRAMMAR_SPY_ARGS adds to py-spy's (e.g. --native); GRAMMAR_THREAD: the bench's
 # --grammar-thread values to run (e.g. "on off"; default auto); GRAMMAR_TEMPS the temperatures
 # (default "1 0": sampled and greedy); GRAMMAR_PHASES="" skips the greedy run with per-phase
-# host timers (--phases).
+# host timers (--phases). GRAMMAR_BASE=DIR (a copy of another tree's pdserve/ and bench/, e.g.
+# `git archive HEAD~1 pdserve bench | tar -x -C DIR`): each temperature runs that tree and this
+# one in turn, GRAMMAR_ROUNDS times (default 2), so an A/B shares the host's speed of the moment.
 set -uo pipefail
 OUT=${1:-bench/results/h200}
 SHAPE=${GRAMMAR_SHAPE:-llama-1b}
@@ -18,7 +20,18 @@ B=(python3 bench/structured_cpu.py --device "${GRAMMAR_DEVICE:-cuda}" --batch 64
   ${GRAMMAR_ARGS:-})
 for gt in ${GRAMMAR_THREAD:-auto}; do
   for t in ${GRAMMAR_TEMPS:-1 0}; do
-    echo "--- temperature $t ($([ "$t" = 0 ] && echo greedy || echo "sampled, seeded")), all modes, grammar thread $gt"
+    what="temperature $t ($([ "$t" = 0 ] && echo greedy || echo "sampled, seeded")), all modes, grammar thread $gt"
+    if [ -n "${GRAMMAR_BASE:-}" ]; then
+      for round in $(seq "${GRAMMAR_ROUNDS:-2}"); do
+        echo "--- round $round, $what: base tree ($GRAMMAR_BASE)"
+        (cd "$GRAMMAR_BASE" && PYTHONPATH="$GRAMMAR_BASE:${PYTHONPATH#.:}" "${B[@]}" --reps 5 --temperature "$t" \
+          --grammar-thread "$gt" 2>&1 | tail -4)
+        echo "--- round $round, $what: this tree"
+        "${B[@]}" --reps 5 --temperature "$t" --grammar-thread "$gt" 2>&1 | tail -4
+      done
+      continue
+    fi
+    echo "--- $what"
     "${B[@]}" --reps 5 --temperature "$t" --grammar-thread "$gt" 2>&1 | tail -8
   done
   if [ -n "${GRAMMAR_PHASES-1}" ]; then  # GRAMMAR_PHASES="": skip

@@ -67,7 +67,7 @@ def run(
 # "fill" runs on the filler thread when there is one (not on the step's critical path then).
 def _phase_targets() -> list[tuple[Any, str, str]]:
     from pdserve import kernels
-    from pdserve.engine import host_batch, llm_engine, model_runner, scheduler, structured
+    from pdserve.engine import grammar_masks, llm_engine, model_runner, scheduler, structured
 
     return [
         (llm_engine.LLMEngine, "step", "whole step"),
@@ -75,19 +75,22 @@ def _phase_targets() -> list[tuple[Any, str, str]]:
         (model_runner.ModelRunner, "launch", "launch (inputs, forward, logits)"),
         (model_runner.PendingStep, "result", "wait for the device (result)"),
         (scheduler.Scheduler, "update_from_output", "update_from_output"),
-        (model_runner.ModelRunner, "_start_grammar_masks", "grammar: advance + submit"),
-        (model_runner, "advance", "  of it: advance (accept)"),
-        (structured.SteadyRows, "advance", "  of it: steady rows (accept)"),
-        (host_batch.PinnedStaging, "host_empty", "  of it: bitmask buffer"),
+        (grammar_masks.GrammarMasker, "start", "grammar: advance + submit"),
+        (grammar_masks, "advance", "  of it: advance (accept)"),
+        (structured.SteadyRows, "take", "  of it: steady rows (bookkeeping)"),
+        (grammar_masks, "_batch_accept", "  of it: accept inline (steady rows, no filler)"),
+        (grammar_masks.GrammarMasker, "_host", "  of it: bitmask buffer"),
         (structured.BitmaskFiller, "submit", "  of it: submit to the filler"),
         (llm_engine.LLMEngine, "_process", "detokenize, deltas (_process)"),
-        (model_runner.ModelRunner, "_apply_grammar_masks", "grammar: wait, copy, mask"),
-        (structured.BitmaskFill, "wait", "  of it: wait for the fill"),
-        (model_runner.ModelRunner, "_bitmask_to_device", "  of it: bitmask copy"),
-        (kernels, "apply_token_bitmask_", "  of it: mask kernel"),
+        (grammar_masks.GrammarMasker, "wait", "grammar: wait for the fill (+accept)"),
+        (grammar_masks.GrammarMasker, "_on_device", "grammar: bitmask to the kernel (in place / copy)"),
+        (kernels, "apply_token_bitmask_", "grammar: mask kernel (sampled rows)"),
+        (kernels, "masked_argmax_rows", "grammar: masked argmax kernel (greedy)"),
+        (kernels, "argmax_rows", "argmax kernel (unconstrained greedy)"),
         (model_runner.ModelRunner, "sample_deferred", "sampler launch (sample_deferred)"),
+        (structured, "_batch_accept", "accept (filler thread if on)"),
         (structured, "fill_bitmask", "fill (xgrammar; filler thread if on)"),
-        (model_runner, "fill_bitmask", "fill (xgrammar; filler thread if on)"),  # its own import
+        (grammar_masks, "fill_bitmask", "fill (xgrammar; filler thread if on)"),  # its own import
     ]
 
 
@@ -221,7 +224,7 @@ def main() -> None:
         asy = {"auto": None, "on": True, "off": False}[args.async_scheduling]
         llm = LLM(str(path), max_model_len=512, device=args.device, async_scheduling=asy)
         if args.grammar_thread != "auto":
-            llm.engine.runner._use_filler = args.grammar_thread == "on"
+            llm.engine.runner.grammar.use_filler = args.grammar_thread == "on"
         kw = {"temperature": args.temperature, "seeded": not args.no_seed}
         for mode in picked.values():  # warm-up: grammar compile, first allocations
             run(llm, 2, 4, mode, **kw)
@@ -251,7 +254,7 @@ def main() -> None:
     print(
         f"\nbatch {args.batch}, {args.tokens} tokens each, vocab {args.vocab}, {args.reps} reps (median), {where}, "
         f"async scheduling {'on' if llm.engine.async_scheduling else 'off'}, "
-        f"grammar thread {'on' if llm.engine.runner._use_filler else 'off'}, temperature {args.temperature}"
+        f"grammar thread {'on' if llm.engine.runner.grammar.use_filler else 'off'}, temperature {args.temperature}"
         f"{'' if args.xgrammar_threads is None else f', xgrammar threads {args.xgrammar_threads}'}"
         f"{'' if args.temperature == 0 else ', unseeded' if args.no_seed else ', seeded per request'}"
     )

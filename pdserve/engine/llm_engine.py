@@ -494,6 +494,10 @@ class LLMEngine:
         next step, launched with its sampler deferred; launched here once this step's tokens are
         in the requests' histories and before detokenizing (the host's work that can wait)."""
         out = pending.result()
+        if then is not None:  # steady grammar rows: their accept and fill start now, on the filler
+            runner = self.runner
+            assert isinstance(runner, ModelRunner)
+            runner.prepare_deferred_sampled(then, out.sampled)
         self.fence.advance(sched.step_seq)
         self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
         for rid, (start, entries) in out.prompt_logprobs.items():

@@ -27,6 +27,7 @@ from pdserve import kernels
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
+from pdserve.engine.grammar_masks import GrammarMasker, GrammarMasks
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
 from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
 from pdserve.engine.outputs import TokenLogprob
@@ -34,16 +35,7 @@ from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only, draw_
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from pdserve.engine.structured import (
-    BitmaskFill,
-    BitmaskFiller,
-    GrammarCompiler,
-    GrammarState,
-    SteadyRows,
-    advance,
-    fill_bitmask,
-    usable_cpus,
-)
+from pdserve.engine.structured import usable_cpus
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors
@@ -110,16 +102,6 @@ class SampleJob:
 
 
 @dataclass
-class GrammarMasks:
-    """A step's grammar masks on their way: the live rows' bitmask, being filled in host memory
-    (on the runner's BitmaskFiller thread when ``fill`` is set, else already filled)."""
-
-    rows: list[int]  # logits rows of the live grammars, increasing; empty: nothing to mask
-    host: torch.Tensor | None  # [len(rows), mask_words] int32, in the step's staging slot
-    fill: BitmaskFill | None
-
-
-@dataclass
 class PendingStep:
     """A launched step: its device work is queued, its samples are being copied to the host.
 
@@ -174,14 +156,11 @@ class ModelRunner:
         self.staging = PinnedStaging(self.device, timeout_s=config.step_timeout_s)
         self.sampler = Sampler(self.staging)
         self._generators: dict[str, torch.Generator] = {}
-        self._grammars: dict[str, GrammarState] = {}  # structured-output matchers by request id
-        self._steady_grammars = SteadyRows()  # the last step's grammar rows (steady decode)
-        self._grammar_compiler: GrammarCompiler | None = None
-        # Bitmask fills on a thread of their own where cores are to spare (made by the first fill
-        # that can overlap: asynchronous scheduling, where they overlap the previous step's
-        # processing; never on TP workers or pipeline stages, which fill inline).
-        self._use_filler = self.device.type == "cuda" and usable_cpus() >= 4
-        self._filler: BitmaskFiller | None = None
+        # Structured outputs: matchers, bitmask fills (on a thread of their own on CUDA hosts
+        # with cores to spare), the masks' host buffers.
+        self.grammar = GrammarMasker(
+            config, self.device, self.staging, use_filler=self.device.type == "cuda" and usable_cpus() >= 4
+        )
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
         a = self.arch
@@ -338,114 +317,11 @@ class ModelRunner:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
         for rid in request_ids:
             self._generators.pop(rid, None)
-            if self._grammars.pop(rid, None) is not None:
-                self._steady_grammars.forget()  # a row left: the next step's rows differ anyway
-
-    def _grammar(self, request: Request, vocab_size: int) -> GrammarState:
-        """The request's matcher, built on first sight (``advance`` then feeds it the output
-        tokens so far; on decode after P/D: the first token prefill sampled under the grammar)."""
-        structured = request.sampling_params.structured
-        assert structured is not None
-        state = self._grammars.get(request.request_id)
-        if state is None:
-            if self._grammar_compiler is None:
-                from pdserve.models.loader import load_tokenizer
-
-                self._grammar_compiler = GrammarCompiler(
-                    load_tokenizer(self.config.model), vocab_size, sorted(request.eos_token_ids) or None
-                )
-            state = self._grammar_compiler.matcher(*structured)
-            self._grammars[request.request_id] = state
-        return state
+            self.grammar.drop(rid)
 
     def close(self) -> None:
         """Stop the bitmask filler thread, if one was started (idempotent)."""
-        if self._filler is not None:
-            self._filler.close()
-            self._filler = None
-
-    def _start_grammar_masks(self, job: SampleJob, overlap: bool) -> GrammarMasks:
-        """Advance the matchers of ``job``'s grammar rows with their requests' output tokens and
-        start filling the live ones' bitmask (one batched call, into pinned memory; on the filler
-        thread when there is one and ``overlap``: other host work comes before the wait). Rows
-        of requests that finished while the step was in flight are skipped (their tokens are
-        dropped)."""
-        vocab = job.logits.shape[1]
-        chunks = job.chunks
-        reqs = [chunks[i].request for i in job.grammar_rows]
-        ids = [r.request_id for r in reqs]
-        steady = self._steady_grammars
-        # Only this step's own token may be in flight: every earlier one is in the history, so
-        # the mask is never built from a stale matcher.
-        assert all(r.num_output_placeholders == 1 or r.is_finished for r in reqs), ids
-        steadied = None
-        if not any(r.is_finished for r in reqs) and self._grammar_compiler is not None:
-            steadied = steady.advance(
-                ids, [r.output_token_ids for r in reqs], self._grammar_compiler.stop_ids
-            )
-        if steadied is not None:
-            live, states = steadied
-            rows = job.grammar_rows if len(live) == len(reqs) else [job.grammar_rows[k] for k in live]
-        else:  # the general path; rows of requests that finished meanwhile are skipped
-            pairs: list[tuple[GrammarState, list[int]]] = []
-            all_rows = []
-            for i, req in zip(job.grammar_rows, reqs, strict=True):
-                if req.is_finished:
-                    continue
-                pairs.append((self._grammar(req, vocab), req.output_token_ids))
-                all_rows.append(i)
-            if not pairs:
-                steady.forget()
-                return GrammarMasks([], None, None)
-            assert self._grammar_compiler is not None  # made by the first _grammar() call above
-            live = advance(pairs, self._grammar_compiler.stop_ids)
-            if len(pairs) == len(ids):
-                steady.keep(ids, [p[0] for p in pairs], live)
-            else:
-                steady.forget()
-            states = [pairs[k][0] for k in live]
-            rows = [all_rows[k] for k in live]
-        if not live:
-            return GrammarMasks([], None, None)
-        assert self._grammar_compiler is not None
-        # The bitmask covers the tokenizer's ids (GrammarCompiler.mask_vocab); the mask kernel
-        # bans every logits column past it (the LM head's padding rows).
-        host = self.staging.host_empty((len(live), self._grammar_compiler.mask_words), torch.int32)
-        fill = None
-        if overlap and self._use_filler:
-            if self._filler is None:
-                self._filler = BitmaskFiller()
-            fill = self._filler.submit(states, host)
-        else:
-            fill_bitmask(states, host)
-        return GrammarMasks(rows, host, fill)
-
-    def _apply_grammar_masks(self, job: SampleJob, masks: GrammarMasks) -> None:
-        """Wait for ``masks``' fill, copy the bitmask to the device and mask those rows of the
-        logits in place."""
-        if not masks.rows:
-            return
-        assert masks.host is not None
-        if masks.fill is not None:
-            masks.fill.wait(self.config.step_timeout_s)
-        bitmask = self._bitmask_to_device(masks.host)
-        live_rows = masks.rows
-        idx = (
-            None
-            if live_rows[-1] == len(live_rows) - 1  # rows 0..k-1 (increasing, distinct)
-            else self.staging.to_device(array("q", live_rows), torch.int64)
-        )
-        kernels.apply_token_bitmask_(job.logits, bitmask, idx)
-
-    def _bitmask_to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """On CUDA a non-blocking copy from the step's pinned staging slot (reused only after the
-        step's event), queued behind the forward on the compute stream. A side stream would let
-        the copy overlap the forward, but its host calls (stream switch, event, record_stream)
-        cost ~130 us a step on the H200's host against a few microseconds of copy
-        (docs/benchmarks.md), and the engine is host-bound where grammars cost."""
-        if not self.staging.pinned:
-            return host
-        return host.to(self.device, non_blocking=True)
+        self.grammar.close()
 
     def execute(
         self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -537,6 +413,15 @@ class ModelRunner:
             self.sample_deferred(pending)
         return pending
 
+    def prepare_deferred_sampled(self, pending: PendingStep, sampled: dict[str, int]) -> None:
+        """``prepare_deferred`` as soon as the previous step's ``sampled`` tokens are on the host,
+        before they enter the histories: in steady decode with a filler thread the matchers'
+        accept and the masks' fill start here (``GrammarMasker.start_sampled``); otherwise
+        nothing happens and ``prepare_deferred`` does the work."""
+        job = pending.deferred
+        if job is not None and job.grammar_rows and job.masks is None:
+            job.masks = self.grammar.start_sampled(job.chunks, job.grammar_rows, sampled)
+
     def prepare_deferred(self, pending: PendingStep) -> None:
         """Advance the grammar matchers of ``pending``'s deferred sampler and start filling its
         masks (the previous step's tokens are in the requests' histories); ``sample_deferred``
@@ -544,7 +429,7 @@ class ModelRunner:
         job = pending.deferred
         assert job is not None, "the step's sampler was already launched"
         if job.grammar_rows and job.masks is None:
-            job.masks = self._start_grammar_masks(job, overlap=True)
+            job.masks = self.grammar.start(job.chunks, job.grammar_rows, job.logits.shape[1], overlap=True)
 
     @torch.inference_mode()
     def sample_deferred(self, pending: PendingStep) -> None:
@@ -552,13 +437,22 @@ class ModelRunner:
         copy of the samples to the host and the step's event. Nothing waits for the device."""
         job = pending.deferred
         assert job is not None, "the step's sampler was already launched"
+        masks = None
         if job.grammar_rows:
             # If this raises (a fill failed or timed out), ``deferred`` stays set: the step's
             # result() then waits for the fill and the device and raises (the fault path).
-            self._apply_grammar_masks(job, job.masks or self._start_grammar_masks(job, overlap=False))
+            masks = job.masks or self.grammar.start(
+                job.chunks, job.grammar_rows, job.logits.shape[1], overlap=False
+            )
         if job.argmax:
-            samples = SampledTensors(kernels.argmax_rows(job.logits), [], [])  # no SamplerInput rows
+            # no SamplerInput rows; grammar rows: the mask fused with the argmax on CUDA
+            token_ids = (
+                kernels.argmax_rows(job.logits) if masks is None else self.grammar.argmax(job.logits, masks)
+            )
+            samples = SampledTensors(token_ids, [], [])
         else:
+            if masks is not None:
+                self.grammar.apply(job.logits, masks)
             inputs = [
                 SamplerInput(
                     params=c.request.sampling_params,

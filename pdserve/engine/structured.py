@@ -236,18 +236,25 @@ class SteadyRows:
     def forget(self) -> None:
         self.ids, self._live, self._states, self._matchers, self._next_lengths = [], [], [], [], []
 
-    def advance(
+    @property
+    def matchers(self) -> list[Any]:
+        """The kept live rows' matchers (what ``take``'s tokens are accepted by)."""
+        return self._matchers
+
+    def take(
         self, ids: list[str], outputs: list[list[int]], stop_ids: frozenset[int]
-    ) -> tuple[list[int], list[GrammarState]] | None:
-        """Advance the kept rows when ``ids`` are they and each live one has exactly one new
-        token, none a stop token. Returns the live rows (indices into ``ids``) and their states
-        (all that were live, unless a token was rejected). None: nothing was touched, use
-        ``advance``."""
+    ) -> tuple[list[int], list[GrammarState], list[int]] | None:
+        """``advance`` without the accept: when ``ids`` are the kept rows and each live one has
+        exactly one new token, none a stop token, count those tokens as accepted and return the
+        live rows (indices into ``ids``), their states and the tokens. The caller accepts them
+        (``_batch_accept(self.matchers, tokens)``, on another thread if it likes) before the
+        matchers are used again, and hands a rejection to ``rejected``. None: nothing was
+        touched, use ``advance``."""
         if ids != self.ids or not ids:
             return None
         live = self._live
         if not live:
-            return [], []
+            return [], [], []
         if len(live) < len(outputs):
             outputs = [outputs[k] for k in live]
         lengths = [len(o) for o in outputs]
@@ -256,18 +263,62 @@ class SteadyRows:
         tokens = [o[-1] for o in outputs]
         if not stop_ids.isdisjoint(tokens):
             return None  # a matcher may end here: advance() asks it
-        accepted = _batch_accept(self._matchers, tokens)
-        states = self._states
-        for state in states:
+        for state in self._states:
             state.num_accepted += 1
         self._next_lengths = [n + 1 for n in lengths]
-        if accepted is None:
-            return live, states
+        return live, self._states, tokens
+
+    def take_sampled(
+        self, ids: list[str], sampled: dict[str, int], stop_ids: frozenset[int]
+    ) -> tuple[list[int], list[GrammarState], list[int]] | None:
+        """``take`` from the step's sampled tokens (request id -> token) before they reach the
+        requests' histories: when ``ids`` are the kept rows and each live one was sampled in
+        that step (its one new token), none a stop token. The engine's asynchronous loop calls
+        it as soon as a step's samples are on the host, so the accept and the fill start before
+        the step's outputs are processed. None: nothing was touched."""
+        if ids != self.ids or not ids:
+            return None
+        live = self._live
+        if not live:
+            return [], [], []
+        try:
+            tokens = [sampled[ids[k]] for k in live]
+        except KeyError:  # a row that did not sample then (it is not one new token each)
+            return None
+        if not stop_ids.isdisjoint(tokens):
+            return None
+        for state in self._states:
+            state.num_accepted += 1
+        self._next_lengths = [n + 1 for n in self._next_lengths]
+        return live, self._states, tokens
+
+    def rejected(self, states: list[GrammarState], accepted: list[bool]) -> list[int]:
+        """A batched accept of ``take``'s tokens rejected some: those rows' grammars failed (they
+        run unconstrained from here on) and nothing is kept. Returns the positions in ``states``
+        of the rows still live."""
         for state, ok in zip(states, accepted, strict=True):
             if not ok:
                 state.failed = state.done = True
-        kept = [j for j, ok in enumerate(accepted) if ok]
         self.forget()
+        return [j for j, ok in enumerate(accepted) if ok]
+
+    def advance(
+        self, ids: list[str], outputs: list[list[int]], stop_ids: frozenset[int]
+    ) -> tuple[list[int], list[GrammarState]] | None:
+        """Advance the kept rows when ``ids`` are they and each live one has exactly one new
+        token, none a stop token (``take``, then the batched accept here). Returns the live
+        rows (indices into ``ids``) and their states (all that were live, unless a token was
+        rejected). None: nothing was touched, use ``advance``."""
+        taken = self.take(ids, outputs, stop_ids)
+        if taken is None:
+            return None
+        live, states, tokens = taken
+        if not live:
+            return [], []
+        accepted = _batch_accept(self._matchers, tokens)
+        if accepted is None:
+            return live, states
+        kept = self.rejected(states, accepted)
         return [live[j] for j in kept], [states[j] for j in kept]
 
 
@@ -283,6 +334,9 @@ class BitmaskFill:
     def __init__(self, restore_switch_interval: float | None) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        # Set when the accept handed with the fill rejected a token (one bool per row): the
+        # bitmask was not filled then, the submitter redoes the rows (GrammarMasker.wait).
+        self.rejected: list[bool] | None = None
         self._restore = restore_switch_interval
         self._restore_lock = threading.Lock()
 
@@ -317,36 +371,44 @@ class BitmaskFiller:
     """
 
     def __init__(self, switch_interval_s: float = 5e-5) -> None:
-        self._jobs: queue.SimpleQueue[tuple[list[GrammarState], Any, BitmaskFill] | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[
+            tuple[list[GrammarState], Any, tuple[list[Any], list[int]] | None, BitmaskFill] | None
+        ] = queue.SimpleQueue()
         self._switch_interval_s = switch_interval_s
         self._thread = threading.Thread(target=self._run, name="pdserve-grammar", daemon=True)
         self._thread.start()
 
-    def submit(self, states: list[GrammarState], bitmask: Any) -> BitmaskFill:
-        """Start filling ``bitmask`` for ``states`` (``fill_bitmask``); nothing may touch those
-        matchers or that buffer until the returned fill's ``wait()`` returned."""
+    def submit(
+        self, states: list[GrammarState], bitmask: Any, accept: tuple[list[Any], list[int]] | None = None
+    ) -> BitmaskFill:
+        """Start filling ``bitmask`` for ``states`` (``fill_bitmask``), after the batched accept
+        of ``accept`` (matchers, one token each: ``SteadyRows.take``'s) when given; xgrammar
+        lets go of the GIL in both. Nothing may touch those matchers or that buffer until the
+        returned fill's ``wait()`` returned."""
         old = sys.getswitchinterval()
         restore = None
         if old > self._switch_interval_s:
             sys.setswitchinterval(self._switch_interval_s)
             restore = old
         fill = BitmaskFill(restore)
-        self._jobs.put((states, bitmask, fill))
+        self._jobs.put((states, bitmask, accept, fill))
         return fill
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            states, bitmask, fill = job
+            states, bitmask, accept, fill = job
             del job
             try:
-                fill_bitmask(states, bitmask)
+                rejected = _batch_accept(*accept) if accept is not None else None
+                if rejected is None:
+                    fill_bitmask(states, bitmask)
+                else:
+                    fill.rejected = rejected
             except BaseException as e:  # handed to the engine thread by wait()
                 fill._error = e
             fill.restore_switch_interval()
             fill._done.set()
-            del states, bitmask, fill  # hold no buffer or matcher while idle
+            del states, bitmask, accept, fill  # hold no buffer or matcher while idle
 
     def close(self) -> None:
         self._jobs.put(None)

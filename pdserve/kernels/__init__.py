@@ -17,7 +17,12 @@ from pdserve.kernels.activation import (
     silu_and_mul_torch,
     silu_and_mul_unsupported_reason,
 )
-from pdserve.kernels.argmax import argmax_rows, argmax_unsupported_reason
+from pdserve.kernels.argmax import (
+    argmax_rows,
+    argmax_unsupported_reason,
+    host_operands_readable,
+    masked_argmax_rows,
+)
 from pdserve.kernels.backend import (
     Backend,
     get_backend,
@@ -64,6 +69,8 @@ __all__ = [
     "gated_rms_norm",
     "gated_rms_norm_torch",
     "get_backend",
+    "host_operands_readable",
+    "masked_argmax_rows",
     "rms_norm",
     "rms_norm_torch",
     "rotary_can_run",

@@ -16,6 +16,8 @@ unspecified (greedy decoding of NaN logits has no right answer).
 
 from __future__ import annotations
 
+import functools
+import logging
 from types import ModuleType
 
 import numpy as np
@@ -24,6 +26,7 @@ import torch
 from pdserve.errors import UnsupportedError
 from pdserve.kernels.backend import HALF_DTYPES, TRITON_DTYPES, device_unsupported_reason, wants_triton
 
+logger = logging.getLogger(__name__)
 MAX_COLS = 1 << 30  # chunk indices are int32 in the kernel
 _triton_impl: ModuleType | None = None
 
@@ -73,3 +76,63 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
             "use the torch backend (kernels.set_backend('torch')) or a supported case"
         )
     return _triton().argmax_rows_fwd(x if x.stride(-1) == 1 else x.contiguous())
+
+
+def masked_argmax_rows(
+    x: torch.Tensor, bitmask: torch.Tensor, row_map: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``argmax_rows`` of ``x`` after ``apply_token_bitmask_``'s grammar mask, without writing
+    ``x``: row i is masked by bitmask row ``row_map[i]`` (int32; -1: the row is not constrained;
+    None: bitmask row i, which needs as many bitmask rows as ``x`` has). On CUDA one launch does
+    the mask and the chunk maxima; the bitmask and the row map may be pinned host tensors there
+    where ``host_operands_readable`` says so (read in place, nothing copied)."""
+    assert bitmask.dim() == 2 and bitmask.dtype == torch.int32, (bitmask.dtype, tuple(bitmask.shape))
+    assert (row_map is None and bitmask.shape[0] == x.shape[0]) or (
+        row_map is not None and row_map.shape == (x.shape[0],)
+    ), (tuple(x.shape), tuple(bitmask.shape))
+    if not wants_triton(x):
+        return masked_argmax_torch(x, bitmask, row_map)
+    reason = argmax_unsupported_reason(x)
+    if reason is not None:
+        raise UnsupportedError(
+            f"no masked argmax kernel for {tuple(x.shape)} {x.dtype} on {x.device}: {reason}; "
+            "use the torch backend (kernels.set_backend('torch')) or a supported case"
+        )
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _triton().masked_argmax_rows_fwd(x, bitmask.contiguous(), row_map)
+
+
+def masked_argmax_torch(x: torch.Tensor, bitmask: torch.Tensor, row_map: torch.Tensor | None) -> torch.Tensor:
+    """The twin of ``masked_argmax_rows``: the mask on a copy of ``x``, then ``argmax_rows``."""
+    from pdserve.kernels.bitmask import apply_token_bitmask_
+
+    y = x.clone()
+    bitmask = bitmask.to(x.device)
+    if row_map is None:
+        apply_token_bitmask_(y, bitmask, None)
+    else:
+        m = row_map.to(x.device, torch.int64)
+        rows = (m >= 0).nonzero().squeeze(1)
+        apply_token_bitmask_(y, bitmask.index_select(0, m.index_select(0, rows)), rows)
+    return argmax_rows(y)
+
+
+@functools.cache
+def host_operands_readable(device: torch.device) -> bool:
+    """Whether a Triton kernel on this CUDA device reads pinned host tensors in place (their
+    pages mapped into the device's address space: CUDA's unified addressing). Asked once per
+    device, by running the masked argmax on a one-row pinned bitmask that bans the row's
+    maximum; False on any error or a wrong answer (callers then copy the bitmask over)."""
+    try:
+        x = torch.zeros(1, 64, device=device)
+        x[0, 5], x[0, 7] = 1.0, 2.0
+        bitmask = torch.full((1, 2), -1, dtype=torch.int32).pin_memory()
+        bitmask[0, 0] = ~(1 << 7)  # token 7 banned: the answer is 5
+        ok = int(_triton().masked_argmax_rows_fwd(x, bitmask, None).item()) == 5
+    except Exception as e:  # a launcher that refuses host pointers, a driver without UVA
+        logger.info("pinned host tensors are not readable by kernels on %s (%s): copying them", device, e)
+        return False
+    if not ok:
+        logger.warning("a kernel read a pinned host bitmask wrongly on %s: copying bitmasks", device)
+    return ok

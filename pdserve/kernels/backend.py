@@ -64,11 +64,15 @@ def use_backend(backend: Backend) -> Iterator[None]:
 
 def device_unsupported_reason(x: torch.Tensor, *operands: torch.Tensor) -> str | None:
     """Why no Triton kernel can run on these tensors' device, or None: CUDA (or the interpreter),
-    one device for all."""
+    one device for all (or pinned host memory beside a CUDA ``x``)."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"tensor on {x.device} needs CUDA, or TRITON_INTERPRET=1 set before importing triton"
     for t in operands:
-        if t.device != x.device:
+        # A pinned host operand of a CUDA kernel is read in place (unified addressing);
+        # kernels.argmax.host_operands_readable tells whether this device can.
+        if t.device != x.device and not (
+            x.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()
+        ):
             return f"operands on {t.device} and {x.device}; they must share one device"
     return None
 

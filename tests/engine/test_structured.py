@@ -132,7 +132,7 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
     for s in deferred:
         launch_at, sample_at = events.index(("launch", s)), events.index(("sample", s))
         assert launch_at < events.index(("result", s - 1)) < sample_at, (s, events)
-    assert not llm.engine.runner._grammars or llm.engine.scheduler._finished_since_last_step
+    assert not llm.engine.runner.grammar.states or llm.engine.scheduler._finished_since_last_step
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,20 +157,29 @@ def test_async_constrained_tokens_equal_the_synchronous_engine(
 def test_greedy_constrained_rows_keep_the_argmax_path_and_mask_only_their_rows(
     device, tiny_models, make_llm, monkeypatch
 ) -> None:
-    """No fp32 sampler for greedy rows with a grammar; the mask kernel gets the grammar rows only."""
+    """No fp32 sampler for greedy rows with a grammar; the mask gets the grammar rows only: on
+    CPU the in-place mask kernel (then the argmax), on CUDA the fused masked argmax, whose row
+    map sends rows 1 and 3 to bitmask rows 0 and 1 and leaves the others unmasked."""
     from pdserve import kernels
 
     llm = make_llm(tiny_models["llama"], max_model_len=256, async_scheduling=True, device=device)
     runner = llm.engine.runner
     calls: list[list[int] | None] = []
     apply = kernels.apply_token_bitmask_
+    fused = kernels.masked_argmax_rows
 
     def spy(logits, bitmask, rows=None):
         calls.append(None if rows is None else rows.tolist())
         assert bitmask.shape[0] == (len(calls[-1]) if rows is not None else bitmask.shape[0])
         return apply(logits, bitmask, rows)
 
+    def spy_fused(logits, bitmask, row_map=None):
+        assert row_map is not None and row_map.tolist() == [-1, 0, -1, 1] and bitmask.shape[0] == 2
+        calls.append([1, 3])
+        return fused(logits, bitmask, row_map)
+
     monkeypatch.setattr(kernels, "apply_token_bitmask_", spy)
+    monkeypatch.setattr(kernels, "masked_argmax_rows", spy_fused)
     monkeypatch.setattr(runner.sampler, "sample", lambda *a: pytest.fail("the sampler ran"))
     free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     regex = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, structured=("regex", "[ab]+"))
@@ -220,7 +229,11 @@ def test_finishing_and_aborted_constrained_rows_with_a_step_in_flight(device, ti
     assert re.fullmatch("[ab]*", text["stop"]), text["stop"]
     assert text["abort"] == aborted_text and re.fullmatch("[a-c]*", text["abort"])
     eng.step()  # the finished ids reach the runner with the next schedule
-    assert eng.runner._grammars == {} and eng.kv.pool.num_used_blocks == 0 and eng.kv.num_deferred_blocks == 0
+    assert (
+        eng.runner.grammar.states == {}
+        and eng.kv.pool.num_used_blocks == 0
+        and eng.kv.num_deferred_blocks == 0
+    )
 
 
 def test_grammar_covers_the_tokenizer_not_the_padded_vocabulary(tmp_path, make_llm) -> None:
@@ -233,7 +246,7 @@ def test_grammar_covers_the_tokenizer_not_the_padded_vocabulary(tmp_path, make_l
     llm = make_llm(path, max_model_len=256)
     outs = _texts(llm, ("regex", "[a-c]{3,6}"), 8, max_tokens=16)
     assert all(re.fullmatch("[a-c]{3,6}", t) for t in outs), outs
-    compiler = llm.engine.runner._grammar_compiler
+    compiler = llm.engine.runner.grammar.compiler
     assert compiler is not None and compiler.vocab_size == 40_000
     assert compiler.mask_vocab < 1_000 and compiler.mask_words == (compiler.mask_vocab + 31) // 32
 
@@ -247,7 +260,7 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
     import sys
     import threading
 
-    from pdserve.engine import llm_engine, model_runner, structured
+    from pdserve.engine import grammar_masks, llm_engine, structured
 
     rows = _mixed(16, temperature=1.0)
     params = [sp for _, sp in rows]
@@ -255,7 +268,7 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
     got = {}
     for use in (False, True):
         llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
-        llm.engine.runner._use_filler = use
+        llm.engine.runner.grammar.use_filler = use
         order: list[str] = []
         fill = structured.fill_bitmask
         process = llm_engine.LLMEngine._process
@@ -279,10 +292,19 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
             return _wait(self, *a)
 
         monkeypatch.setattr(structured, "fill_bitmask", spy_fill)  # the filler thread's
-        monkeypatch.setattr(model_runner, "fill_bitmask", spy_fill)  # inline
+        monkeypatch.setattr(grammar_masks, "fill_bitmask", spy_fill)  # inline
         monkeypatch.setattr(llm_engine.LLMEngine, "_process", spy_process)
         monkeypatch.setattr(structured.BitmaskFiller, "submit", spy_submit)
         monkeypatch.setattr(structured.BitmaskFill, "wait", spy_wait)
+        early: list[bool] = []
+        take_sampled = structured.SteadyRows.take_sampled
+
+        def spy_take_sampled(self, *a, _take=take_sampled, _early=early):
+            got = _take(self, *a)
+            _early.append(got is not None)
+            return got
+
+        monkeypatch.setattr(structured.SteadyRows, "take_sampled", spy_take_sampled)
         got[use] = [(o.token_ids, o.text) for o in llm.generate(["Say"] * len(rows), params)]
         fills = [e for e in order if e.startswith("fill:")]
         assert fills, order
@@ -295,11 +317,13 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
             assert len(starts) >= 10
             for i in starts:
                 assert calls[i + 1 : i + 3] == ["process", "wait"], calls[i : i + 3]
+            # steady steps start from the sampled tokens, before they enter the histories
+            assert sum(early) >= 5, early
         else:
-            assert "submit" not in order and llm.engine.runner._filler is None
+            assert "submit" not in order and llm.engine.runner.grammar.filler is None
         assert sys.getswitchinterval() == interval
         llm.engine.close()
-        assert llm.engine.runner._filler is None
+        assert llm.engine.runner.grammar.filler is None
         monkeypatch.undo()
     assert got[True] == got[False]
     for (kind, _), (_, text) in zip(rows, got[True], strict=True):
@@ -319,7 +343,7 @@ def test_a_fill_that_fails_mid_run_ends_every_request_once_and_holds_nothing(
 
     llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
     eng = llm.engine
-    eng.runner._use_filler = True
+    eng.runner.grammar.use_filler = True
     interval = sys.getswitchinterval()
     calls = {"n": 0}
     fill = structured.fill_bitmask
@@ -504,11 +528,11 @@ def test_a_steady_constrained_batch_skips_the_general_advance(tiny_models, make_
     """While a batch's constrained rows stay the same requests, each step's matchers move by the
     steady path: the general advance() runs when rows change (the first step, a row's end), not
     on every step; the outputs still satisfy their regex."""
-    from pdserve.engine import model_runner
+    from pdserve.engine import grammar_masks
 
     calls = []
-    general = model_runner.advance
-    monkeypatch.setattr(model_runner, "advance", lambda *a: calls.append(1) or general(*a))
+    general = grammar_masks.advance
+    monkeypatch.setattr(grammar_masks, "advance", lambda *a: calls.append(1) or general(*a))
     llm = make_llm(tiny_models["llama"])
     params = [
         # the grammar cannot end within 24 tokens, so every row runs all of them under it
@@ -519,3 +543,70 @@ def test_a_steady_constrained_batch_skips_the_general_advance(tiny_models, make_
     assert all(re.fullmatch("[a-z]+", o.text) for o in outs), [o.text for o in outs]
     steps = max(len(o.token_ids) for o in outs)
     assert steps == 24 and 1 <= len(calls) <= 3, len(calls)
+
+
+@pytest.mark.parametrize("use_filler", [False, True])
+def test_the_steady_accept_runs_with_the_fill_and_a_rejection_is_redone_without_the_row(
+    tiny_models, use_filler
+) -> None:
+    """In steady decode the masker hands the accept to the fill (the filler thread does both,
+    or inline without one). A token the grammar rejects (one from outside its mask) fails that
+    row: the bitmask then holds the other rows only, each the matcher's own mask."""
+    import torch
+
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.grammar_masks import GrammarMasker
+    from pdserve.engine.host_batch import PinnedStaging
+    from pdserve.engine.structured import GrammarCompiler, advance, fill_bitmask
+    from pdserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_models["llama"])
+    masker = GrammarMasker(
+        EngineConfig(model=str(tiny_models["llama"])),
+        torch.device("cpu"),
+        PinnedStaging(torch.device("cpu")),
+        use_filler,
+    )
+    compiler = masker.compiler = GrammarCompiler(tok, len(tok))
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    states = [compiler.matcher("regex", "a[ab]{0,8}") for _ in range(3)]
+    outs: list[list[int]] = [[a], [a], [a]]
+    ids = ["r0", "r1", "r2"]
+    assert advance(list(zip(states, outs, strict=True)), compiler.stop_ids) == [0, 1, 2]
+    masker.steady.keep(ids, states, [0, 1, 2])
+
+    class Chunk:  # what start() reads of a scheduled chunk
+        def __init__(self, rid: str, out: list[int]) -> None:
+            self.request = type(
+                "R",
+                (),
+                {
+                    "request_id": rid,
+                    "output_token_ids": out,
+                    "is_finished": False,
+                    "num_output_placeholders": 1,
+                },
+            )()
+
+    chunks = [Chunk(r, o) for r, o in zip(ids, outs, strict=True)]
+    for o in outs:
+        o.append(b)
+    masks = masker.start(chunks, [0, 1, 2], len(tok), overlap=True)
+    assert (masks.fill is not None) == use_filler
+    masker.wait(masks)
+    assert masks.rows == [0, 1, 2] and [s.num_accepted for s in states] == [2, 2, 2]
+    want = torch.empty_like(masks.host)
+    fill_bitmask(states, want)
+    assert torch.equal(masks.host, want)
+    # r1 takes a token its grammar bans ("c" is outside [ab]; a stop token would not be steady)
+    bad = tok.convert_tokens_to_ids("c")
+    outs[0].append(a), outs[1].append(bad), outs[2].append(b)
+    masks = masker.start(chunks, [0, 1, 2], len(tok), overlap=True)
+    masker.wait(masks)
+    assert states[1].failed and states[1].done and not states[0].done and not states[2].done
+    assert masks.rows == [0, 2] and masks.states == [states[0], states[2]] and masks.host.shape[0] == 2
+    want = torch.empty_like(masks.host)
+    fill_bitmask([states[0], states[2]], want)
+    assert torch.equal(masks.host, want)
+    assert masker.steady.ids == []  # nothing kept after a rejection: the general path next
+    masker.close()

@@ -73,3 +73,56 @@ def test_the_cpu_argmax_gives_torchs_index_with_ties_nan_inf_and_strides(dtype) 
     assert torch.equal(argmax_rows(x), want)  # what the engine calls on CPU
     assert torch.equal(argmax_cpu(x[::2, 1:]), x[::2, 1:].argmax(dim=-1))
     assert argmax_cpu(torch.empty(0, 5, dtype=dtype)).shape == (0,)
+
+
+def _random_bitmask(k: int, cols: int, words: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    bm = torch.randint(-(2**31), 2**31 - 1, (k, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bm[:, 0] |= 1  # every row allows token 0 (a row of only banned tokens has no right answer)
+    return bm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(3, BLOCK), (5, 2 * BLOCK + 40), (2, 1000)])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_masked_argmax_is_the_argmax_of_the_masked_logits(
+    force_triton, device, dtype, rows, cols, mapped
+) -> None:
+    """The fused mask + argmax gives the index of the best allowed token of each constrained
+    row (the argmax of the logits after apply_token_bitmask_) and the plain argmax of the rows
+    the map leaves out; the logits are not written. Bitmasks narrower than the vocabulary ban
+    the rest (a tokenizer smaller than the LM head)."""
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device=device).to(dtype)
+    before = x.clone()
+    words = (cols + 31) // 32 - (1 if cols > 64 else 0)  # narrower than the vocabulary
+    if mapped:
+        row_map = torch.tensor([1, -1, 0, -1, 2][:rows], dtype=torch.int32, device=device)
+        k = int(row_map.max()) + 1
+    else:
+        row_map, k = None, rows
+    bitmask = _random_bitmask(k, cols, words, rows * cols).to(device)
+    got = kernels.masked_argmax_rows(x, bitmask, row_map)
+    assert torch.equal(x, before)
+    want = x.clone()
+    if row_map is None:
+        kernels.apply_token_bitmask_(want, bitmask)
+    else:
+        m = row_map.long()
+        sel = (m >= 0).nonzero().squeeze(1)
+        kernels.apply_token_bitmask_(want, bitmask[m[sel]], sel)
+    assert torch.equal(got, want.argmax(dim=-1))
+    with kernels.use_backend("torch"):
+        assert torch.equal(kernels.masked_argmax_rows(x, bitmask, row_map), got)
+    if mapped:  # an unconstrained row keeps its plain argmax, even a banned-for-others token
+        assert got[1].item() == x[1].argmax().item()
+
+
+@pytest.mark.skipif(not CUDA, reason="pinned host memory read by a CUDA kernel")
+def test_masked_argmax_reads_a_pinned_host_bitmask_in_place() -> None:
+    assert kernels.host_operands_readable(torch.device("cuda"))
+    x = torch.randn(4, 3 * BLOCK + 5, device="cuda")
+    bitmask = _random_bitmask(2, x.shape[1], (x.shape[1] + 31) // 32, 7).pin_memory()
+    row_map = torch.tensor([-1, 0, -1, 1], dtype=torch.int32).pin_memory()
+    got = kernels.masked_argmax_rows(x, bitmask, row_map)
+    assert torch.equal(got, kernels.masked_argmax_rows(x, bitmask.cuda(), row_map.cuda()))

@@ -136,3 +136,20 @@ def test_the_cpu_penalty_mask_with_a_bitmask_wider_than_the_vocabulary(dtype) ->
     got = logits.clone()
     apply_token_bitmask_torch(got, _pack(allowed), None)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not CUDA, reason="pinned host memory read by a CUDA kernel")
+def test_a_pinned_host_bitmask_and_int32_rows_are_read_in_place() -> None:
+    """The model runner hands the kernel its pinned bitmask buffer (and int32 row indices in
+    it) without a copy where kernels.host_operands_readable says the device can read them."""
+    assert kernels.host_operands_readable(torch.device("cuda"))
+    torch.manual_seed(3)
+    allowed = torch.rand(2, BLOCK + 77) < 0.3
+    logits = torch.randn(5, BLOCK + 77, device="cuda")
+    want = _reference(logits, allowed.cuda(), [4, 1])
+    bitmask = _pack(allowed).pin_memory()
+    rows = torch.tensor([4, 1], dtype=torch.int32).pin_memory()
+    assert bitmask_unsupported_reason(logits, bitmask, rows) is None
+    with kernels.use_backend("triton"):
+        apply_token_bitmask_(logits, bitmask, rows)
+    assert torch.equal(logits, want)
