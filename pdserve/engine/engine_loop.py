@@ -57,6 +57,8 @@ class EngineLoop:
         self.engine = engine
         self.loop = loop
         self._on_kv_loads = on_kv_loads
+        # Pulls start from inside the step, as soon as their blocks are allocated (LLMEngine).
+        engine.kv_load_sink = on_kv_loads
         self._on_step = on_step  # runs on the engine thread after each step (metrics, leases)
         self._cmds: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         # request id -> where its deltas go, called on the event loop in step order: a queue's

@@ -157,6 +157,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._kv_loads: list[KVLoadSpec] = []
+        # Where a step's remote KV pulls go as soon as the scheduler allocated their blocks (the
+        # node's connector, set by EngineLoop), before the step runs; None: take_kv_loads() after it.
+        self.kv_load_sink: Callable[[list[KVLoadSpec]], None] | None = None
         self.async_scheduling = self._resolve_async(config)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not processed
         # Deltas a step built before it failed (requests it finished are already untracked):
@@ -442,7 +445,14 @@ class LLMEngine:
 
     def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
         """Launch ``sched``; returns the deltas of whichever step completed meanwhile."""
-        self._kv_loads.extend(sched.kv_loads)
+        if sched.kv_loads:
+            # Their blocks are allocated and counted as written by a transfer (deferred frees), so
+            # the pulls start now rather than after this step: a decode step (a few ms under load)
+            # less between a P/D request's admission and its first token here.
+            if self.kv_load_sink is not None:
+                self.kv_load_sink(list(sched.kv_loads))
+            else:
+                self._kv_loads.extend(sched.kv_loads)
         if sched.is_empty:
             deltas = self._complete_inflight()  # nothing to overlap it with
             self.runner.drop_finished(sched.finished_req_ids)

@@ -157,6 +157,14 @@ class KVProducer:
         self.forget(transfer_id)
         self._release(transfer_id)
 
+    def is_ready(self, transfer_id: str) -> bool:
+        """Whether the transfer's KV is held now (no wait); KeyError if never expected."""
+        with self._lock:
+            ev = self._ready.get(transfer_id)
+        if ev is None:
+            raise KeyError(transfer_id)
+        return ev.is_set()
+
     def wait_ready(self, transfer_id: str, timeout_s: float) -> bool:
         """Block until the transfer's KV is held. False on timeout; KeyError if never expected."""
         with self._lock:

@@ -311,7 +311,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 "KV layout mismatch (compat hash differs): run Handshake to see which field",
             )
         try:
-            ready = await asyncio.to_thread(node.producer.wait_ready, tid, node.opts.kv_ready_timeout_s)
+            # Held already (the router opens the decode leg after the first token): no thread hop.
+            ready = node.producer.is_ready(tid) or await asyncio.to_thread(
+                node.producer.wait_ready, tid, node.opts.kv_ready_timeout_s
+            )
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
         if not ready:

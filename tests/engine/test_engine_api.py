@@ -180,3 +180,45 @@ def test_step_counters_sum_sequences_tokens_and_decodes(async_scheduling, tiny_m
     assert eng.num_step_seqs_total == 1 + 2 + 3 * 2
     assert eng.num_step_tokens_total == 16 + (4 + 5) + 3 * 2
     assert eng.num_step_decode_seqs_total == 3 * 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_kv_load_sink_gets_the_pull_when_its_blocks_are_allocated(
+    async_scheduling, tiny_models, make_llm
+) -> None:
+    """With a sink (the node's connector) a remote-KV request's pull is handed over from inside
+    the step that allocated its blocks, before that step's work runs (not after it, where
+    take_kv_loads() finds it without a sink); the request waits for the load and runs after it."""
+    from pdserve.kvtransfer.params import RemotePrefillParams
+
+    eng = make_llm(tiny_models["llama"], async_scheduling=async_scheduling).engine
+    eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True), "busy")
+    eng.step()
+    seen: list[tuple[str, int]] = []
+    launch = eng.runner.launch
+
+    def spy_launch(*a, **kw):  # the step's work: the sink was called before it
+        seen.append(("launch", len(got)))
+        return launch(*a, **kw)
+
+    eng.runner.launch = spy_launch
+    got: list = []
+    eng.kv_load_sink = got.extend
+    eng.add_request(
+        list(range(10, 30)),
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        "remote",
+        kv_transfer_params=RemotePrefillParams("t-1", "p:1"),
+        output_token_ids=[42],
+    )
+    eng.step()
+    assert [s.request_id for s in got] == ["remote"] and got[0].num_tokens == 20
+    assert seen and seen[0] == ("launch", 1)  # handed over before the step launched
+    assert eng.take_kv_loads() == []
+    for _ in range(3):
+        eng.step()
+    assert eng.scheduler.requests["remote"].status.name == "WAITING_FOR_REMOTE_KV"
+    eng.finish_kv_load("remote", True, "fail")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_used_blocks() == 0
