@@ -4,43 +4,34 @@ from __future__ import annotations
 
 from bench.served_diag import moved, pd_diagnostics
 
-ROUTER_BEFORE = """
-pdserve:router_prefill_leg_seconds_count 2
-pdserve:router_prefill_leg_seconds_sum 0.02
-pdserve:router_decode_first_delta_seconds_count{path="disaggregated"} 2
-pdserve:router_decode_first_delta_seconds_sum{path="disaggregated"} 0.04
-pdserve:router_requests_by_path_total{path="disaggregated"} 2
-pdserve:router_requests_by_path_total{path="local"} 5
-"""
-ROUTER_AFTER = """
-pdserve:router_prefill_leg_seconds_count 6
-pdserve:router_prefill_leg_seconds_sum 0.06
-pdserve:router_decode_first_delta_seconds_count{path="disaggregated"} 6
-pdserve:router_decode_first_delta_seconds_sum{path="disaggregated"} 0.16
-pdserve:router_requests_by_path_total{path="disaggregated"} 6
-pdserve:router_requests_by_path_total{path="local"} 9
-"""
-NODE_BEFORE = """
-pdserve:kv_pull_seconds_count{node="d",role="decode"} 1
-pdserve:kv_pull_seconds_sum{node="d",role="decode"} 0.5
-pdserve:engine_steps_total{node="d",role="decode"} 10
-pdserve:engine_step_sequences_total{node="d",role="decode"} 10
-pdserve:engine_step_decode_sequences_total{node="d",role="decode"} 10
-pdserve:engine_step_tokens_total{node="d",role="decode"} 10
-"""
-NODE_AFTER = """
-pdserve:kv_pull_seconds_count{node="d",role="decode"} 5
-pdserve:kv_pull_seconds_sum{node="d",role="decode"} 0.54
-pdserve:engine_steps_total{node="d",role="decode"} 110
-pdserve:engine_step_sequences_total{node="d",role="decode"} 410
-pdserve:engine_step_decode_sequences_total{node="d",role="decode"} 310
-pdserve:engine_step_tokens_total{node="d",role="decode"} 1010
-"""
+ROUTER = (
+    "pdserve:router_prefill_leg_seconds_count",
+    "pdserve:router_prefill_leg_seconds_sum",
+    'pdserve:router_decode_first_delta_seconds_count{path="disaggregated"}',
+    'pdserve:router_decode_first_delta_seconds_sum{path="disaggregated"}',
+    'pdserve:router_requests_by_path_total{path="disaggregated"}',
+    'pdserve:router_requests_by_path_total{path="local"}',
+)
+NODE = tuple(
+    f'pdserve:{m}{{node="d",role="decode"}}'
+    for m in (
+        "kv_pull_seconds_count",
+        "kv_pull_seconds_sum",
+        "engine_steps_total",
+        "engine_step_sequences_total",
+        "engine_step_decode_sequences_total",
+        "engine_step_tokens_total",
+    )
+)
+ROUTER_BEFORE, ROUTER_AFTER = ((2, 0.02, 2, 0.04, 2, 5), (6, 0.06, 6, 0.16, 6, 9))
+NODE_BEFORE, NODE_AFTER = ((1, 0.5, 10, 10, 10, 10), (5, 0.54, 110, 410, 310, 1010))
 
 
-def _snap(text: str) -> dict:
+def _snap(names: tuple[str, ...], values: tuple[float, ...]) -> dict:
+    """What served_diag.scrape makes of a /metrics page holding these samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    text = "".join(f"{n} {v}\n" for n, v in zip(names, values, strict=True))
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text)
@@ -49,8 +40,8 @@ def _snap(text: str) -> dict:
 
 
 def test_window_means_and_per_node_batches_come_from_the_differences() -> None:
-    before = {"router": _snap(ROUTER_BEFORE), "decode-0": _snap(NODE_BEFORE)}
-    after = {"router": _snap(ROUTER_AFTER), "decode-0": _snap(NODE_AFTER)}
+    before = {"router": _snap(ROUTER, ROUTER_BEFORE), "decode-0": _snap(NODE, NODE_BEFORE)}
+    after = {"router": _snap(ROUTER, ROUTER_AFTER), "decode-0": _snap(NODE, NODE_AFTER)}
     d = pd_diagnostics(before, after, window_s=2.0)
     assert d["prefill_leg_ms"] == 10.0  # 0.04 s over 4 legs
     assert d["decode_first_delta_ms"] == 30.0 and d["decode_first_delta_ms_by_path"]["local"] is None
