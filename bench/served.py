@@ -316,7 +316,7 @@ def proc_cpu_s(pid: int) -> float:
 def _variant(v: str) -> str:
     topology, *mods = v.split("+")
     ok = topology in ("colocated", "pd") and all(
-        m in ("per_request", "inline", "nodedetok")
+        m in ("per_request", "inline", "nodedetok", "serial")
         or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
         or (m[:2] == "sf" and m[2:].isdigit())
         for m in mods
@@ -326,7 +326,8 @@ def _variant(v: str) -> str:
             f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers), "
             "+sfN (router.stream_flush_ms N), "
             "+inline (the decode-capable node serves its Steps streams itself: frontend: inline), "
-            "+nodedetok (the nodes make the text: router.detokenize: node)"
+            "+nodedetok (the nodes make the text: router.detokenize: node), +serial (P/D: the "
+            "decode leg after the prefill leg, router.pd_decode_leg: after_prefill)"
         )
     return v
 
@@ -375,6 +376,8 @@ class Cluster:
             router["workers"] = workers
         if "nodedetok" in mods:
             router["detokenize"] = "node"
+        if "serial" in mods:
+            router["pd_decode_leg"] = "after_prefill"
         for m in mods:
             if m[:2] == "sf" and m[2:].isdigit():
                 router["stream_flush_ms"] = int(m[2:])
@@ -566,8 +569,9 @@ def main() -> None:
         "multiplexed Steps stream), +wN (N router worker processes, router.workers), +sfN "
         "(router.stream_flush_ms N: streamed tokens merged per N ms), +inline (the "
         "node's Steps streams on its own gRPC server, frontend: inline; the default is a front-end "
-        "process) and +nodedetok (the nodes make the text, router.detokenize: node; the default "
-        "is the router)",
+        "process), +nodedetok (the nodes make the text, router.detokenize: node; the default "
+        "is the router) and +serial (P/D: the decode leg opens after the prefill leg's answer, "
+        "router.pd_decode_leg: after_prefill; the default opens both at once)",
     )
     ap.add_argument("--router-workers", type=int, default=1, help="router.workers of variants without +wN")
     ap.add_argument("--modes", nargs="+", default=["stream", "nostream"], choices=["stream", "nostream"])

@@ -112,6 +112,12 @@ class RouterConfig(_Frozen):
     # a CPU host) gets them in groups, at 100 events/s at most by default, and its node, router
     # and client spend that much less per token (docs/benchmarks.md, thirteenth session).
     stream_flush_ms: int = Field(default=10, ge=0, le=60_000)
+    # When a P/D request's decode leg opens (multiplexed only): with_prefill = together with the
+    # prefill leg, so decode allocates and asks for the KV while the prompt is prefilled and the
+    # pull brings the first token; after_prefill = once the first token is back (one leg, then
+    # the other). A failed early pull is re-driven by the router as a failed pull is under
+    # kv_load_failure_policy reprefill.
+    pd_decode_leg: Literal["with_prefill", "after_prefill"] = "with_prefill"
     # Router worker processes sharing the HTTP port (issue 12): each runs its own event loop,
     # node connections and registry view; /metrics adds them up. 1 = the router is one process.
     workers: int = Field(default=1, ge=1, le=64)
@@ -123,6 +129,15 @@ class RouterConfig(_Frozen):
             "nonstream_flush_ms": "nonstream_flush_ms" in self.model_fields_set,
             "stream_flush_ms": "stream_flush_ms" in self.model_fields_set and self.stream_flush_ms > 0,
         }
+        if (
+            self.decode_stream == "per_request"
+            and self.pd_decode_leg == "with_prefill"
+            and ("pd_decode_leg" in self.model_fields_set)
+        ):
+            raise ConfigError(
+                "router.pd_decode_leg with_prefill needs router.decode_stream multiplexed (the Steps "
+                "stream); per_request opens the decode leg after the prefill leg"
+            )
         for name, asked in held.items():
             ms = getattr(self, name)
             if self.decode_stream == "per_request" and asked:

@@ -404,10 +404,22 @@ class LLMEngine:
         return out
 
     def finish_kv_load(
-        self, request_id: str, ok: bool, policy: str, error: str = ""
+        self, request_id: str, ok: bool, policy: str, error: str = "", first_tokens: Sequence[int] = ()
     ) -> list[GenerationDelta]:
-        """A remote KV pull ended (decode side). ``policy`` is kv_load_failure_policy: fail | recompute."""
-        self._forward("finish_kv_load", request_id, ok, policy, error)
+        """A remote KV pull ended (decode side). ``policy`` is kv_load_failure_policy: fail | recompute.
+        ``first_tokens``: what prefill sampled, for a request admitted without them (a decode leg
+        opened with the prefill leg): they join its history as if given at admission (counted as
+        emitted, fed to the detokenizer), before it can be scheduled."""
+        self._forward("finish_kv_load", request_id, ok, policy, error, list(first_tokens))
+        if ok and first_tokens:
+            tr = self._tracked.get(request_id)
+            req0 = self.scheduler.waiting_for_kv.get(request_id)
+            if req0 is not None and not req0.output_token_ids and not req0.is_finished:
+                req0.output_token_ids.extend(first_tokens)
+                if tr is not None:
+                    tr.emitted_tokens = len(req0.output_token_ids)
+                    if tr.detok is not None and self.detok is not None:
+                        self.detok.append(tr.detok, list(first_tokens))
         req = self.scheduler.finish_kv_load(request_id, ok, recompute_on_failure=policy == "recompute")
         if req is None or not req.is_finished or request_id not in self._tracked:
             return []

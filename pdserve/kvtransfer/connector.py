@@ -8,17 +8,24 @@ announces. Services translate gRPC to these calls; no gRPC here.
     push(): align regions by name, merge blocks,
       one batched write into decode's blocks     ---->  bytes land in its KV tensor
     end_send(): count the pull; free at need_send       finish_kv_load(ok) -> RUNNING
+
+An early pull (decode opened with the prefill leg) may come before its prefill is admitted:
+``wait_held`` waits for the hold on the event loop (no thread), and fails as soon as the prefill
+ends without holding (``forget`` / ``refuse``). Every push answers with the first tokens that
+``on_hold`` stored (``first_token_ids``), dropped with the transfer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +83,30 @@ class DuplicateTransferError(InvalidRequestError):
 
 
 @dataclass
+class _Transfer:
+    """One transfer_id's state on a producer, from its admission (or its first early pull) until
+    it is forgotten (freed, failed, aborted)."""
+
+    admitted: bool  # a Prefill admitted it (expect/admit/on_hold); False: only early pulls wait
+    held: threading.Event = field(default_factory=threading.Event)  # its KV is held (on_hold)
+    first_token_ids: list[int] = field(default_factory=list)  # the request's tokens when held
+    # early pulls waiting for the hold: resolved True (held) or False (ended without holding)
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = field(default_factory=list)
+
+
+def _resolve(fut: asyncio.Future[bool], held: bool) -> None:
+    if not fut.done():  # a waiter that timed out or was cancelled meanwhile
+        fut.set_result(held)
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]], held: bool) -> None:
+    """Any thread: resolve early pulls' futures on their loops."""
+    for loop, fut in waiters:
+        with contextlib.suppress(RuntimeError):  # loop closed: the node is shutting down
+            loop.call_soon_threadsafe(_resolve, fut, held)
+
+
+@dataclass
 class PushResult:
     ok: bool
     bytes: int
@@ -106,7 +137,7 @@ class KVProducer:
         self.regions = list(regions)
         self.block_size = block_size
         self._release = release  # frees the request's blocks (posted to the engine thread)
-        self._ready: dict[str, threading.Event] = {}
+        self._transfers: dict[str, _Transfer] = {}  # admitted / held / early-awaited transfers
         self._lock = threading.Lock()
         self.stage = stage
         self.num_stages = num_stages
@@ -124,30 +155,66 @@ class KVProducer:
     def expect(self, transfer_id: str) -> None:
         """A prefill for ``transfer_id`` was admitted: a push may wait for it."""
         with self._lock:
-            self._ready.setdefault(transfer_id, threading.Event())
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                self._transfers[transfer_id] = _Transfer(admitted=True)
+            else:
+                t.admitted = True
 
     def admit(self, transfer_id: str) -> None:
         """Like ``expect``, but refuses a transfer_id already expected or held: a second request
         with it would collide with the first one's hold (and used to fail every request on the
-        node when the tracker refused the hold on the engine thread)."""
+        node when the tracker refused the hold on the engine thread). Early pulls waiting for a
+        transfer_id no prefill admitted yet (``wait_held``) do not make it a duplicate."""
         with self._lock:
-            if transfer_id in self._ready or transfer_id in self.tracker:
+            t = self._transfers.get(transfer_id)
+            if (t is not None and t.admitted) or transfer_id in self.tracker:
                 raise DuplicateTransferError(
                     f"transfer_id {transfer_id!r} is already in use on this node; mint a new one",
                     field="transfer_id",
                 )
-            self._ready[transfer_id] = threading.Event()
+            if t is None:
+                self._transfers[transfer_id] = _Transfer(admitted=True)
+            else:
+                t.admitted = True  # early pulls wait for it already
+
+    def refuse(self, transfer_id: str) -> None:
+        """A prefill for ``transfer_id`` was refused before its admission: early pulls waiting for
+        it fail now (an admitted transfer, another request's, is left alone)."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.admitted:
+                return
+            del self._transfers[transfer_id]
+        _wake(t.waiters, False)
 
     def forget(self, transfer_id: str) -> None:
+        """Drop the transfer's state (freed, failed, aborted); early pulls still waiting for its
+        hold fail now."""
         with self._lock:
-            self._ready.pop(transfer_id, None)
+            t = self._transfers.pop(transfer_id, None)
+        if t is not None:
+            _wake(t.waiters, False)
 
-    def on_hold(self, transfer_id: str, block_ids: list[int], need_send: int) -> None:
-        """Engine thread: the request's KV is complete; hold its blocks under a lease."""
+    def on_hold(
+        self, transfer_id: str, block_ids: list[int], need_send: int, first_token_ids: Sequence[int] = ()
+    ) -> None:
+        """Engine thread: the request's KV is complete; hold its blocks under a lease.
+        ``first_token_ids``: the request's tokens now (what every push answers with)."""
         with self._lock:
-            ev = self._ready.setdefault(transfer_id, threading.Event())
+            t = self._transfers.setdefault(transfer_id, _Transfer(admitted=True))
         self.tracker.add(transfer_id, block_ids, need_send, self.num_stages)
-        ev.set()
+        with self._lock:
+            t.first_token_ids = list(first_token_ids)
+            t.held.set()
+            waiters, t.waiters = t.waiters, []
+        _wake(waiters, True)
+
+    def first_token_ids(self, transfer_id: str) -> list[int]:
+        """The tokens the transfer's request had when its KV was held ([] if not held or freed)."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            return list(t.first_token_ids) if t is not None else []
 
     def free_transfer(self, transfer_id: str, block_ids: Sequence[int]) -> None:
         """The tracker's free callback (for a tracker shared by several stages' producers)."""
@@ -157,21 +224,63 @@ class KVProducer:
         self.forget(transfer_id)
         self._release(transfer_id)
 
+    def _expected(self, transfer_id: str) -> threading.Event:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+        if t is None or not t.admitted:
+            raise KeyError(transfer_id)
+        return t.held
+
     def is_ready(self, transfer_id: str) -> bool:
         """Whether the transfer's KV is held now (no wait); KeyError if never expected."""
-        with self._lock:
-            ev = self._ready.get(transfer_id)
-        if ev is None:
-            raise KeyError(transfer_id)
-        return ev.is_set()
+        return self._expected(transfer_id).is_set()
 
     def wait_ready(self, transfer_id: str, timeout_s: float) -> bool:
         """Block until the transfer's KV is held. False on timeout; KeyError if never expected."""
+        return self._expected(transfer_id).wait(timeout_s)
+
+    async def wait_held(self, transfer_id: str, timeout_s: float) -> bool:
+        """An early pull (asked while the prompt may still be prefilled, maybe before its prefill
+        was admitted here): wait on the running loop, holding no thread, until the transfer's KV
+        is held. True: held (at once if already); False: nothing held within ``timeout_s``, and
+        nothing is left behind for a transfer that never came. Raises UnknownTransferError when
+        its prefill ended (failed, aborted, refused) without holding the KV.
+
+        Races: the waiter registers under the lock that ``on_hold`` / ``forget`` take to hand
+        over the waiters, so it either sees the hold / the missing state, or is woken by them
+        (``loop.call_soon_threadsafe`` from whatever thread they run on)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
         with self._lock:
-            ev = self._ready.get(transfer_id)
-        if ev is None:
-            raise KeyError(transfer_id)
-        return ev.wait(timeout_s)
+            t = self._transfers.get(transfer_id)
+            if t is None and transfer_id in self.tracker:
+                # Held, its state dropped (aborted while a push was in flight): the push answers.
+                return True
+            if t is None:
+                t = self._transfers[transfer_id] = _Transfer(admitted=False)
+            if t.held.is_set():
+                return True
+            t.waiters.append((loop, fut))
+        held: bool | None = None
+        try:
+            held = await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                t = self._transfers.get(transfer_id)
+                if t is not None:
+                    with contextlib.suppress(ValueError):
+                        t.waiters.remove((loop, fut))
+                    if held is None and t.held.is_set():
+                        held = True  # held just as the timeout fired
+                    if not t.admitted and not t.waiters and not t.held.is_set():
+                        del self._transfers[transfer_id]  # no prefill came, nobody else waits
+        if held is None:
+            return False
+        if not held:
+            raise UnknownTransferError(transfer_id, "its prefill ended without holding its KV")
+        return True
 
     def push(
         self,

@@ -223,7 +223,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[HandshakeInfo, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end")
+    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end", "early")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class PushKVRequest(_message.Message):
     DST_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DST_LAYER_START_FIELD_NUMBER: _ClassVar[int]
     DST_LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    EARLY_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -250,10 +251,11 @@ class PushKVRequest(_message.Message):
     dst_pp_size: int
     dst_layer_start: int
     dst_layer_end: int
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ...) -> None: ...
+    early: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
-    __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "stages", "checksum")
+    __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "stages", "checksum", "first_token_ids")
     OK_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +263,7 @@ class PushKVResponse(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ok: _containers.RepeatedScalarFieldContainer[str]
     failed: _containers.RepeatedScalarFieldContainer[str]
     bytes: int
@@ -268,10 +271,11 @@ class PushKVResponse(_message.Message):
     seconds: float
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     checksum: str
-    def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., checksum: _Optional[str] = ...) -> None: ...
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., checksum: _Optional[str] = ..., first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch", "mm_items", "flush_interval_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch", "mm_items", "flush_interval_ms", "first_token_from_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +287,7 @@ class DecodeRequest(_message.Message):
     PREFILL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -294,7 +299,8 @@ class DecodeRequest(_message.Message):
     prefill_epoch: str
     mm_items: _containers.RepeatedCompositeFieldContainer[MmItem]
     flush_interval_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
+    first_token_from_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ..., flush_interval_ms: _Optional[int] = ..., first_token_from_prefill: _Optional[bool] = ...) -> None: ...
 
 class MmItem(_message.Message):
     __slots__ = ("offset", "length", "key", "embeds", "encoder_address", "image")

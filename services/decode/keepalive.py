@@ -38,7 +38,9 @@ def queued_transfers(engine: LLMEngine) -> dict[str, list[str]]:
     out: dict[str, list[str]] = defaultdict(list)
     for req in sched.waiting:
         p = req.kv_transfer_params
-        if isinstance(p, RemotePrefillParams):
+        # No first token yet: a leg opened with its prefill leg, whose prefill may not hold the
+        # KV yet (nothing to keep alive; its pull waits for the hold).
+        if isinstance(p, RemotePrefillParams) and req.output_token_ids:
             out[p.prefill_address].append(p.transfer_id)
     return dict(out)
 

@@ -54,6 +54,11 @@ class DecodeNode(NodeBase):
         self.checksum_mismatches_total = 0
         # Requests whose image items came without tensors: a failed pull cannot be recomputed here.
         self.no_recompute_ids: set[str] = set()
+        # Decode legs opened with their prefill leg (first_token_from_prefill): the pull asks
+        # prefill to wait for the KV and brings the first token; a failed one is the router's to
+        # re-drive (it has that token), never recomputed here.
+        self.early_ids: set[str] = set()
+        self.early_pulls_total = 0
         self._last_checksum: dict[str, str] = {}  # transfer_id -> prefill's digest (kv_checksum)
         self.stage_pull_bytes = [0] * len(self.stages)  # per decode stage (metrics, GetLoad)
         self.stage_pull_failures = [0] * len(self.stages)
@@ -79,6 +84,11 @@ class DecodeNode(NodeBase):
             ("kv_transfer_bytes", "KV bytes received from prefill nodes", self.pull_bytes_total),
             ("kv_transfer_seconds", "Seconds spent waiting for KV pushes", self.pull_seconds_total),
             ("kv_transfer_failures", "KV pulls that failed", self.pull_failures_total),
+            (
+                "kv_early_pulls",
+                "KV pulls asked while the prompt was being prefilled (decode legs opened with their prefill leg)",
+                self.early_pulls_total,
+            ),
             *self.lease_keeper_counters(),
         ]
 
@@ -99,6 +109,12 @@ class DecodeNode(NodeBase):
                 self.checksum_mismatches_total,
             ),
         ]
+
+    def forget_flags(self, request_id: str) -> None:
+        """A request's decode leg ended: drop its per-request marks."""
+        self.reprefill_ids.discard(request_id)
+        self.no_recompute_ids.discard(request_id)
+        self.early_ids.discard(request_id)
 
     def _verify(self, req: pb.PushKVRequest, checksum: str) -> tuple[bool, str]:
         return _verify_digest(self, req, checksum)
@@ -140,10 +156,12 @@ class DecodeNode(NodeBase):
             dst_pp_size=st.pp_size,
             dst_layer_start=st.layer_start,
             dst_layer_end=st.layer_end,
+            early=spec.request_id in self.early_ids,
         )
 
-    async def _pull_stage(self, addr: str, req: pb.PushKVRequest) -> int:
-        """One decode stage's PushKV: the bytes written, or _PushFailed / AioRpcError."""
+    async def _pull_stage(self, addr: str, req: pb.PushKVRequest) -> tuple[int, list[int]]:
+        """One decode stage's PushKV: the bytes written and prefill's first token(s), or
+        _PushFailed / AioRpcError."""
         resp = await self._stub(addr).PushKV(
             req,
             timeout=self.opts.kv_pull_timeout_s,
@@ -155,7 +173,7 @@ class DecodeNode(NodeBase):
             )
         if resp.checksum:
             self._last_checksum[req.transfer_id] = resp.checksum
-        return int(resp.bytes)
+        return int(resp.bytes), list(resp.first_token_ids)
 
     # engine thread -> event loop: start the pulls a step asked for
     def _on_kv_loads(self, loads: list[KVLoadSpec]) -> None:
@@ -173,6 +191,9 @@ class DecodeNode(NodeBase):
         p = spec.params
         addr = p.prefill_address
         ok, err = False, ""
+        first: list[int] = []
+        early = spec.request_id in self.early_ids
+        self.early_pulls_total += early
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         t_start = time.monotonic() if t_handed is None else t_handed
@@ -190,11 +211,14 @@ class DecodeNode(NodeBase):
                     self.stage_pull_failures[st.pp_rank] += 1
                     errors.append(r)
                 else:
-                    self.stage_pull_bytes[st.pp_rank] += r
+                    self.stage_pull_bytes[st.pp_rank] += r[0]
+                    first = first or r[1]
             if errors:
                 raise errors[0]
+            if early and not first:
+                raise _PushFailed(f"prefill {addr} answered an early pull without the first token")
             ok = True
-            self.pull_bytes_total += sum(r for r in results if isinstance(r, int))
+            self.pull_bytes_total += sum(r[0] for r in results if isinstance(r, tuple))
             if self.opts.kv_checksum:  # pp = 1 (kv_checksum with pp > 1 is refused at start)
                 digest = self._last_checksum.get(p.transfer_id, "")
                 ok, err = await asyncio.to_thread(self._verify, reqs[0], digest)
@@ -218,12 +242,15 @@ class DecodeNode(NodeBase):
                 "KV pull %s failed: %s (policy %s)", p.transfer_id, err, self.opts.kv_load_failure_policy
             )
         policy = engine_policy(self.opts.kv_load_failure_policy)
-        if spec.request_id in self.no_recompute_ids:
-            policy = "fail"  # its images' embeddings are not here: recomputing would need them
-        if not ok and self.opts.kv_load_failure_policy == "reprefill":
+        if spec.request_id in self.no_recompute_ids or early:
+            # images' embeddings not here / no first token here: recomputing would need them
+            policy = "fail"
+        if not ok and (self.opts.kv_load_failure_policy == "reprefill" or early):
             self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
-        self.engine_loop.post_and_dispatch(lambda e: e.finish_kv_load(spec.request_id, ok, policy, err))
+        self.engine_loop.post_and_dispatch(
+            lambda e: e.finish_kv_load(spec.request_id, ok, policy, err, first if early else ())
+        )
 
 
 class _PushFailed(PdserveError):
@@ -255,10 +282,15 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         kv_params = None
         if request.remote_prefill:
-            if not request.transfer_id or not request.prefill_address or not request.output_token_ids:
+            if not request.transfer_id or not request.prefill_address:
+                raise _Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT, "remote_prefill needs transfer_id and prefill_address"
+                )
+            if bool(request.output_token_ids) == request.first_token_from_prefill:
                 raise _Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    "remote_prefill needs transfer_id, prefill_address and the first token",
+                    "remote_prefill needs the first token (output_token_ids), or first_token_from_prefill "
+                    "without it (the pull brings it)",
                 )
             known = node._peers.get(request.prefill_address)
             if known is not None and request.prefill_epoch and known.epoch != request.prefill_epoch:
@@ -276,6 +308,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 ) from e
             node.lease_keeper.ensure_started()
             kv_params = RemotePrefillParams(request.transfer_id, request.prefill_address)
+            if request.first_token_from_prefill:
+                node.early_ids.add(request.request_id)
         embeds = None
         if request.HasField("prompt_embeds"):
             try:
@@ -313,6 +347,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             adm = await self._open(request)
         except _Refusal as r:
+            node.forget_flags(request.request_id)
             await context.abort(r.code, r.details)
         assert node.engine_loop is not None
         gen = node.engine_loop.generate(adm.prompt_token_ids, adm.params, adm.request_id, **adm.kwargs)
@@ -330,8 +365,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         except PdserveError as e:
             await context.abort(channel.error_to_status(e), str(e))
         finally:
-            node.reprefill_ids.discard(request.request_id)
-            node.no_recompute_ids.discard(request.request_id)
+            node.forget_flags(request.request_id)
             await gen.aclose()
 
     async def Steps(
@@ -415,6 +449,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 adm = await self._open(request)
             except _Refusal as r:
+                node.forget_flags(rid)
                 outbox.end(rid, r.code, r.details)
                 return
             loop = node.engine_loop
@@ -451,8 +486,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 await loop.admit(adm.prompt_token_ids, adm.params, rid, on_delta, direct=direct, **adm.kwargs)
             except PdserveError as e:
-                node.reprefill_ids.discard(rid)
-                node.no_recompute_ids.discard(rid)
+                node.forget_flags(rid)
                 outbox.end(rid, channel.error_to_status(e), str(e))
                 return
             finished = False
@@ -463,8 +497,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 loop.release(rid, abort=not finished)
                 if not finished:
                     outbox.drop(rid)
-                node.reprefill_ids.discard(rid)
-                node.no_recompute_ids.discard(rid)
+                node.forget_flags(rid)
         finally:
             if direct is not None:
                 direct.forget(rid)

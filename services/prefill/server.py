@@ -137,7 +137,7 @@ class PrefillNode(NodeBase):
         params = req.kv_transfer_params
         assert isinstance(params, RemoteDecodeParams), params
         try:
-            self.producer.on_hold(params.transfer_id, block_ids, params.need_send)
+            self.producer.on_hold(params.transfer_id, block_ids, params.need_send, list(req.output_token_ids))
         except ValueError as e:  # already held (admission refuses this): free, never kill the step
             logger.error("not holding KV of %s: %s", req.request_id, e)
             return False
@@ -209,6 +209,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         node = self.node
         tid = request.transfer_id
+        # Refused before admission (bad request, duplicate, caller gone) or ended: an early pull
+        # still waiting for a transfer_id no prefill admitted fails now, not at its timeout.
+        context.add_done_callback(lambda _ctx: node.producer.refuse(tid))
         if not tid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
         try:
@@ -289,15 +292,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
 
     async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
+        await self._wait_for_kv(request, context)
+        # Counted once the KV is held: an early pull waiting for its prefill moves nothing yet.
         self.node.pushes_in_flight += 1
         try:
             return await self._push_kv(request, context)
         finally:
             self.node.pushes_in_flight -= 1
 
-    async def _push_kv(
-        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PushKVResponse:
+    async def _wait_for_kv(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> None:
+        """Checks the asker, then waits until the transfer's KV is held here (or aborts the RPC)."""
         node = self.node
         tid = request.transfer_id
         if request.expected_src_epoch and request.expected_src_epoch != node.epoch:
@@ -310,15 +314,34 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "KV layout mismatch (compat hash differs): run Handshake to see which field",
             )
+        timeout_s = node.opts.kv_ready_timeout_s
         try:
-            # Held already (the router opens the decode leg after the first token): no thread hop.
-            ready = node.producer.is_ready(tid) or await asyncio.to_thread(
-                node.producer.wait_ready, tid, node.opts.kv_ready_timeout_s
-            )
+            if request.early:
+                # Opened with the prefill leg: its Prefill may not even be admitted yet. Waits on
+                # the loop (no executor thread: hundreds of early pulls may wait at once).
+                ready = await node.producer.wait_held(tid, timeout_s)
+            else:
+                # Held already (the router opens the decode leg after the first token): no thread hop.
+                ready = node.producer.is_ready(tid) or await asyncio.to_thread(
+                    node.producer.wait_ready, tid, timeout_s
+                )
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
+        except UnknownTransferError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"the prefill of transfer {tid!r} ended without holding its KV"
+            )
         if not ready:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
+
+    async def _push_kv(
+        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PushKVResponse:
+        """The transfer's KV is held: write it into the asking decode stage's blocks."""
+        node = self.node
+        tid = request.transfer_id
+        # Read before the push: the last pull frees the transfer, and its tokens with it.
+        first_token_ids = node.producer.first_token_ids(tid)
         if node.opts.faults.push_delay_s:  # test-only: a long transfer window (bench/chaos.py)
             await asyncio.sleep(node.opts.faults.push_delay_s)
         d_pp = request.dst_pp_size or 1
@@ -387,6 +410,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             num_descriptors=sum(r.num_descriptors for r in res),
             seconds=max(r.seconds for r in res),
             checksum=digest,
+            first_token_ids=first_token_ids,
             stages=[
                 pb.StageLoad(
                     stage=node.stage_info(pb, node.stages[i]),

@@ -98,10 +98,15 @@ class RouterPolicy:
     decode_stream: str = "multiplexed"
     nonstream_flush_ms: int = 100  # multiplexed, BackendRequest.streamed false: node-side batching
     stream_flush_ms: int = 0  # multiplexed, streamed: the same batching when > 0 (router.stream_flush_ms)
+    # with_prefill: a P/D request's decode leg opens with its prefill leg (multiplexed only);
+    # after_prefill: once the first token is back (router.pd_decode_leg)
+    pd_decode_leg: str = "after_prefill"
 
     def __post_init__(self) -> None:
         if self.decode_stream not in ("multiplexed", "per_request"):
             raise ValueError(f"decode_stream {self.decode_stream!r}: use multiplexed or per_request")
+        if self.pd_decode_leg not in ("with_prefill", "after_prefill"):
+            raise ValueError(f"pd_decode_leg {self.pd_decode_leg!r}: use with_prefill or after_prefill")
 
 
 class PDBackend:
@@ -149,8 +154,9 @@ class PDBackend:
         )
         self.decode_first_delta_seconds = Histogram(
             "pdserve:router_decode_first_delta_seconds",
-            "Decode legs: opening the leg to its first delta, by path (disaggregated: decode's KV "
-            "pull and first step included; local: the prompt prefilled on the decode node).",
+            "Decode legs: from the start of the leg's reading (on the disaggregated path: the "
+            "prefill leg's answer) to its first delta, by path (disaggregated: what is left of "
+            "decode's KV pull and its first step; local: the prompt prefilled on the decode node).",
             ["path"],
             buckets=LEG_BUCKETS,
             registry=reg,
@@ -331,63 +337,88 @@ class PDBackend:
         tried: set[str] = set()
         first: GenerationDelta | None = None
         p_node: NodeHandle | None = None
-        while first is None:
-            p_node = self._pick(self.prefill, key, tried)
-            tried.add(p_node.name)
-            try:
-                first = await self._prefill_leg(p_node, req, transfer_id, d_node.pp_size)
-                p_node.breaker.record_success()
-            except grpc.aio.AioRpcError as e:
-                self.leg_failures.labels("prefill", e.code().name).inc()
-                record_leg_result(p_node, e.code())
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequestError(e.details() or "invalid request") from e
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise CapacityError(e.details() or "prefill node is full") from e
-                if req.mm_items and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    # The image's embedding could not be fetched (encoder gone, entry expired).
-                    raise CapacityError(e.details() or "image embeddings unavailable") from e
-                p_node.healthy = e.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                )
-                logger.warning(
-                    "prefill leg of %s on %s failed: %s %s",
-                    req.request_id,
-                    p_node.name,
-                    e.code().name,
-                    e.details(),
-                )
-                if len(tried) >= len(self.prefill) and req.mm_items:
-                    raise CapacityError(
-                        f"every prefill node failed this image request (last: {p_node.name}: "
-                        f"{e.code().name}); retry later"
-                    ) from e
-                if len(tried) >= len(self.prefill):
-                    # Every prefill node failed: prefill on the decode node instead (no transfer).
-                    self.path_total.labels("local_fallback").inc()
-                    async for d in self._decode_leg(d_node, req, None, None, []):
-                        yield d
-                    return
+        # router.pd_decode_leg with_prefill: the decode leg opens with the first prefill leg;
+        # dropped if that leg fails (the retries and fallbacks below are serial, as before).
+        early: tuple[Any, str] | None = None
+        try:
+            while first is None:
+                p_node = self._pick(self.prefill, key, tried)
+                if not tried:
+                    early = self._open_early(d_node, req, transfer_id, p_node)
+                tried.add(p_node.name)
+                try:
+                    first = await self._prefill_leg(p_node, req, transfer_id, d_node.pp_size)
+                    p_node.breaker.record_success()
+                except grpc.aio.AioRpcError as e:
+                    if early is not None:
+                        dropping, early = early, None
+                        await self._drop_early(d_node, dropping)
+                    self.leg_failures.labels("prefill", e.code().name).inc()
+                    record_leg_result(p_node, e.code())
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise InvalidRequestError(e.details() or "invalid request") from e
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise CapacityError(e.details() or "prefill node is full") from e
+                    if req.mm_items and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        # The image's embedding could not be fetched (encoder gone, entry expired).
+                        raise CapacityError(e.details() or "image embeddings unavailable") from e
+                    p_node.healthy = e.code() not in (
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    )
+                    logger.warning(
+                        "prefill leg of %s on %s failed: %s %s",
+                        req.request_id,
+                        p_node.name,
+                        e.code().name,
+                        e.details(),
+                    )
+                    if len(tried) >= len(self.prefill) and req.mm_items:
+                        raise CapacityError(
+                            f"every prefill node failed this image request (last: {p_node.name}: "
+                            f"{e.code().name}); retry later"
+                        ) from e
+                    if len(tried) >= len(self.prefill):
+                        # Every prefill node failed: prefill on the decode node instead (no transfer).
+                        self.path_total.labels("local_fallback").inc()
+                        async for d in self._decode_leg(d_node, req, None, None, []):
+                            yield d
+                        return
+        except BaseException:
+            if early is not None:  # cancelled (client gone) or failed while prefilling
+                await asyncio.shield(self._drop_early(d_node, early))
+            raise
         assert p_node is not None
         leg: tuple[NodeHandle, str] | None = (p_node, transfer_id)
         try:
             yield first
             if first.finish_reason is not None:
+                if early is not None:
+                    dropping, early = early, None
+                    await self._drop_early(d_node, dropping)
                 await self._abort_prefill(p_node, transfer_id)  # EOS or max_tokens=1: nobody will pull
                 return
             while True:
                 try:
+                    opened, early = early, None  # read by the first decode leg only
                     async for d in self._decode_leg(
-                        d_node, req, leg[1] if leg else None, leg[0] if leg else None, first.token_ids
+                        d_node,
+                        req,
+                        leg[1] if leg else None,
+                        leg[0] if leg else None,
+                        first.token_ids,
+                        opened,
                     ):
                         yield d
                     break
                 except KVLoadFailedError:
-                    # Decode's pull failed under kv_load_failure_policy reprefill: another prefill
-                    # node computes the KV again (or, with none left, decode prefills it itself).
+                    # Decode's pull failed under kv_load_failure_policy reprefill (or an early
+                    # pull failed): another prefill node computes the KV again (or, with none
+                    # left, decode prefills it itself) and decode gets the first token this time.
                     leg = await self._reprefill(req, key, tried, d_node.pp_size)
         finally:
+            if early is not None:  # the client left before the decode leg was read
+                await asyncio.shield(self._drop_early(d_node, early))
             p_node.epoch_by_transfer.pop(transfer_id, None)  # when no decode leg read it
             if leg is not None:
                 leg[0].epoch_by_transfer.pop(leg[1], None)
@@ -464,19 +495,19 @@ class PDBackend:
             p.epoch_by_transfer[transfer_id] = resp.epoch  # read (and dropped) by the decode leg
         return d
 
-    async def _decode_leg(
+    def _decode_msg(
         self,
-        d_node: NodeHandle,
         req: BackendRequest,
         transfer_id: str | None,
         p_node: NodeHandle | None,
         first_tokens: list[int],
-    ) -> AsyncGenerator[GenerationDelta, None]:
+        early: bool = False,
+    ) -> pb.DecodeRequest:
         params = req.sampling_params
         if transfer_id is not None and params.prompt_logprobs is not None:
             # Prefill returned them with the first token; decode does not compute the prompt.
             params = dataclasses.replace(params, prompt_logprobs=None)
-        msg = pb.DecodeRequest(
+        return pb.DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling=convert.sampling_to_pb(params),
@@ -494,18 +525,64 @@ class PDBackend:
             # Tokens nobody reads before the end travel in a few messages, not one per step;
             # streamed ones too when router.stream_flush_ms asks for it.
             flush_interval_ms=self.policy.stream_flush_ms if req.streamed else self.policy.nonstream_flush_ms,
+            first_token_from_prefill=early,
         )
-        d_node.in_flight += 1
-        first_delta = self._first_delta_by_path["disaggregated" if transfer_id is not None else "local"]
-        t_open = time.monotonic()
-        call: Any
+
+    def _open_call(self, d_node: NodeHandle, msg: pb.DecodeRequest) -> Any:
         if self.policy.decode_stream == "multiplexed":
             if d_node.mux is None:
                 d_node.mux = StepMux(d_node.steps_channel or d_node.channel, self._md)
-            call = d_node.mux.open(msg, self.policy.request_timeout_s)
+            return d_node.mux.open(msg, self.policy.request_timeout_s)
+        stub = pb_grpc.DecodeServiceStub(d_node.channel)  # per_request only: not on the hot path
+        return stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
+
+    def _open_early(
+        self, d_node: NodeHandle, req: BackendRequest, transfer_id: str, p_node: NodeHandle
+    ) -> tuple[Any, str] | None:
+        """The decode leg opened with the prefill leg (router.pd_decode_leg with_prefill): decode
+        allocates and asks prefill for the KV at once; the pull brings the first token. None
+        where it does not apply (per_request streams, image requests: their legs stay serial)."""
+        if (
+            self.policy.pd_decode_leg != "with_prefill"
+            or self.policy.decode_stream != "multiplexed"
+            or req.mm_items
+        ):
+            return None
+        d_node.in_flight += 1
+        msg = self._decode_msg(req, transfer_id, p_node, [], early=True)
+        # Its own id on the node: a leg opened after it for the same request (another prefill
+        # node, the local fallback, a re-prefill) never meets its abort or its bookkeeping.
+        msg.request_id = f"{req.request_id}/early"
+        return self._open_call(d_node, msg), msg.request_id
+
+    async def _drop_early(self, d_node: NodeHandle, early: tuple[Any, str]) -> None:
+        """An early decode leg nobody will read (its prefill failed, or the first token ended the
+        request, or the client left): stop it and abort it on the node, which frees its blocks
+        once its pull ends."""
+        call, d_rid = early
+        d_node.in_flight -= 1
+        call.cancel()
+        await self._abort_both(d_node, d_rid, None, None)
+
+    async def _decode_leg(
+        self,
+        d_node: NodeHandle,
+        req: BackendRequest,
+        transfer_id: str | None,
+        p_node: NodeHandle | None,
+        first_tokens: list[int],
+        early: tuple[Any, str] | None = None,
+    ) -> AsyncGenerator[GenerationDelta, None]:
+        call: Any
+        if early is not None:  # opened with the prefill leg (in_flight counted then), its own id
+            call, d_rid = early
         else:
-            stub = pb_grpc.DecodeServiceStub(d_node.channel)  # per_request only: not on the hot path
-            call = stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
+            d_node.in_flight += 1
+            d_rid = req.request_id
+            call = self._open_call(d_node, self._decode_msg(req, transfer_id, p_node, first_tokens))
+        # From here (the prefill leg's answer, on the P/D path) to decode's first delta.
+        first_delta = self._first_delta_by_path["disaggregated" if transfer_id is not None else "local"]
+        t_open = time.monotonic()
         finished = errored = streamed = False
         deadline = self.policy.decode_first_token_timeout_s
         try:
@@ -523,7 +600,7 @@ class PDBackend:
                     d_node.breaker.record_failure()
                     finished = errored = True
                     # In the background: a frozen node would hold the client for the abort's timeout.
-                    self._background(self._abort_both(d_node, req.request_id, p_node, transfer_id))
+                    self._background(self._abort_both(d_node, d_rid, p_node, transfer_id))
                     yield _error_delta(
                         req,
                         f"decode node {d_node.name} sent nothing for {deadline:g} s; the request was cancelled",
@@ -586,7 +663,7 @@ class PDBackend:
             if not finished:
                 # Client gone (cancellation / aclose): cancel both legs at once.
                 call.cancel()
-                await asyncio.shield(self._abort_both(d_node, req.request_id, p_node, transfer_id))
+                await asyncio.shield(self._abort_both(d_node, d_rid, p_node, transfer_id))
             elif errored and p_node is not None and transfer_id is not None:
                 # Decode failed (maybe before its pull): make sure prefill lets go of the KV now.
                 await asyncio.shield(self._abort_prefill(p_node, transfer_id))

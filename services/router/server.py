@@ -58,6 +58,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             decode_stream=r.decode_stream,
             nonstream_flush_ms=r.nonstream_flush_ms,
             stream_flush_ms=r.stream_flush_ms,
+            pd_decode_leg=r.pd_decode_leg,
         ),
         shared_token=cluster.shared_token,
         registry=metrics.registry,

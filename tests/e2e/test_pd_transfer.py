@@ -99,6 +99,8 @@ def test_disaggregated_greedy_equals_colocated_and_transformers(
         assert _metric(metrics, "pdserve:stranded_kv_blocks") == 0
         _bad_push_requests_are_refused(rc, prompts[5])
         _assert_nothing_held(rc)
+        _early_pulls_wait_for_their_prefill(rc, prompts[7])
+        _assert_nothing_held(rc)
 
 
 def _bad_push_requests_are_refused(rc, prompt: list[int]) -> None:
@@ -184,6 +186,103 @@ def _bad_push_requests_are_refused(rc, prompt: list[int]) -> None:
         # Prefill still holds the KV and still serves: abort releases it.
         assert rc.load("prefill-0").num_blocks_held_for_transfer == nblocks
         assert stub.Abort(pb.AbortRequest(transfer_ids=[tid]), timeout=5).num_aborted >= 1
+
+
+def _early_pulls_wait_for_their_prefill(rc, prompt: list[int]) -> None:
+    """PushKVRequest.early: a pull sent before its Prefill waits for the KV, then writes it and
+    answers with the first token; one whose prefill fails or is aborted ends at once."""
+    import torch
+
+    from pdserve.kvtransfer.backend import MooncakeBackend
+    from pdserve.kvtransfer.regions import regions_for_kv_cache
+    from pdserve.models.config import ModelArchConfig
+
+    a = ModelArchConfig.from_model_dir(rc.cluster.model)
+    names = [f"model.layers.{i}.self_attn" for i in range(a.num_hidden_layers)]
+    nblocks = -(-len(prompt) // 16)
+    # The "decode node" is this process: a KV tensor of 8 blocks registered with its own TE.
+    dst = torch.zeros(8, a.num_hidden_layers, 2, 16, a.num_key_value_heads, a.head_dim)
+    te = MooncakeBackend(host="127.0.0.1")
+    te.register(dst.data_ptr(), dst.numel() * dst.element_size())
+    regions = regions_for_kv_cache(
+        dst.data_ptr(), 8, names, 16, a.num_key_value_heads, a.head_dim, dst.element_size()
+    )
+    sp = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=8))
+    try:
+        with grpc.insecure_channel(rc.node("prefill-0").grpc_address) as ch:
+            stub = pb_grpc.PrefillServiceStub(ch)
+            info = stub.Handshake(pb.HandshakeRequest(info=_decode_handshake(rc)), timeout=5).info
+
+            def early_push(tid: str, n: int = len(prompt)) -> grpc.Future:
+                return stub.PushKV.future(
+                    pb.PushKVRequest(
+                        transfer_id=tid,
+                        dst_block_ids=list(range(-(-n // 16))),
+                        num_tokens=n,
+                        dst_regions=[pb.Region(**r.to_dict()) for r in regions],
+                        dst_session=te.session_id,
+                        dst_compat_hash=info.compat_hash,
+                        expected_src_epoch=info.epoch,
+                        early=True,
+                    ),
+                    timeout=30,
+                )
+
+            def prefill(tid: str, ids: list[int], sampling: pb.Sampling = sp) -> pb.PrefillResponse:
+                return stub.Prefill(
+                    pb.PrefillRequest(transfer_id=tid, prompt_token_ids=ids, sampling=sampling, need_send=1),
+                    timeout=30,
+                )
+
+            # Sent before its Prefill: waits (not NOT_FOUND), then pushes and brings the first token.
+            tid = uuid.uuid4().hex
+            push = early_push(tid)
+            time.sleep(0.3)
+            assert not push.done()
+            assert rc.load("prefill-0").num_pushes_in_flight == 0  # waiting moves nothing yet
+            first = prefill(tid, prompt).first
+            resp = push.result(timeout=30)
+            assert list(resp.ok) == [tid] and resp.bytes > 0
+            assert list(resp.first_token_ids) == list(first.token_ids) and len(first.token_ids) == 1
+            assert dst[:nblocks].abs().sum() > 0 and dst[nblocks:].abs().sum() == 0
+
+            # Its prefill fails after admission (prompt too long): the pull ends at once.
+            tid = uuid.uuid4().hex
+            push = early_push(tid, 16)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                prefill(tid, [1] * a.max_position_embeddings)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as e:
+                push.result(timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "ended without holding its KV" in e.value.details()
+            assert time.monotonic() - t0 < 5  # not kv_ready_timeout_s (60 s)
+
+            # Its Prefill is refused before admission (bad sampling): same.
+            tid = uuid.uuid4().hex
+            push = early_push(tid, 16)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                prefill(tid, prompt, pb.Sampling(temperature=-1.0))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as e:
+                push.result(timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() - t0 < 5
+
+            # The router aborts the transfer before its prefill came: same.
+            tid = uuid.uuid4().hex
+            push = early_push(tid, 16)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            stub.Abort(pb.AbortRequest(transfer_ids=[tid]), timeout=5)
+            with pytest.raises(grpc.RpcError) as e:
+                push.result(timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() - t0 < 5
+    finally:
+        te.close()
 
 
 def _decode_handshake(rc) -> pb.HandshakeInfo:

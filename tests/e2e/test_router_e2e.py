@@ -152,6 +152,8 @@ def test_both_paths_were_taken(cluster) -> None:
     assert _moved(r0, r1, "pdserve:router_decode_first_delta_seconds_bucket", le="+Inf") == 2
     d0, d1 = before["decode-0"], after["decode-0"]
     assert _moved(d0, d1, "pdserve:kv_pull_seconds_count", node="decode-0") == 1
+    # router.pd_decode_leg with_prefill (the default): decode asked for the KV during the prefill
+    assert _moved(d0, d1, "pdserve:kv_early_pulls_total") == 1
     assert _moved(d0, d1, "pdserve:kv_pull_seconds_sum") > 0
     # decode: the local prompt (a prefill step and a decode) and the P/D request's one decode
     assert _moved(d0, d1, "pdserve:engine_step_decode_sequences_total") == 2
@@ -408,6 +410,48 @@ def test_repeated_prompt_reports_cached_tokens(cluster) -> None:
     assert _path_counts(cluster)[0] == mid[0] + 1
     assert hit == 2 * bs  # whole blocks, at least one token left to compute
     _wait_all_free(cluster)
+
+
+def test_a_router_with_serial_legs_gives_the_same_tokens(cluster, tokenizer, reference, tmp_path) -> None:
+    """router.pd_decode_leg after_prefill (the decode leg opens once the first token is back):
+    a second router on the same nodes gives transformers' greedy tokens on the P/D path, and its
+    pull is not an early one; the default router's early pulls are what the test above counts."""
+    from pdserve.config.cluster import ClusterConfig, write_cluster_config
+    from pdserve.launcher import start_child, stop_children, wait_ready
+
+    data = cluster.cluster.model_dump(mode="json", exclude_unset=True)
+    data["router"] = {
+        **data["router"],
+        "port": cluster.cluster.router.port + 97,
+        "pd_decode_leg": "after_prefill",
+    }
+    serial = ClusterConfig.from_dict(data)
+    router = start_child(write_cluster_config(serial, tmp_path / "serial.yaml"), "router", None, tmp_path)
+    try:
+        wait_ready(serial, [router], timeout_s=60)
+        url = f"http://127.0.0.1:{cluster.node('decode-0').metrics_port}/metrics"
+        early0 = _scrape_value(url, "pdserve:kv_early_pulls_total")
+        pulls0 = _scrape_value(url, "pdserve:kv_pull_seconds_count")
+        ids = tokenizer.encode(" ".join(["serial legs move the KV cache"] * 12))
+        client = openai.OpenAI(base_url=serial.router_url + "/v1", api_key="unused", max_retries=0)
+        resp = client.completions.create(
+            model=cluster.model_name,
+            prompt=ids,
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert resp.choices[0].text == tokenizer.decode(reference(ids, 8), skip_special_tokens=True)
+        assert _scrape_value(url, "pdserve:kv_pull_seconds_count") == pulls0 + 1  # P/D, one pull
+        assert _scrape_value(url, "pdserve:kv_early_pulls_total") == early0  # not an early one
+    finally:
+        stop_children([router])
+    _wait_all_free(cluster)
+
+
+def _scrape_value(url: str, name: str) -> float:
+    text = httpx.get(url).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_prefill_death_falls_back_to_local_prefill(cluster, tokenizer, reference) -> None:
