@@ -18,6 +18,7 @@ ends without holding (``forget`` / ``refuse``). Every push answers with the firs
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -82,6 +83,10 @@ class DuplicateTransferError(InvalidRequestError):
     """A prefill for a transfer_id this node already prefills or holds; maps to ALREADY_EXISTS."""
 
 
+ENDED_KEEP = 65536  # transfer ids KVProducer remembers as ended (an id is 32 hex characters)
+ADMIT_GRACE_S = 5.0  # an early pull whose Prefill was not admitted within this fails (NOT_FOUND)
+
+
 @dataclass
 class _Transfer:
     """One transfer_id's state on a producer, from its admission (or its first early pull) until
@@ -138,6 +143,10 @@ class KVProducer:
         self.block_size = block_size
         self._release = release  # frees the request's blocks (posted to the engine thread)
         self._transfers: dict[str, _Transfer] = {}  # admitted / held / early-awaited transfers
+        # transfer_id -> when it ended here (forgotten, or refused before admission): an early
+        # pull that comes after its prefill ended fails at once instead of waiting out its
+        # timeout with decode's blocks allocated for nothing. Bounded, oldest dropped first.
+        self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.stage = stage
         self.num_stages = num_stages
@@ -179,22 +188,39 @@ class KVProducer:
                 t.admitted = True  # early pulls wait for it already
 
     def refuse(self, transfer_id: str) -> None:
-        """A prefill for ``transfer_id`` was refused before its admission: early pulls waiting for
-        it fail now (an admitted transfer, another request's, is left alone)."""
+        """A prefill for ``transfer_id`` was refused before its admission (or its RPC ended):
+        early pulls waiting for it fail now, and so does one that comes later (an admitted
+        transfer, another request's, is left alone)."""
         with self._lock:
             t = self._transfers.get(transfer_id)
-            if t is None or t.admitted:
+            if t is not None and t.admitted:
+                return
+            self._note_ended(transfer_id)
+            if t is None:
                 return
             del self._transfers[transfer_id]
         _wake(t.waiters, False)
 
     def forget(self, transfer_id: str) -> None:
         """Drop the transfer's state (freed, failed, aborted); early pulls still waiting for its
-        hold fail now."""
+        hold fail now, and so does one that comes later."""
         with self._lock:
             t = self._transfers.pop(transfer_id, None)
+            self._note_ended(transfer_id)
         if t is not None:
             _wake(t.waiters, False)
+
+    def _note_ended(self, transfer_id: str) -> None:
+        """Under the lock: remember that ``transfer_id`` ended here (ENDED_KEEP ids at most)."""
+        self._ended[transfer_id] = time.monotonic()
+        self._ended.move_to_end(transfer_id)
+        while len(self._ended) > ENDED_KEEP:
+            self._ended.popitem(last=False)
+
+    def ended(self, transfer_id: str) -> bool:
+        """Whether ``transfer_id`` ended here (among the last ENDED_KEEP that did)."""
+        with self._lock:
+            return transfer_id in self._ended
 
     def on_hold(
         self, transfer_id: str, block_ids: list[int], need_send: int, first_token_ids: Sequence[int] = ()
@@ -256,14 +282,31 @@ class KVProducer:
             if t is None and transfer_id in self.tracker:
                 # Held, its state dropped (aborted while a push was in flight): the push answers.
                 return True
+            if t is None and transfer_id in self._ended:  # its prefill came and went first
+                raise UnknownTransferError(transfer_id, "its prefill ended without holding its KV")
             if t is None:
                 t = self._transfers[transfer_id] = _Transfer(admitted=False)
             if t.held.is_set():
                 return True
             t.waiters.append((loop, fut))
         held: bool | None = None
+        never_admitted = False
+        deadline = loop.time() + timeout_s
         try:
-            held = await asyncio.wait_for(fut, timeout_s)
+            # Its Prefill is sent together with the decode leg: one not admitted here within
+            # ADMIT_GRACE_S is not coming (cancelled before it was sent, or its Abort was lost),
+            # and decode's blocks would wait the whole timeout for it.
+            try:
+                held = await asyncio.wait_for(asyncio.shield(fut), min(timeout_s, ADMIT_GRACE_S))
+            except TimeoutError:
+                with self._lock:
+                    t = self._transfers.get(transfer_id)
+                    admitted = t is not None and t.admitted
+                if not admitted and timeout_s > ADMIT_GRACE_S:
+                    never_admitted = True
+                    held = False
+                elif timeout_s > ADMIT_GRACE_S:
+                    held = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except TimeoutError:
             pass
         finally:
@@ -278,6 +321,10 @@ class KVProducer:
                         del self._transfers[transfer_id]  # no prefill came, nobody else waits
         if held is None:
             return False
+        if never_admitted:
+            raise UnknownTransferError(
+                transfer_id, f"no prefill of it was admitted within {ADMIT_GRACE_S:g} s"
+            )
         if not held:
             raise UnknownTransferError(transfer_id, "its prefill ended without holding its KV")
         return True

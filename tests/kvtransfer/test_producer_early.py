@@ -121,7 +121,33 @@ async def test_a_prefill_that_ends_without_holding_wakes_the_pull(env, end):
         await waiter
     assert time.monotonic() - t0 < 2.0
     assert not prod._transfers and released == []
+    # An early pull that comes after that prefill ended fails at once (its blocks on decode are
+    # freed now, not after kv_ready_timeout_s), and leaves nothing behind.
+    t0 = time.monotonic()
+    with pytest.raises(UnknownTransferError, match="ended without holding its KV"):
+        await prod.wait_held("t", 30.0)
+    assert time.monotonic() - t0 < 0.5 and not prod._transfers and prod.ended("t")
     prod.admit("t")  # nothing of it is left: a new prefill may use the id
+
+
+@pytest.mark.parametrize("end", ["refused", "forgotten_after_a_pull"])
+async def test_an_early_pull_after_its_prefill_ended_fails_at_once(env, end):
+    """The router hung up at once: the Prefill RPC ended (refused before admission, or its KV
+    held, pulled and freed) before decode's early pull reached this node. The pull does not wait
+    out its timeout (decode holds the request's blocks meanwhile); an id never seen still waits."""
+    prod, released, _src, dst = env
+    if end == "refused":
+        prod.refuse("t")
+    else:
+        prod.admit("t")
+        prod.on_hold("t", [0, 1], 1, [7])
+        assert prod.push("t", [2, 3], 8, dst.regions, dst.backend.session_id, consumer=(0, 0)).ok
+        assert released == ["t"]
+    t0 = time.monotonic()
+    with pytest.raises(UnknownTransferError, match="ended without holding its KV"):
+        await prod.wait_held("t", 30.0)
+    assert time.monotonic() - t0 < 0.5 and not prod._transfers
+    assert await prod.wait_held("other", 0.05) is False  # not ended here: waits (and times out)
 
 
 async def test_refuse_leaves_an_admitted_transfer_alone(env):
@@ -205,3 +231,24 @@ async def test_a_real_duplicate_is_still_refused(env):
     prod.admit("u")
     with pytest.raises(DuplicateTransferError):
         prod.admit("u")  # admitted, not held yet, no pull waiting
+
+
+async def test_an_early_pull_whose_prefill_never_comes_fails_after_the_grace(env, monkeypatch):
+    """A Prefill never admitted here (cancelled before it was sent, its Abort lost) does not keep
+    decode's blocks for the whole timeout: past ADMIT_GRACE_S the pull fails; an admitted one
+    whose KV comes later keeps waiting past the grace and gets it."""
+    from pdserve.kvtransfer import connector
+
+    monkeypatch.setattr(connector, "ADMIT_GRACE_S", 0.2)
+    prod, *_ = env
+    t0 = time.monotonic()
+    with pytest.raises(UnknownTransferError, match=r"no prefill of it was admitted within 0\.2 s"):
+        await prod.wait_held("lost", 30.0)
+    assert 0.15 < time.monotonic() - t0 < 2.0 and not prod._transfers
+    waiter = asyncio.create_task(prod.wait_held("slow", 30.0))
+    await asyncio.sleep(0.05)
+    prod.admit("slow")
+    await asyncio.sleep(0.4)  # past the grace: admitted, so still waiting
+    assert not waiter.done()
+    prod.on_hold("slow", [0], 1, [9])
+    assert await waiter is True and prod.first_token_ids("slow") == [9]
