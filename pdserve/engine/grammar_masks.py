@@ -197,11 +197,9 @@ class GrammarMasker:
             rows = [all_rows[k] for k in live]
             if not live:
                 return GrammarMasks([], None, None)
-        host, turn = self._host(len(states))
         if overlap and self.use_filler:
-            if self.filler is None:
-                self.filler = BitmaskFiller()
-            return GrammarMasks(rows, host, self.filler.submit(states, host, accept), states, turn)
+            return self._to_filler(rows, states, accept)
+        host, turn = self._host(len(states))
         masks = GrammarMasks(rows, host, None, states, turn)
         rejected = _batch_accept(*accept) if accept is not None else None
         if rejected is not None:
@@ -227,12 +225,17 @@ class GrammarMasker:
         if not live:
             return GrammarMasks([], None, None)
         rows = grammar_rows if len(live) == len(grammar_rows) else [grammar_rows[k] for k in live]
+        return self._to_filler(rows, states, (self.steady.matchers, tokens))
+
+    def _to_filler(
+        self, rows: list[int], states: list[GrammarState], accept: tuple[list[Any], list[int]] | None
+    ) -> GrammarMasks:
+        """The fill of ``states``' bitmask (after ``accept``'s batched accept, if given) handed to
+        the filler thread, started on first use."""
         host, turn = self._host(len(states))
         if self.filler is None:
             self.filler = BitmaskFiller()
-        return GrammarMasks(
-            rows, host, self.filler.submit(states, host, (self.steady.matchers, tokens)), states, turn
-        )
+        return GrammarMasks(rows, host, self.filler.submit(states, host, accept), states, turn)
 
     def _redo(self, masks: GrammarMasks, accepted: list[bool]) -> None:
         """The steady accept rejected a token (it came from outside the mask, e.g. replayed):

@@ -462,7 +462,7 @@ class LLMEngine:
             # the pulls start now rather than after this step: a decode step (a few ms under load)
             # less between a P/D request's admission and its first token here.
             if self.kv_load_sink is not None:
-                self.kv_load_sink(list(sched.kv_loads))
+                self.kv_load_sink(sched.kv_loads)
             else:
                 self._kv_loads.extend(sched.kv_loads)
         if sched.is_empty:

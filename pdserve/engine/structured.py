@@ -260,13 +260,7 @@ class SteadyRows:
         lengths = [len(o) for o in outputs]
         if lengths != self._next_lengths:
             return None
-        tokens = [o[-1] for o in outputs]
-        if not stop_ids.isdisjoint(tokens):
-            return None  # a matcher may end here: advance() asks it
-        for state in self._states:
-            state.num_accepted += 1
-        self._next_lengths = [n + 1 for n in lengths]
-        return live, self._states, tokens
+        return self._took([o[-1] for o in outputs], stop_ids)
 
     def take_sampled(
         self, ids: list[str], sampled: dict[str, int], stop_ids: frozenset[int]
@@ -285,12 +279,19 @@ class SteadyRows:
             tokens = [sampled[ids[k]] for k in live]
         except KeyError:  # a row that did not sample then (it is not one new token each)
             return None
+        return self._took(tokens, stop_ids)
+
+    def _took(
+        self, tokens: list[int], stop_ids: frozenset[int]
+    ) -> tuple[list[int], list[GrammarState], list[int]] | None:
+        """The kept live rows take one new token each (``tokens``), unless one is a stop token
+        (a matcher may end there: ``advance`` asks it). Counters only; the accept is the caller's."""
         if not stop_ids.isdisjoint(tokens):
             return None
         for state in self._states:
             state.num_accepted += 1
         self._next_lengths = [n + 1 for n in self._next_lengths]
-        return live, self._states, tokens
+        return self._live, self._states, tokens
 
     def rejected(self, states: list[GrammarState], accepted: list[bool]) -> list[int]:
         """A batched accept of ``take``'s tokens rejected some: those rows' grammars failed (they
