@@ -316,7 +316,7 @@ def proc_cpu_s(pid: int) -> float:
 def _variant(v: str) -> str:
     topology, *mods = v.split("+")
     ok = topology in ("colocated", "pd") and all(
-        m in ("per_request", "inline", "nodedetok", "serial")
+        m in ("per_request", "inline", "process", "nodedetok", "serial")
         or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
         or (m[:2] == "sf" and m[2:].isdigit())
         for m in mods
@@ -325,7 +325,8 @@ def _variant(v: str) -> str:
         raise argparse.ArgumentTypeError(
             f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers), "
             "+sfN (router.stream_flush_ms N), "
-            "+inline (the decode-capable node serves its Steps streams itself: frontend: inline), "
+            "+inline (the decode-capable node serves its Steps streams on its gRPC port: frontend: "
+            "inline), +process (through a front-end process: frontend: process), "
             "+nodedetok (the nodes make the text: router.detokenize: node), +serial (P/D: the "
             "decode leg after the prefill leg, router.pd_decode_leg: after_prefill)"
         )
@@ -367,8 +368,9 @@ class Cluster:
                 dict(node, name="prefill-0", role="prefill", grpc_port=free_port(), metrics_port=free_port()),
                 dict(node, name="decode-0", role="decode", grpc_port=free_port(), metrics_port=free_port()),
             ]
-        if "inline" in mods:
-            nodes[-1]["frontend"] = "inline"  # colo-0 / decode-0: no front-end process
+        for m in ("inline", "process"):  # colo-0 / decode-0: Steps on its gRPC port / a front-end process
+            if m in mods:
+                nodes[-1]["frontend"] = m
         router: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "local_prefill_max_tokens": 0}
         if transport:
             router["decode_stream"] = transport
@@ -568,8 +570,9 @@ def main() -> None:
         "per_request: one Decode stream per leg, the design before issue 12, instead of the "
         "multiplexed Steps stream), +wN (N router worker processes, router.workers), +sfN "
         "(router.stream_flush_ms N: streamed tokens merged per N ms), +inline (the "
-        "node's Steps streams on its own gRPC server, frontend: inline; the default is a front-end "
-        "process), +nodedetok (the nodes make the text, router.detokenize: node; the default "
+        "node's Steps streams on its own gRPC server, frontend: inline), +process (through a "
+        "front-end process over gRPC, frontend: process; the default is the node's Steps socket, "
+        "frontend: socket), +nodedetok (the nodes make the text, router.detokenize: node; the default "
         "is the router) and +serial (P/D: the decode leg opens after the prefill leg's answer, "
         "router.pd_decode_leg: after_prefill; the default opens both at once)",
     )

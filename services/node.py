@@ -29,6 +29,7 @@ from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
 from services.steps_frontend import FrontendProcess
+from services.steps_socket import StepsFront
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
@@ -73,9 +74,12 @@ class NodeOptions:
     colocated_encoder: bool = False
     image_limits: Any | None = None
     faults: FaultsConfig = field(default_factory=FaultsConfig)  # test-only fault injection; all off
-    # Decode / colocated: the router's Steps streams go to a front-end process on this port, 0:
-    # any free port (services/steps_frontend.py); None: this process serves them on grpc_port.
+    # Decode / colocated: the router's Steps streams come to this port (0: any free port), as
+    # ``frontend`` says: "socket", this process's TCP port of length-prefixed frames
+    # (services/steps_socket.py); "process", a front-end process's gRPC port
+    # (services/steps_frontend.py). None: this process serves them on grpc_port (gRPC).
     frontend_port: int | None = None
+    frontend: str = "socket"
 
 
 class InjectedEngineFault(BaseException):
@@ -103,6 +107,11 @@ class NodeBase:
                     f"kv_checksum with pp={pp} on a {opts.role} node is not supported (the digest "
                     "covers one stage's KV); set kv_checksum: false or pp: 1"
                 )
+        if opts.frontend not in ("socket", "process"):
+            raise ConfigError(
+                f"frontend {opts.frontend!r} of node {opts.name}: use socket or process (with "
+                "frontend_port), or no frontend_port for the node's own gRPC port"
+            )
         if opts.frontend_port is not None:
             if opts.role == "prefill":
                 raise ConfigError(
@@ -146,8 +155,9 @@ class NodeBase:
         self.drain_gate: DrainGate | None = None  # set by serve(); Steps admits through it too
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
-        self.steps_address = ""  # set once a Steps front-end process listens (frontend_port)
-        self.frontend: FrontendProcess | None = None
+        self.steps_address = ""  # set once the Steps port listens (frontend_port)
+        self.steps_transport = 0  # LoadReport.steps_transport: STEPS_GRPC, or STEPS_SOCKET
+        self.frontend: FrontendProcess | StepsFront | None = None
         # Set with readiness (health SERVING): until then GetLoad answers UNAVAILABLE, so a router
         # polling a starting node never takes it before its front end's steps_address is known.
         self.started = False
@@ -272,7 +282,7 @@ class NodeBase:
         if isinstance(self.engine.runner, PipelineRunner):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
         fe_watch = None
-        if frontend is not None:
+        if isinstance(frontend, FrontendProcess):
             fe_watch = asyncio.create_task(self._watch_frontend(frontend, health_servicer))
         await stop.wait()
         if watchdog is not None:
@@ -336,17 +346,23 @@ class NodeBase:
         self.exit_code = 1
         self._stop_event.set()
 
-    async def _start_frontend(self) -> FrontendProcess:
-        """The Steps front end in its own process (services/steps_frontend.py); returns once it
-        listens, raises ConfigError naming the port if it cannot."""
+    async def _start_frontend(self) -> FrontendProcess | StepsFront:
+        """The Steps port (``frontend: socket``: this process's TCP port; ``process``: a
+        front-end process, services/steps_frontend.py); returns once it listens, raises OSError
+        naming the port if it cannot."""
         servicer = getattr(self, "steps_servicer", None)
         assert servicer is not None, "frontend_port on a node without a Steps servicer"
         assert self.opts.frontend_port is not None
-        fe = FrontendProcess(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+        fe: FrontendProcess | StepsFront
+        if self.opts.frontend == "socket":
+            fe = StepsFront(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+        else:
+            fe = FrontendProcess(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
         await fe.start()
         host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
         self.steps_address = f"{host}:{fe.port}"
-        logger.info("node %s: Steps front end (pid %s) on %s", self.opts.name, fe.pid, self.steps_address)
+        self.steps_transport = fe.transport
+        logger.info("node %s: %s on %s", self.opts.name, fe.describe(), self.steps_address)
         return fe
 
     async def _watch_frontend(self, fe: FrontendProcess, health_servicer: Any) -> None:
@@ -406,6 +422,7 @@ class NodeBase:
             stages=self.stage_loads(pb),
             num_ec_reservations=self.ec_reservations(),
             steps_address=self.steps_address,
+            steps_transport=self.steps_transport,  # type: ignore[arg-type]
         )
 
 
@@ -468,8 +485,8 @@ class _NodeCollector:
         if n.frontend is not None:
             yield counter(
                 "frontend_steps_sessions",
-                "Steps streams served through the front-end process",
-                n.frontend.socket.sessions_total,
+                "Steps streams served on the node's Steps port (its socket or front-end process)",
+                n.frontend.sessions_total,
             )
         # Per pipeline stage (issue 11). One block table per node: used / held / stranded are the
         # node's numbers on every stage; bytes and failures are each stage endpoint's own.

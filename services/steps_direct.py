@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
-from pdserve.rpc import convert
+from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,34 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_BYTES = 64 << 20
 
 
+# A frame past this is a bug or an attack, not traffic: gRPC's own message limit (prompt_embeds).
+MAX_FRAME = channel.MAX_MESSAGE_BYTES
+
+
 def frame(data: bytes) -> bytes:
-    """One frame of the node <-> front-end socket: a 4-byte big-endian length, then ``data``."""
+    """One frame of a Steps socket (the front end's Unix socket, or the router's TCP connection
+    with ``frontend: socket``): a 4-byte big-endian length, then ``data``."""
     return len(data).to_bytes(4, "big") + data
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes | None:
+    """The next frame's payload; None at a clean end of stream (EOF between frames). A frame
+    over ``limit`` bytes, or one cut short, raises ConnectionError."""
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise ConnectionError("the Steps socket closed inside a frame header") from e
+        return None
+    n = int.from_bytes(head, "big")
+    if n > limit:
+        raise ConnectionError(f"a Steps frame of {n} bytes is over the {limit}-byte limit")
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise ConnectionError(
+            f"the Steps socket closed inside a frame ({len(e.partial)} of {n} bytes)"
+        ) from e
 
 
 class SocketFrames:

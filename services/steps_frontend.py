@@ -46,84 +46,12 @@ from google.protobuf.message import DecodeError
 
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
-from services.steps_direct import DirectSteps, SocketFrames, frame
+from services.steps_direct import frame, read_frame
+from services.steps_socket import StepsSocketServer
 
 logger = logging.getLogger(__name__)
-MAX_FRAME = 64 << 20  # a StepBatch past this is a bug, not traffic
 STEPS_METHOD = "Steps"
 SERVICE = "pdserve.rpc.DecodeService"
-
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
-    """The next frame's payload; None at a clean end of stream (EOF between frames)."""
-    try:
-        head = await reader.readexactly(4)
-    except asyncio.IncompleteReadError as e:
-        if e.partial:
-            raise ConnectionError("the Steps socket closed inside a frame header") from e
-        return None
-    n = int.from_bytes(head, "big")
-    if n > MAX_FRAME:
-        raise ConnectionError(f"a Steps frame of {n} bytes is over the {MAX_FRAME}-byte limit")
-    return await reader.readexactly(n)
-
-
-# -- the node's side -----------------------------------------------------------------------------
-class StepsSocketServer:
-    """In the node process: each connection on ``path`` is one Steps stream of ``servicer``."""
-
-    def __init__(self, servicer: Any, path: str) -> None:
-        self.servicer = servicer
-        self.path = path
-        self._server: asyncio.AbstractServer | None = None
-        self.sessions_total = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._session, path=self.path)
-        os.chmod(self.path, 0o600)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-
-    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.sessions_total += 1
-
-        async def commands() -> AsyncIterator[pb.StepCommand]:
-            while True:
-                data = await read_frame(reader)
-                if data is None:
-                    return  # the router half-closed its side: finish what is running
-                yield pb.StepCommand.FromString(data)  # the front end checked it parses
-
-        # Token deltas: the engine thread writes them to this socket (services/steps_direct.py);
-        # this coroutine writes the rest (ends, error deltas) through the same ordered frames.
-        sock = writer.get_extra_info("socket")
-        session = asyncio.current_task()
-
-        # A failed write (the front end went away) ends the session: its requests are aborted.
-        def on_fail() -> None:
-            if session is not None:
-                session.cancel()
-
-        frames = SocketFrames(sock.fileno(), asyncio.get_running_loop(), on_fail)
-        try:
-            async for batch in self.servicer.steps_session(commands(), DirectSteps(frames)):
-                frames.write(batch.SerializeToString())
-                await frames.drain()  # a failed write cancels this task (on_fail)
-        except (ConnectionError, asyncio.IncompleteReadError, DecodeError) as e:
-            logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
-        except asyncio.CancelledError:
-            if not frames.closed:
-                raise  # the node is stopping
-            logger.warning("Steps socket session ended: the front end's socket failed")
-        finally:
-            frames.close()
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
 
 
 # -- the front-end process -----------------------------------------------------------------------
@@ -239,9 +167,19 @@ def frontend_main(
 class FrontendProcess:
     """The Steps front-end process and the node's socket it relays to."""
 
+    transport = pb.STEPS_GRPC
+
+    def describe(self) -> str:
+        return f"Steps front end (pid {self.pid}), gRPC"
+
+    @property
+    def sessions_total(self) -> int:
+        return self.socket.sessions_total
+
     def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
         self._dir = tempfile.mkdtemp(prefix="pdserve-fe-")  # 0700: only this user reaches the socket
-        self.socket = StepsSocketServer(servicer, os.path.join(self._dir, "steps.sock"))
+        self.socket = StepsSocketServer(servicer)
+        self.socket_path = os.path.join(self._dir, "steps.sock")
         self.host, self.port, self.token = host, port, shared_token
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
@@ -279,12 +217,12 @@ class FrontendProcess:
         return now - self._pings[0] if len(self._pings) > 1 else 0.0
 
     async def start(self, timeout_s: float = 60.0) -> None:
-        await self.socket.start()
+        await self.socket.start_unix(self.socket_path)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=frontend_main,
-            args=(self.host, self.port, self.socket.path, self.token, child),
+            args=(self.host, self.port, self.socket_path, self.token, child),
             name="pdserve-frontend",
             daemon=True,
         )

@@ -235,19 +235,27 @@ class NodeConfig(_Frozen):
     faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
     # Decode / colocated: who serves the router's Steps streams (the token streams).
-    #   process (the default there): a front-end process (services/steps_frontend.py); the engine
-    #     thread writes token deltas to it directly, the node's event loop never takes its GIL per step;
+    #   socket (the default there): the node itself, on a TCP port of length-prefixed frames
+    #     (services/steps_socket.py); the engine thread writes token deltas to the router's
+    #     connection directly, no gRPC and no other process on the hot path;
+    #   process: a front-end process speaking gRPC to the router (services/steps_frontend.py);
+    #     the engine thread writes token deltas to it over a Unix socket;
     #   inline: the node's own gRPC server, one process.
-    # None: process on decode and colocated nodes; prefill nodes serve no Steps streams.
-    frontend: Literal["process", "inline"] | None = None
-    # The front-end process's port; None or 0: any free port (the router learns it from GetLoad).
+    # None: socket on decode and colocated nodes; prefill nodes serve no Steps streams.
+    frontend: Literal["socket", "process", "inline"] | None = None
+    # The Steps port (socket, process); None or 0: any free port (the router learns it from GetLoad).
     frontend_port: int | None = Field(default=None, ge=0, le=65535)
 
-    def frontend_process_port(self) -> int | None:
-        """The port of this node's Steps front-end process (0: any free one); None: no such process."""
+    def steps_frontend(self) -> str | None:
+        """Who serves this node's Steps streams on ``steps_port``: socket | process; None: the
+        node's own gRPC port (inline), or no Steps streams at all (prefill)."""
         if self.role not in ("decode", "colocated") or self.frontend == "inline":
             return None
-        return self.frontend_port or 0
+        return self.frontend or "socket"
+
+    def steps_port(self) -> int | None:
+        """The port of this node's Steps socket or front-end process (0: any free one); None: none."""
+        return None if self.steps_frontend() is None else (self.frontend_port or 0)
 
     @field_validator("name")
     @classmethod
@@ -294,7 +302,7 @@ class NodeConfig(_Frozen):
             raise ConfigError(
                 f"node {self.name!r}: frontend_port {self.frontend_port} with frontend: inline (the "
                 "node's own gRPC port serves the Steps streams): remove frontend_port or set "
-                "frontend: process"
+                "frontend: socket or process"
             )
         expected = KV_ROLE_OF_ROLE[self.role]
         if self.kv_role is not None and self.kv_role != expected:

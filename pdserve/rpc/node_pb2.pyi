@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepsTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEPS_GRPC: _ClassVar[StepsTransport]
+    STEPS_SOCKET: _ClassVar[StepsTransport]
+STEPS_GRPC: StepsTransport
+STEPS_SOCKET: StepsTransport
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "structured_kind", "structured_spec", "prompt_logprobs", "skip_detokenize")
@@ -411,7 +419,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations", "steps_address")
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations", "steps_address", "steps_transport")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +436,7 @@ class LoadReport(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_EC_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     node: str
     role: str
     epoch: str
@@ -444,7 +453,22 @@ class LoadReport(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     num_ec_reservations: int
     steps_address: str
-    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_address: _Optional[str] = ...) -> None: ...
+    steps_transport: StepsTransport
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_address: _Optional[str] = ..., steps_transport: _Optional[_Union[StepsTransport, str]] = ...) -> None: ...
+
+class StepsHello(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class StepsWelcome(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("transfer_ids",)
@@ -481,9 +505,11 @@ class StepEnd(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., kv_load_failed: _Optional[bool] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("deltas", "ends")
+    __slots__ = ("deltas", "ends", "stream_end")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_END_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[Delta]
     ends: _containers.RepeatedCompositeFieldContainer[StepEnd]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StepEnd, _Mapping]]] = ...) -> None: ...
+    stream_end: StepEnd
+    def __init__(self, deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StepEnd, _Mapping]]] = ..., stream_end: _Optional[_Union[StepEnd, _Mapping]] = ...) -> None: ...

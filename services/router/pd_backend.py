@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
 from services.router.breaker import CircuitBreaker, is_node_fault
-from services.router.step_mux import StepLeg, StepMux
+from services.router.step_mux import GrpcSteps, SocketSteps, StepLeg, StepMux, StepsStream
 
 logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.5
@@ -62,9 +62,11 @@ class NodeHandle:
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
     pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
     mux: StepMux | None = None  # decode-capable nodes: the shared Steps stream (made on first use)
-    # GetLoad's steps_address: the node's Steps front-end process (node frontend_port), if any
+    # GetLoad's steps_address and steps_transport: where the node's Steps streams go when not to
+    # its gRPC port (node frontend_port: its Steps socket, or its front-end process)
     steps_address: str = ""
-    steps_channel: grpc.aio.Channel | None = None
+    steps_transport: int = pb.STEPS_GRPC
+    steps_channel: grpc.aio.Channel | None = None  # a front-end process's gRPC channel
 
     @property
     def available(self) -> bool:
@@ -125,6 +127,7 @@ class PDBackend:
             raise ValueError("the router needs at least one decode-capable node")
         self.policy = policy or RouterPolicy()
         self._md = channel.auth_metadata(shared_token)
+        self._token = shared_token
 
         self.prefill = [self.new_handle(n, a, "prefill") for n, a in prefill]
         self.decode = [self.new_handle(n, a, "decode") for n, a in decode]
@@ -227,12 +230,12 @@ class PDBackend:
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
             n.pp_size = max(1, len(rep.stages))
-            if rep.steps_address != n.steps_address:
-                # A (re)started node with its own front-end process, or one without any more: the
-                # next leg opens its Steps stream there (a stream still open ends with its node).
-                n.steps_address = rep.steps_address
+            if (rep.steps_address, rep.steps_transport) != (n.steps_address, n.steps_transport):
+                # A (re)started node with another Steps port, or none any more: the next leg
+                # opens its Steps stream there (a stream still open ends with its node).
+                n.steps_address, n.steps_transport = rep.steps_address, rep.steps_transport
                 old, n.steps_channel = n.steps_channel, None
-                if rep.steps_address:
+                if rep.steps_address and rep.steps_transport == pb.STEPS_GRPC:
                     n.steps_channel = grpc.aio.insecure_channel(rep.steps_address, options=channel.OPTIONS)
                 n.mux = None
                 if old is not None:
@@ -528,10 +531,22 @@ class PDBackend:
             first_token_from_prefill=early,
         )
 
+    def _steps_connector(self, n: NodeHandle) -> Callable[[], Awaitable[StepsStream]]:
+        """How ``n``'s StepMux opens a stream: its Steps socket, or gRPC (front end or own port)."""
+        address, token, md = n.steps_address, self._token, self._md
+        if address and n.steps_transport == pb.STEPS_SOCKET:
+            return lambda: SocketSteps.connect(address, token)
+        ch = n.steps_channel or n.channel
+
+        async def grpc_steps() -> StepsStream:
+            return GrpcSteps(ch, md)
+
+        return grpc_steps
+
     def _open_call(self, d_node: NodeHandle, msg: pb.DecodeRequest) -> Any:
         if self.policy.decode_stream == "multiplexed":
             if d_node.mux is None:
-                d_node.mux = StepMux(d_node.steps_channel or d_node.channel, self._md)
+                d_node.mux = StepMux(self._steps_connector(d_node))
             return d_node.mux.open(msg, self.policy.request_timeout_s)
         stub = pb_grpc.DecodeServiceStub(d_node.channel)  # per_request only: not on the hot path
         return stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)

@@ -9,6 +9,11 @@ A leg sees the same interface as a ``Decode`` call (``read()``, ``cancel()``, st
 ``grpc.aio.AioRpcError``), so ``PDBackend._decode_leg`` keeps one lifecycle for both. When the
 stream breaks (node gone, restart) every open leg fails with its status (UNAVAILABLE), and the
 next leg opens a new stream.
+
+The stream is carried as the node's load report says (``LoadReport.steps_transport``): gRPC
+(``DecodeService.Steps``, on the node's port or its front-end process's), or a TCP connection
+of length-prefixed frames straight to the node (``frontend: socket``, services/steps_socket.py),
+which the mux reads with plain asyncio streams: no HTTP/2 work per batch on either end.
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TypeAlias
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeAlias
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.steps_direct import frame, read_frame
+from services.steps_socket import HELLO_MAX_BYTES, tune_stream_socket
 
 logger = logging.getLogger(__name__)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -54,6 +63,90 @@ def merge_pb_deltas(a: pb.Delta, b: pb.Delta) -> pb.Delta:
 
 
 _Item: TypeAlias = pb.Delta | grpc.aio.AioRpcError
+STEPS_CONNECT_TIMEOUT_S = 10.0  # TCP connect + hello / welcome of a Steps socket
+
+
+class StepsStream(Protocol):
+    """One open Steps stream, whatever carries it; failures raise ``grpc.aio.AioRpcError``."""
+
+    async def write(self, cmd: pb.StepCommand) -> None: ...
+
+    def batches(self) -> AsyncIterator[pb.StepBatch]: ...
+
+    def cancel(self) -> None: ...
+
+
+class GrpcSteps:
+    """``DecodeService.Steps`` on a gRPC channel (the node's port, or its front-end process)."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None) -> None:
+        self._call = pb_grpc.DecodeServiceStub(channel).Steps(metadata=metadata)
+
+    async def write(self, cmd: pb.StepCommand) -> None:
+        await self._call.write(cmd)
+
+    def batches(self) -> AsyncIterator[pb.StepBatch]:
+        return self._call.__aiter__()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class SocketSteps:
+    """A Steps stream on the node's Steps socket (``frontend: socket``, services/steps_socket.py)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
+        self._r, self._w, self._where = reader, writer, where
+
+    @classmethod
+    async def connect(
+        cls, address: str, token: str | None, timeout_s: float = STEPS_CONNECT_TIMEOUT_S
+    ) -> SocketSteps:
+        """Connect to ``host:port`` and pass the hello; UNAVAILABLE if the node is not there,
+        the node's code (UNAUTHENTICATED) if it refuses."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")  # an IPv6 literal
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+        except (OSError, TimeoutError, ValueError) as e:
+            raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
+        try:
+            tune_stream_socket(writer.get_extra_info("socket"))
+            writer.write(frame(pb.StepsHello(token=token or "").SerializeToString()))
+            data = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), timeout_s)
+            if data is None:
+                raise ConnectionError("the node closed the connection at the hello")
+            welcome = pb.StepsWelcome.FromString(data)
+        except (OSError, TimeoutError, ConnectionError, DecodeError) as e:
+            writer.close()
+            raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
+        if welcome.code:
+            writer.close()
+            code = _CODES.get(welcome.code, grpc.StatusCode.UNKNOWN)
+            raise status_error(code, f"Steps socket {address}: {welcome.details}")
+        return cls(reader, writer, address)
+
+    async def write(self, cmd: pb.StepCommand) -> None:
+        try:
+            self._w.write(frame(cmd.SerializeToString()))
+            await self._w.drain()
+        except (OSError, ConnectionError) as e:
+            raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {self._where}: {e!r}") from None
+
+    async def batches(self) -> AsyncIterator[pb.StepBatch]:
+        while True:
+            try:
+                data = await read_frame(self._r)
+                if data is None:
+                    return
+                yield pb.StepBatch.FromString(data)
+            except (OSError, ConnectionError, DecodeError) as e:
+                raise status_error(
+                    grpc.StatusCode.UNAVAILABLE, f"Steps socket {self._where}: {e!r}"
+                ) from None
+
+    def cancel(self) -> None:
+        self._w.close()
 
 
 class StepLeg:
@@ -104,11 +197,13 @@ class StepLeg:
 
 
 class StepMux:
-    """The Steps stream to one node; create and use inside the router's event loop."""
+    """The Steps stream to one node; create and use inside the router's event loop.
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None) -> None:
-        self._channel = channel
-        self._md = metadata
+    ``connect`` opens a stream (``GrpcSteps`` or ``SocketSteps.connect``); it runs again for the
+    first leg after a stream ended."""
+
+    def __init__(self, connect: Callable[[], Awaitable[StepsStream]]) -> None:
+        self._connect = connect
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._starts: list[pb.DecodeRequest] = []
         self._aborts: list[str] = []
@@ -138,7 +233,7 @@ class StepMux:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, call: StepsStream) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             while True:
                 await self._wake.wait()
@@ -150,11 +245,13 @@ class StepMux:
                 await call.write(cmd)
 
     async def _run(self) -> None:
-        call = pb_grpc.DecodeServiceStub(self._channel).Steps(metadata=self._md)
-        writer = asyncio.get_running_loop().create_task(self._write(call), name="steps-writer")
+        writer: asyncio.Task[None] | None = None
+        call: StepsStream | None = None
         err = status_error(grpc.StatusCode.UNAVAILABLE, "the node ended the Steps stream")
         try:
-            async for batch in call:
+            call = await self._connect()
+            writer = asyncio.get_running_loop().create_task(self._write(call), name="steps-writer")
+            async for batch in call.batches():
                 for d in batch.deltas:
                     q = self._queues.get(d.request_id)
                     if q is not None:
@@ -168,14 +265,20 @@ class StepMux:
                         q.put_nowait(
                             status_error(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.details, trailing)
                         )
+                if batch.HasField("stream_end"):  # the node ends the stream for all its legs
+                    se = batch.stream_end
+                    err = status_error(_CODES.get(se.code, grpc.StatusCode.UNKNOWN), se.details)
+                    break
         except grpc.aio.AioRpcError as e:
             err = e
         except asyncio.CancelledError:
             err = status_error(grpc.StatusCode.CANCELLED, "the router closed the Steps stream")
-            call.cancel()
             raise
         finally:
-            writer.cancel()
+            if writer is not None:
+                writer.cancel()
+            if call is not None:
+                call.cancel()  # a socket is closed; a gRPC call already over is left as it is
             # No await from here on: a leg opened now must see a fresh stream, not this one.
             queues, self._queues = self._queues, {}
             self._starts, self._aborts = [], []

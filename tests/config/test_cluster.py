@@ -230,14 +230,19 @@ def test_bad_node_fields(kw: dict[str, Any], needle: str) -> None:
     assert needle in msg and "p0" in msg
 
 
-def test_the_steps_front_end_is_a_process_on_decode_nodes_unless_inline() -> None:
+def test_the_steps_front_end_is_a_socket_on_decode_nodes_unless_set_otherwise() -> None:
     c = ClusterConfig.from_dict(_1p1d())
-    assert c.node("d0").frontend_process_port() == 0  # default: a front-end process, any free port
-    assert c.node("p0").frontend_process_port() is None  # prefill serves no Steps streams
+    assert c.node("d0").steps_port() == 0  # default: a Steps socket, any free port
+    assert c.node("d0").steps_frontend() == "socket"
+    assert c.node("p0").steps_port() is None  # prefill serves no Steps streams
+    assert c.node("p0").steps_frontend() is None
     both = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend_port=50070))
-    assert ClusterConfig.from_dict(both).node("d0").frontend_process_port() == 50070
+    assert ClusterConfig.from_dict(both).node("d0").steps_port() == 50070
+    proc = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend="process"))
+    assert ClusterConfig.from_dict(proc).node("d0").steps_frontend() == "process"
     inline = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend="inline"))
-    assert ClusterConfig.from_dict(inline).node("d0").frontend_process_port() is None
+    assert ClusterConfig.from_dict(inline).node("d0").steps_port() is None
+    assert ClusterConfig.from_dict(inline).node("d0").steps_frontend() is None
 
 
 @pytest.mark.parametrize(

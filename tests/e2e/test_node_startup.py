@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("which", ["metrics_port", "grpc_port", "frontend_port"])
 def test_a_decode_node_whose_port_is_taken_exits_with_the_port_named(tiny_models, tmp_path, which) -> None:
     cluster = make_cluster_config(tiny_models["llama"])
-    if which == "frontend_port":  # the decode node's front-end process listens there
+    if which == "frontend_port":  # the decode node's Steps socket listens there
         data = cluster.model_dump(mode="json", exclude_unset=True)
         d0 = next(n for n in data["nodes"] if n["name"] == "decode-0")
         d0["frontend_port"] = pick_base_port("127.0.0.1", d0["grpc_port"] + 7, span=1)
@@ -44,7 +44,7 @@ def test_a_decode_node_whose_port_is_taken_exits_with_the_port_named(tiny_models
     said = {
         "metrics_port": f"cannot bind metrics port 127.0.0.1:{port}",
         "grpc_port": f"cannot bind gRPC port 127.0.0.1:{port}",
-        "frontend_port": f"frontend_port {port}: front end: cannot listen on 127.0.0.1:{port}",
+        "frontend_port": f"frontend_port {port}: Steps socket: cannot listen on 127.0.0.1:{port}",
     }[which]
     assert said in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]

@@ -1,4 +1,4 @@
-"""The node's Steps front end in its own process (decode-0 with ``frontend_port``).
+"""The node's Steps front end in its own process (decode-0 with ``frontend: process``).
 
 Token streams through router -> front-end process -> node equal the in-process engine's (greedy
 and seeded, streamed and not, colocated prompts and P/D prompts); the router found the front end
@@ -42,7 +42,7 @@ def cluster(tiny_models, tmp_path_factory):
         # stream_flush_ms: streamed tokens are held and merged too (the token-equality tests
         # below then also cover grouped SSE chunks); test_stream_flush_* checks the grouping
         router={"local_prefill_max_tokens": 16, "stream_flush_ms": STREAM_FLUSH_MS},
-        **{"decode-0": {"frontend_port": _free_port()}},
+        **{"decode-0": {"frontend": "process", "frontend_port": _free_port()}},
     )
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend")) as rc:
         yield rc
@@ -59,6 +59,7 @@ def test_streams_through_the_frontend_equal_the_in_process_engine(cluster, tiny_
     d0 = cluster.node("decode-0")
     rep = cluster.load("decode-0")
     assert rep.steps_address == f"127.0.0.1:{d0.frontend_port}"
+    assert rep.steps_transport == pb.STEPS_GRPC
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     assert_streams_equal_in_process(cluster, tiny_models["llama"], seeded)
     # every leg went through the front-end process: the router opened its stream there
@@ -66,24 +67,14 @@ def test_streams_through_the_frontend_equal_the_in_process_engine(cluster, tiny_
     _wait_free(cluster)
 
 
-def test_the_front_end_process_is_the_default_and_inline_has_none(tiny_models, tmp_path_factory) -> None:
-    """No frontend settings: decode-0 runs a front-end process on a free port and the router's
-    streams go there; frontend: inline on the same cluster shape: no process, no steps_address."""
+def test_inline_has_no_steps_address(tiny_models, tmp_path_factory) -> None:
+    """frontend: inline: no front-end process, no steps_address (the node's own gRPC port)."""
     cfg = make_cluster_config(tiny_models["llama"], **{"decode-0": {"frontend": "inline"}})
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-inline"), router=False) as rc:
-        assert rc.load("decode-0").steps_address == ""
-        assert (
-            "Steps front end (pid"
-            not in next(c for c in rc.children if c.name == "decode-0").log_path.read_text()
-        )
-    cfg = make_cluster_config(tiny_models["llama"])
-    with running_cluster(cfg, tmp_path_factory.mktemp("steps-default")) as rc:
-        addr = rc.load("decode-0").steps_address
-        assert addr.startswith("127.0.0.1:") and int(addr.rsplit(":", 1)[1]) != rc.node("decode-0").grpc_port
-        metrics = f"http://127.0.0.1:{rc.node('decode-0').metrics_port}/metrics"
-        assert_streams_equal_in_process(rc, tiny_models["llama"], False)
-        assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
-        _wait_free(rc)
+        rep = rc.load("decode-0")
+        assert (rep.steps_address, rep.steps_transport) == ("", pb.STEPS_GRPC)
+        log = next(c for c in rc.children if c.name == "decode-0").log_path.read_text()
+        assert "Steps front end (pid" not in log and "Steps socket" not in log
 
 
 def test_stream_flush_groups_streamed_tokens_and_changes_none(cluster) -> None:
@@ -137,7 +128,9 @@ def test_a_malformed_command_is_invalid_argument_and_holds_nothing(cluster) -> N
 
 
 def test_a_dead_frontend_takes_the_node_out_of_service(tiny_models, tmp_path_factory) -> None:
-    cfg = make_cluster_config(tiny_models["llama"], **{"decode-0": {"frontend_port": _free_port()}})
+    cfg = make_cluster_config(
+        tiny_models["llama"], **{"decode-0": {"frontend": "process", "frontend_port": _free_port()}}
+    )
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend-death")) as rc:
         node = next(c for c in rc.children if c.name == "decode-0")
         m = re.search(r"Steps front end \(pid (\d+)\)", node.log_path.read_text())
@@ -157,7 +150,7 @@ def test_a_stopped_frontend_takes_the_node_out_of_service(tiny_models, tmp_path_
     from services.node import FRONTEND_STALL_S
     from tests.e2e.lifecycle_helpers import health_status
 
-    cfg = make_cluster_config(tiny_models["llama"])
+    cfg = make_cluster_config(tiny_models["llama"], **{"decode-0": {"frontend": "process"}})
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-frontend-stop"), router=False) as rc:
         node = next(c for c in rc.children if c.name == "decode-0")
         m = re.search(r"Steps front end \(pid (\d+)\)", node.log_path.read_text())

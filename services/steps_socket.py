@@ -1,0 +1,244 @@
+"""A node's Steps streams on plain sockets: the session, and the router's TCP port.
+
+A decode or colocated node serves the router's token streams (``Steps``: commands in, one
+``StepBatch`` per engine step out) in one of three shapes (``nodes[].frontend``):
+
+    socket   (the default)  router --TCP, length-prefixed frames--> node (this module)
+    process                 router --gRPC--> front-end process --Unix socket frames--> node
+                            (services/steps_frontend.py)
+    inline                  router --gRPC--> the node's own gRPC server
+
+On both sockets the node's end is :class:`StepsSocketServer`: its event loop reads
+``StepCommand`` frames (admissions, aborts) and its **engine thread writes each step's token
+deltas to the socket itself** (services/steps_direct.py), so neither the event loop nor any
+HTTP/2 work sits between a step and the router. ``frontend: socket`` drops the front-end
+process and gRPC's per-message work on both ends of the hot stream: on the 2-core VM it cut
+the time to first token at one stream from 6.2 to 4.1 ms (docs/benchmarks.md, fifteenth
+session). Everything else between router and node stays gRPC (GetLoad, Abort, Decode, PushKV).
+
+The TCP port speaks, per connection (one connection = one Steps stream):
+
+    router -> node   StepsHello {token}              first frame, within HELLO_TIMEOUT_S
+    node -> router   StepsWelcome {code, details}    OK, or UNAUTHENTICATED and the node closes
+    router -> node   StepCommand frames              as on the gRPC stream
+    node -> router   StepBatch frames                as on the gRPC stream; a batch with
+                                                     ``stream_end`` is the last (the stream's status)
+
+Frames: a 4-byte big-endian length, then the message. Before the hello is accepted a frame may
+be at most ``HELLO_MAX_BYTES`` (an unauthenticated peer cannot make the node buffer more).
+A malformed command ends the stream with ``stream_end`` INVALID_ARGUMENT and aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from pdserve.rpc import node_pb2 as pb
+from services.steps_direct import DirectSteps, SocketFrames, frame, read_frame
+
+logger = logging.getLogger(__name__)
+HELLO_MAX_BYTES = 4096
+HELLO_TIMEOUT_S = 10.0
+# A peer that vanished (host down, cable out) is noticed by TCP keepalive within ~11 s, as gRPC's
+# keepalive pings notice it on the other streams (pdserve/rpc/channel.py).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+
+
+def tune_stream_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY (a step's batch goes out at once) and keepalive probes on a Steps connection."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, opt):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def end_frame(code: grpc.StatusCode, details: str) -> bytes:
+    """A ``StepBatch`` that ends the stream with ``code`` (the socket transport's status)."""
+    return pb.StepBatch(stream_end=pb.StepEnd(code=code.value[0], details=details)).SerializeToString()
+
+
+class StepsSocketServer:
+    """The node's end of Steps streams on sockets: each connection ``serve`` gets is one stream
+    of ``servicer`` (``DecodeServicer.steps_session``)."""
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
+        self._server: asyncio.AbstractServer | None = None
+        self.sessions_total = 0
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on a Unix socket only this user reaches (the front-end process connects)."""
+        self._server = await asyncio.start_unix_server(self.serve, path=path)
+        os.chmod(path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One Steps stream on an accepted connection, until either side ends it."""
+        self.sessions_total += 1
+        session = asyncio.current_task()
+        malformed: list[str] = []
+
+        # Token deltas: the engine thread writes them to this socket (services/steps_direct.py);
+        # this coroutine writes the rest (ends, error deltas) through the same ordered frames.
+        sock = writer.get_extra_info("socket")
+
+        # A failed write (the peer went away) ends the session: its requests are aborted.
+        def on_fail() -> None:
+            if session is not None:
+                session.cancel()
+
+        frames = SocketFrames(sock.fileno(), asyncio.get_running_loop(), on_fail)
+
+        async def commands() -> AsyncIterator[pb.StepCommand]:
+            while True:
+                try:
+                    data = await read_frame(reader)
+                    if data is None:
+                        return  # the router half-closed its side: finish what is running
+                    cmd = pb.StepCommand.FromString(data)
+                except (DecodeError, ConnectionError) as e:  # unparsable, over the limit, cut short
+                    malformed.append(f"malformed StepCommand: {e}")
+                    frames.write(end_frame(grpc.StatusCode.INVALID_ARGUMENT, malformed[0]))
+                    on_fail()  # the stream ends: its requests are aborted
+                    return
+                yield cmd
+
+        try:
+            async for batch in self.servicer.steps_session(commands(), DirectSteps(frames)):
+                frames.write(batch.SerializeToString())
+                await frames.drain()  # a failed write cancels this task (on_fail)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
+        except asyncio.CancelledError:
+            if not (frames.closed or malformed):
+                raise  # the node is stopping
+            logger.warning(
+                "Steps socket session ended: %s", malformed[0] if malformed else "the peer's socket failed"
+            )
+            if malformed:  # let the stream_end frame out before the socket closes
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(frames.drain(0), 1.0)
+        finally:
+            frames.close()
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+class StepsFront:
+    """``frontend: socket``: the router's Steps streams straight to the node on a TCP port.
+
+    Each connection starts with StepsHello / StepsWelcome (the shared token, if the cluster has
+    one), then is one :class:`StepsSocketServer` stream. The node's ``_start_frontend`` uses
+    this or a ``FrontendProcess`` (``frontend: process``) through the same few members."""
+
+    transport = pb.STEPS_SOCKET
+
+    def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
+        self.sessions = StepsSocketServer(servicer)
+        self.host, self.port = host, port
+        self._token = (shared_token or "").encode()
+        self._server: asyncio.AbstractServer | None = None
+        self._open: set[asyncio.Task[Any]] = set()  # connections being served
+        self._stopping = False
+        self.refused_total = 0  # connections turned away at the hello (bad token, no hello)
+
+    def describe(self) -> str:
+        return "Steps socket (TCP frames, served by this process)"
+
+    @property
+    def sessions_total(self) -> int:
+        return self.sessions.sessions_total
+
+    async def start(self) -> None:
+        """Listen (``port`` 0: any free one; ``port`` is then the bound one); OSError naming the
+        port if it cannot."""
+        try:
+            # Not SO_REUSEPORT: a second node on a taken port must fail, not share it (as gRPC's).
+            self._server = await asyncio.start_server(self._accept, self.host, self.port, reuse_port=False)
+        except OSError as e:
+            raise OSError(
+                f"frontend_port {self.port}: Steps socket: cannot listen on {self.host}:{self.port} "
+                f"({os.strerror(e.errno) if e.errno else e})"
+            ) from e
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop listening and end every stream (its requests are aborted; the router sees the
+        connection close: UNAVAILABLE)."""
+        self._stopping = True
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._open):
+            t.cancel()
+        await asyncio.gather(*self._open, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._open.add(task)
+        try:
+            if await self._welcome(reader, writer):
+                await self.sessions.serve(reader, writer)
+            else:
+                writer.close()
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            # stop() ended this stream: the handler ends normally (asyncio's streams log a
+            # connection handler that ends cancelled as an error)
+        finally:
+            self._open.discard(task)
+
+    async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read the hello and answer it; whether the stream may start."""
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            tune_stream_socket(sock)
+        try:
+            data = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
+            if data is None:
+                raise ConnectionError("closed before its hello")
+            hello = pb.StepsHello.FromString(data)
+        except (TimeoutError, ConnectionError, OSError, DecodeError) as e:
+            self.refused_total += 1
+            logger.info("Steps socket: a connection without a valid hello was closed (%r)", e)
+            return False
+        ok = hmac.compare_digest(hello.token.encode(), self._token)
+        welcome = pb.StepsWelcome()
+        if not ok:
+            self.refused_total += 1
+            logger.warning("Steps socket: a connection with a missing or wrong shared token was refused")
+            welcome.code = grpc.StatusCode.UNAUTHENTICATED.value[0]
+            welcome.details = "missing or wrong shared token (the cluster's shared_token)"
+        try:
+            writer.write(frame(welcome.SerializeToString()))
+            await writer.drain()
+        except (ConnectionError, OSError):
+            return False
+        return ok

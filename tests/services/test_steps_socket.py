@@ -1,0 +1,210 @@
+"""The Steps socket's protocol (services/steps_socket.py) and the router's end of it
+(services/router/step_mux.py: SocketSteps, StepMux): hello and welcome, the shared token, frame
+limits before the hello, a stream-ending status. The node's servicer is a stand-in here (this
+module's unit tests); tests/e2e/test_steps_socket_e2e.py runs the real node."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.rpc import node_pb2 as pb
+from services import steps_socket
+from services.router.step_mux import SocketSteps, StepMux
+from services.steps_direct import frame, read_frame
+from services.steps_socket import HELLO_MAX_BYTES, StepsFront
+
+
+class _Echo:
+    """Answers each started request with one finishing delta of its own id's length in tokens;
+    a request named ``hang-*`` gets a first token and no end."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def steps_session(
+        self, commands: AsyncIterator[pb.StepCommand], direct: Any
+    ) -> AsyncIterator[pb.StepBatch]:
+        async for cmd in commands:
+            self.aborted += list(cmd.abort)
+            for r in cmd.start:
+                fin = "" if r.request_id.startswith("hang-") else "length"
+                yield pb.StepBatch(
+                    deltas=[pb.Delta(request_id=r.request_id, token_ids=[7], finish_reason=fin)]
+                )
+
+
+async def _front(token: str | None = None) -> StepsFront:
+    fe = StepsFront(_Echo(), "127.0.0.1", 0, token)
+    await fe.start()
+    return fe
+
+
+async def _raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+def test_a_stream_after_the_hello_carries_commands_and_batches() -> None:
+    async def main() -> None:
+        fe = await _front("tok")
+        try:
+            s = await SocketSteps.connect(f"127.0.0.1:{fe.port}", "tok")
+            await s.write(
+                pb.StepCommand(start=[pb.DecodeRequest(request_id="a"), pb.DecodeRequest(request_id="b")])
+            )
+            got = []
+            async for batch in s.batches():
+                got += [(d.request_id, list(d.token_ids), d.finish_reason) for d in batch.deltas]
+                if len(got) == 2:
+                    break
+            assert got == [("a", [7], "length"), ("b", [7], "length")]
+            s.cancel()
+            assert fe.sessions_total == 1 and fe.refused_total == 0
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("sent", [None, "", "wrong"])
+def test_a_missing_or_wrong_token_is_unauthenticated(sent: str | None) -> None:
+    async def main() -> None:
+        fe = await _front("tok")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await SocketSteps.connect(f"127.0.0.1:{fe.port}", sent)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "shared token" in (e.value.details() or "")
+            assert fe.sessions_total == 0 and fe.refused_total == 1
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_a_cluster_without_a_token_takes_an_empty_one_only() -> None:
+    async def main() -> None:
+        fe = await _front(None)
+        try:
+            (await SocketSteps.connect(f"127.0.0.1:{fe.port}", None)).cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await SocketSteps.connect(f"127.0.0.1:{fe.port}", "unexpected")
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_nothing_listening_is_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: the connection is refused
+
+        async def main() -> None:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await SocketSteps.connect(f"127.0.0.1:{port}", None)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        asyncio.run(main())
+
+
+def test_no_hello_in_time_or_an_oversized_one_is_closed_unread(monkeypatch) -> None:
+    monkeypatch.setattr(steps_socket, "HELLO_TIMEOUT_S", 0.2)
+
+    async def main() -> None:
+        fe = await _front("tok")
+        try:
+            r, w = await _raw(fe.port)  # says nothing
+            assert await asyncio.wait_for(r.read(), 5) == b""  # closed by the node
+            w.close()
+            r, w = await _raw(fe.port)
+            w.write((HELLO_MAX_BYTES + 1).to_bytes(4, "big"))  # a huge "hello" is never read
+            await w.drain()
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            w.close()
+            assert fe.refused_total == 2 and fe.sessions_total == 0
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_a_malformed_command_ends_the_stream_with_invalid_argument() -> None:
+    async def main() -> None:
+        fe = await _front(None)
+        try:
+            r, w = await _raw(fe.port)
+            w.write(frame(pb.StepsHello().SerializeToString()))
+            welcome = await read_frame(r)
+            assert welcome is not None and pb.StepsWelcome.FromString(welcome).code == 0
+            w.write(frame(b"\xff\xff\xff"))
+            last = pb.StepBatch.FromString(await asyncio.wait_for(read_frame(r), 5) or b"")
+            assert last.stream_end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "malformed StepCommand" in last.stream_end.details
+            assert await asyncio.wait_for(read_frame(r), 5) is None  # then the node closes
+            w.close()
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_the_mux_fails_its_open_legs_with_the_streams_end_status() -> None:
+    """A batch with stream_end fails every leg still open with that code; the next leg opens a
+    new connection."""
+
+    async def main() -> None:
+        async def node(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await read_frame(r)  # hello
+            w.write(frame(pb.StepsWelcome().SerializeToString()))
+            cmd = pb.StepCommand.FromString(await read_frame(r) or b"")
+            w.write(
+                frame(
+                    pb.StepBatch(
+                        deltas=[pb.Delta(request_id=cmd.start[0].request_id, token_ids=[3])]
+                    ).SerializeToString()
+                )
+            )
+            end = pb.StepEnd(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details="bad command")
+            w.write(frame(pb.StepBatch(stream_end=end).SerializeToString()))
+            await w.drain()
+
+        server = await asyncio.start_server(node, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        mux = StepMux(lambda: SocketSteps.connect(f"127.0.0.1:{port}", None))
+        try:
+            leg = mux.open(pb.DecodeRequest(request_id="x"), timeout_s=10)
+            assert list((await leg.read()).token_ids) == [3]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await leg.read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "bad command"
+            leg2 = mux.open(pb.DecodeRequest(request_id="y"), timeout_s=10)
+            assert list((await leg2.read()).token_ids) == [3]
+            assert mux.streams_opened == 2
+        finally:
+            await mux.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_stopping_the_front_ends_its_streams() -> None:
+    async def main() -> None:
+        fe = await _front(None)
+        s = await SocketSteps.connect(f"127.0.0.1:{fe.port}", None)
+        await s.write(pb.StepCommand(start=[pb.DecodeRequest(request_id="hang-1")]))
+        batches = s.batches()
+        first = await anext(batches)
+        assert first.deltas[0].request_id == "hang-1"
+        await asyncio.wait_for(fe.stop(), 5)
+        with pytest.raises(StopAsyncIteration):  # the node closed the connection
+            await asyncio.wait_for(anext(batches), 5)
+        s.cancel()
+
+    asyncio.run(main())
