@@ -161,19 +161,11 @@ class KVProducer:
         self.pushes_total = 0
         self.aborted_total = 0
 
-    def expect(self, transfer_id: str) -> None:
-        """A prefill for ``transfer_id`` was admitted: a push may wait for it."""
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            if t is None:
-                self._transfers[transfer_id] = _Transfer(admitted=True)
-            else:
-                t.admitted = True
-
     def admit(self, transfer_id: str) -> None:
-        """Like ``expect``, but refuses a transfer_id already expected or held: a second request
-        with it would collide with the first one's hold (and used to fail every request on the
-        node when the tracker refused the hold on the engine thread). Early pulls waiting for a
+        """A prefill for ``transfer_id`` was admitted: a push may wait for it. Refuses a
+        transfer_id already admitted or held: a second request with it would collide with the
+        first one's hold (and used to fail every request on the node when the tracker refused
+        the hold on the engine thread). Early pulls waiting for a
         transfer_id no prefill admitted yet (``wait_held``) do not make it a duplicate."""
         with self._lock:
             t = self._transfers.get(transfer_id)
