@@ -155,8 +155,10 @@ class NodeBase:
         self.drain_gate: DrainGate | None = None  # set by serve(); Steps admits through it too
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
-        self.steps_address = ""  # set once the Steps port listens (frontend_port)
-        self.steps_transport = 0  # LoadReport.steps_transport: STEPS_GRPC, or STEPS_SOCKET
+        # Set once the Steps port listens (frontend_port): LoadReport.steps_address (a front-end
+        # process, gRPC) or steps_socket (this process's Steps socket).
+        self.steps_address = ""
+        self.steps_socket = ""
         self.frontend: FrontendProcess | StepsFront | None = None
         # Set with readiness (health SERVING): until then GetLoad answers UNAVAILABLE, so a router
         # polling a starting node never takes it before its front end's steps_address is known.
@@ -360,9 +362,14 @@ class NodeBase:
             fe = FrontendProcess(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
         await fe.start()
         host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
-        self.steps_address = f"{host}:{fe.port}"
-        self.steps_transport = fe.transport
-        logger.info("node %s: %s on %s", self.opts.name, fe.describe(), self.steps_address)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 literal
+        address = f"{host}:{fe.port}"
+        if isinstance(fe, StepsFront):
+            self.steps_socket = address
+        else:
+            self.steps_address = address
+        logger.info("node %s: %s on %s", self.opts.name, fe.describe(), address)
         return fe
 
     async def _watch_frontend(self, fe: FrontendProcess, health_servicer: Any) -> None:
@@ -422,7 +429,7 @@ class NodeBase:
             stages=self.stage_loads(pb),
             num_ec_reservations=self.ec_reservations(),
             steps_address=self.steps_address,
-            steps_transport=self.steps_transport,  # type: ignore[arg-type]
+            steps_socket=self.steps_socket,
         )
 
 
@@ -487,6 +494,13 @@ class _NodeCollector:
                 "frontend_steps_sessions",
                 "Steps streams served on the node's Steps port (its socket or front-end process)",
                 n.frontend.sessions_total,
+            )
+        if isinstance(n.frontend, StepsFront):
+            yield counter(
+                "steps_socket_refused",
+                "Connections to the Steps socket closed before a stream: no hello in time, a wrong "
+                "shared token, too many waiting for their hello",
+                n.frontend.refused_total,
             )
         # Per pipeline stage (issue 11). One block table per node: used / held / stranded are the
         # node's numbers on every stage; bytes and failures are each stage endpoint's own.

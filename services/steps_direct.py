@@ -1,7 +1,8 @@
-"""The engine thread writes a Steps stream's tokens to the front end's socket itself.
+"""The engine thread writes a Steps stream's tokens to the stream's socket itself.
 
-With the Steps front end in its own process (``frontend: process``, the default;
-services/steps_frontend.py), the node's side of each stream is a Unix socket. Plain token deltas of that stream do not go
+With the Steps socket (``frontend: socket``, the default; services/steps_socket.py) the node's
+side of each stream is the router's TCP connection; with a front-end process (``frontend:
+process``, services/steps_frontend.py) it is a Unix socket to that process. Plain token deltas of that stream do not go
 through the node's event loop: after a step the engine thread builds the stream's ``StepBatch``,
 serializes it and hands the frame to the socket (non-blocking). The event loop is not woken per
 step, so it does not take the GIL from the engine thread once per step (the stall that cost the
@@ -49,9 +50,13 @@ def frame(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
+class FrameTooLarge(ConnectionError):
+    """A frame header announced more than the reader's limit (nothing of it was read)."""
+
+
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes | None:
     """The next frame's payload; None at a clean end of stream (EOF between frames). A frame
-    over ``limit`` bytes, or one cut short, raises ConnectionError."""
+    over ``limit`` bytes raises FrameTooLarge; one cut short, ConnectionError."""
     try:
         head = await reader.readexactly(4)
     except asyncio.IncompleteReadError as e:
@@ -60,7 +65,7 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> by
         return None
     n = int.from_bytes(head, "big")
     if n > limit:
-        raise ConnectionError(f"a Steps frame of {n} bytes is over the {limit}-byte limit")
+        raise FrameTooLarge(f"a Steps frame of {n} bytes is over the {limit}-byte limit")
     try:
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:

@@ -167,8 +167,6 @@ def frontend_main(
 class FrontendProcess:
     """The Steps front-end process and the node's socket it relays to."""
 
-    transport = pb.STEPS_GRPC
-
     def describe(self) -> str:
         return f"Steps front end (pid {self.pid}), gRPC"
 

@@ -37,6 +37,7 @@ import hmac
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,14 +45,18 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.rpc import node_pb2 as pb
-from services.steps_direct import DirectSteps, SocketFrames, frame, read_frame
+from services.steps_direct import DirectSteps, FrameTooLarge, SocketFrames, frame, read_frame
 
 logger = logging.getLogger(__name__)
 HELLO_MAX_BYTES = 4096
 HELLO_TIMEOUT_S = 10.0
-# A peer that vanished (host down, cable out) is noticed by TCP keepalive within ~11 s, as gRPC's
-# keepalive pings notice it on the other streams (pdserve/rpc/channel.py).
+MAX_PENDING_HELLOS = 64  # connections past this many still without a hello are closed at once
+# A peer that vanished (host down, cable out) is noticed within ~15 s, as gRPC's keepalive pings
+# notice it on the other calls (pdserve/rpc/channel.py): keepalive probes on an idle connection,
+# TCP_USER_TIMEOUT while sent data waits for its acknowledgement (retransmits alone take ~15 min).
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+USER_TIMEOUT_MS = 15_000
+REFUSAL_LOG_EVERY_S = 10.0
 
 
 def tune_stream_socket(sock: socket.socket) -> None:
@@ -64,6 +69,7 @@ def tune_stream_socket(sock: socket.socket) -> None:
         ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
         ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
         ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
     ):
         if hasattr(socket, opt):  # Linux; other systems keep their defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
@@ -94,11 +100,19 @@ class StepsSocketServer:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One Steps stream on an accepted connection, until either side ends it."""
+    async def serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, eof_ends: bool = False
+    ) -> None:
+        """One Steps stream on an accepted connection, until either side ends it.
+
+        End of stream from the peer: with ``eof_ends`` (the router's own TCP connection, which
+        closes only when it is done with the stream) every request of the stream is aborted at
+        once; without it (the front end relaying a gRPC half-close) the requests that run
+        finish first."""
         self.sessions_total += 1
         session = asyncio.current_task()
-        malformed: list[str] = []
+        ending: list[str] = []  # why this side ends the stream (the peer is gone, or erred)
+        sent_end = False
 
         # Token deltas: the engine thread writes them to this socket (services/steps_direct.py);
         # this coroutine writes the rest (ends, error deltas) through the same ordered frames.
@@ -111,17 +125,33 @@ class StepsSocketServer:
 
         frames = SocketFrames(sock.fileno(), asyncio.get_running_loop(), on_fail)
 
+        def end(why: str, code: grpc.StatusCode | None = None) -> None:
+            """End the stream from this side (its requests are aborted); ``code``: tell the
+            peer why in a last ``stream_end`` frame."""
+            nonlocal sent_end
+            ending.append(why)
+            if code is not None:
+                frames.write(end_frame(code, why))
+                sent_end = True
+            on_fail()
+
         async def commands() -> AsyncIterator[pb.StepCommand]:
             while True:
                 try:
                     data = await read_frame(reader)
                     if data is None:
-                        return  # the router half-closed its side: finish what is running
+                        if eof_ends:
+                            end("the router closed the stream")
+                        return  # else: a half-close; what runs finishes first
                     cmd = pb.StepCommand.FromString(data)
-                except (DecodeError, ConnectionError) as e:  # unparsable, over the limit, cut short
-                    malformed.append(f"malformed StepCommand: {e}")
-                    frames.write(end_frame(grpc.StatusCode.INVALID_ARGUMENT, malformed[0]))
-                    on_fail()  # the stream ends: its requests are aborted
+                except DecodeError as e:
+                    end(f"malformed StepCommand: {e}", grpc.StatusCode.INVALID_ARGUMENT)
+                    return
+                except FrameTooLarge as e:
+                    end(f"StepCommand refused: {e}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    return
+                except (ConnectionError, OSError) as e:  # reset, cut short: the peer is gone
+                    end(f"the peer's connection failed: {e!r}")
                     return
                 yield cmd
 
@@ -132,12 +162,13 @@ class StepsSocketServer:
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
         except asyncio.CancelledError:
-            if not (frames.closed or malformed):
+            if not (frames.closed or ending):
                 raise  # the node is stopping
-            logger.warning(
-                "Steps socket session ended: %s", malformed[0] if malformed else "the peer's socket failed"
+            logger.info(
+                "Steps socket session ended, its requests aborted: %s",
+                ending[0] if ending else "a write to the peer failed",
             )
-            if malformed:  # let the stream_end frame out before the socket closes
+            if sent_end:  # let the stream_end frame out before the socket closes
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(frames.drain(0), 1.0)
         finally:
@@ -147,23 +178,44 @@ class StepsSocketServer:
                 await writer.wait_closed()
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """One TCP listening socket on ``host``'s first address (``port`` 0: any free one). An IPv6
+    wildcard also takes IPv4 (as gRPC's ports do); no SO_REUSEPORT: a second node on a taken
+    port must fail, not share it."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class StepsFront:
     """``frontend: socket``: the router's Steps streams straight to the node on a TCP port.
 
     Each connection starts with StepsHello / StepsWelcome (the shared token, if the cluster has
-    one), then is one :class:`StepsSocketServer` stream. The node's ``_start_frontend`` uses
-    this or a ``FrontendProcess`` (``frontend: process``) through the same few members."""
-
-    transport = pb.STEPS_SOCKET
+    one; without one any hello is taken, as the gRPC ports take any call), then is one
+    :class:`StepsSocketServer` stream. The node's ``_start_frontend`` uses this or a
+    ``FrontendProcess`` (``frontend: process``) through the same few members."""
 
     def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
         self.sessions = StepsSocketServer(servicer)
         self.host, self.port = host, port
-        self._token = (shared_token or "").encode()
+        self._token = shared_token.encode() if shared_token else None
         self._server: asyncio.AbstractServer | None = None
         self._open: set[asyncio.Task[Any]] = set()  # connections being served
         self._stopping = False
-        self.refused_total = 0  # connections turned away at the hello (bad token, no hello)
+        self._pending_hellos = 0
+        self.refused_total = 0  # connections turned away before a stream (no hello, wrong token, too many)
+        self._refusal_logged_at = float("-inf")
 
     def describe(self) -> str:
         return "Steps socket (TCP frames, served by this process)"
@@ -176,14 +228,14 @@ class StepsFront:
         """Listen (``port`` 0: any free one; ``port`` is then the bound one); OSError naming the
         port if it cannot."""
         try:
-            # Not SO_REUSEPORT: a second node on a taken port must fail, not share it (as gRPC's).
-            self._server = await asyncio.start_server(self._accept, self.host, self.port, reuse_port=False)
+            sock = listening_socket(self.host, self.port)
         except OSError as e:
+            why = e.strerror if e.errno and e.errno > 0 and e.strerror else str(e)
             raise OSError(
-                f"frontend_port {self.port}: Steps socket: cannot listen on {self.host}:{self.port} "
-                f"({os.strerror(e.errno) if e.errno else e})"
+                f"frontend_port {self.port}: Steps socket: cannot listen on {self.host}:{self.port} ({why})"
             ) from e
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._server = await asyncio.start_server(self._accept, sock=sock)
+        self.port = sock.getsockname()[1]
 
     async def stop(self) -> None:
         """Stop listening and end every stream (its requests are aborted; the router sees the
@@ -198,15 +250,30 @@ class StepsFront:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
 
+    def _refused(self, why: str) -> None:
+        self.refused_total += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:  # a flood logs a line per 10 s
+            self._refusal_logged_at = now
+            logger.warning("Steps socket: a connection was refused (%s; %d so far)", why, self.refused_total)
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._open.add(task)
         try:
-            if await self._welcome(reader, writer):
-                await self.sessions.serve(reader, writer)
-            else:
-                writer.close()
+            if self._stopping:
+                return
+            if self._pending_hellos >= MAX_PENDING_HELLOS:
+                self._refused(f"{MAX_PENDING_HELLOS} connections already wait for their hello")
+                return
+            self._open.add(task)
+            self._pending_hellos += 1
+            try:
+                ok = await self._welcome(reader, writer)
+            finally:
+                self._pending_hellos -= 1
+            if ok and not self._stopping:
+                await self.sessions.serve(reader, writer, eof_ends=True)
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
@@ -214,6 +281,7 @@ class StepsFront:
             # connection handler that ends cancelled as an error)
         finally:
             self._open.discard(task)
+            writer.close()
 
     async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Read the hello and answer it; whether the stream may start."""
@@ -225,15 +293,13 @@ class StepsFront:
             if data is None:
                 raise ConnectionError("closed before its hello")
             hello = pb.StepsHello.FromString(data)
-        except (TimeoutError, ConnectionError, OSError, DecodeError) as e:
-            self.refused_total += 1
-            logger.info("Steps socket: a connection without a valid hello was closed (%r)", e)
+        except (asyncio.TimeoutError, ConnectionError, OSError, DecodeError) as e:
+            self._refused(f"no valid hello: {e!r}")
             return False
-        ok = hmac.compare_digest(hello.token.encode(), self._token)
+        ok = self._token is None or hmac.compare_digest(hello.token.encode(), self._token)
         welcome = pb.StepsWelcome()
         if not ok:
-            self.refused_total += 1
-            logger.warning("Steps socket: a connection with a missing or wrong shared token was refused")
+            self._refused("a missing or wrong shared token")
             welcome.code = grpc.StatusCode.UNAUTHENTICATED.value[0]
             welcome.details = "missing or wrong shared token (the cluster's shared_token)"
         try:

@@ -1,18 +1,10 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class StepsTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    STEPS_GRPC: _ClassVar[StepsTransport]
-    STEPS_SOCKET: _ClassVar[StepsTransport]
-STEPS_GRPC: StepsTransport
-STEPS_SOCKET: StepsTransport
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "structured_kind", "structured_spec", "prompt_logprobs", "skip_detokenize")
@@ -419,7 +411,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations", "steps_address", "steps_transport")
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations", "steps_address", "steps_socket")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -436,7 +428,7 @@ class LoadReport(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_EC_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    STEPS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_SOCKET_FIELD_NUMBER: _ClassVar[int]
     node: str
     role: str
     epoch: str
@@ -453,8 +445,8 @@ class LoadReport(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     num_ec_reservations: int
     steps_address: str
-    steps_transport: StepsTransport
-    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_address: _Optional[str] = ..., steps_transport: _Optional[_Union[StepsTransport, str]] = ...) -> None: ...
+    steps_socket: str
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_address: _Optional[str] = ..., steps_socket: _Optional[str] = ...) -> None: ...
 
 class StepsHello(_message.Message):
     __slots__ = ("token",)

@@ -62,10 +62,10 @@ class NodeHandle:
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
     pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
     mux: StepMux | None = None  # decode-capable nodes: the shared Steps stream (made on first use)
-    # GetLoad's steps_address and steps_transport: where the node's Steps streams go when not to
-    # its gRPC port (node frontend_port: its Steps socket, or its front-end process)
+    # GetLoad's steps_socket / steps_address: where the node's Steps streams go when not to its
+    # gRPC port (node frontend_port: its Steps socket, or its front-end process's gRPC port)
+    steps_socket: str = ""
     steps_address: str = ""
-    steps_transport: int = pb.STEPS_GRPC
     steps_channel: grpc.aio.Channel | None = None  # a front-end process's gRPC channel
 
     @property
@@ -230,12 +230,12 @@ class PDBackend:
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
             n.pp_size = max(1, len(rep.stages))
-            if (rep.steps_address, rep.steps_transport) != (n.steps_address, n.steps_transport):
+            if (rep.steps_socket, rep.steps_address) != (n.steps_socket, n.steps_address):
                 # A (re)started node with another Steps port, or none any more: the next leg
                 # opens its Steps stream there (a stream still open ends with its node).
-                n.steps_address, n.steps_transport = rep.steps_address, rep.steps_transport
+                n.steps_socket, n.steps_address = rep.steps_socket, rep.steps_address
                 old, n.steps_channel = n.steps_channel, None
-                if rep.steps_address and rep.steps_transport == pb.STEPS_GRPC:
+                if rep.steps_address and not rep.steps_socket:
                     n.steps_channel = grpc.aio.insecure_channel(rep.steps_address, options=channel.OPTIONS)
                 n.mux = None
                 if old is not None:
@@ -533,8 +533,8 @@ class PDBackend:
 
     def _steps_connector(self, n: NodeHandle) -> Callable[[], Awaitable[StepsStream]]:
         """How ``n``'s StepMux opens a stream: its Steps socket, or gRPC (front end or own port)."""
-        address, token, md = n.steps_address, self._token, self._md
-        if address and n.steps_transport == pb.STEPS_SOCKET:
+        address, token, md = n.steps_socket, self._token, self._md
+        if address:
             return lambda: SocketSteps.connect(address, token)
         ch = n.steps_channel or n.channel
 

@@ -10,10 +10,13 @@ A leg sees the same interface as a ``Decode`` call (``read()``, ``cancel()``, st
 stream breaks (node gone, restart) every open leg fails with its status (UNAVAILABLE), and the
 next leg opens a new stream.
 
-The stream is carried as the node's load report says (``LoadReport.steps_transport``): gRPC
-(``DecodeService.Steps``, on the node's port or its front-end process's), or a TCP connection
-of length-prefixed frames straight to the node (``frontend: socket``, services/steps_socket.py),
-which the mux reads with plain asyncio streams: no HTTP/2 work per batch on either end.
+The stream is carried as the node's load report says: a TCP connection of length-prefixed
+frames straight to the node (``LoadReport.steps_socket``; ``frontend: socket``,
+services/steps_socket.py), which the mux reads with plain asyncio streams, no HTTP/2 work per
+batch on either end; or gRPC (``DecodeService.Steps``, at ``steps_address`` -- the node's
+front-end process -- or on the node's own port). A ``stream_end`` from the node fails every open
+leg UNAVAILABLE (the node's code and reason in the details): it is the stream's failure, not the
+clients' requests'.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class SocketSteps:
         host = host.strip("[]")  # an IPv6 literal
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-        except (OSError, TimeoutError, ValueError) as e:
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
         try:
             tune_stream_socket(writer.get_extra_info("socket"))
@@ -117,9 +120,12 @@ class SocketSteps:
             if data is None:
                 raise ConnectionError("the node closed the connection at the hello")
             welcome = pb.StepsWelcome.FromString(data)
-        except (OSError, TimeoutError, ConnectionError, DecodeError) as e:
+        except (OSError, asyncio.TimeoutError, ConnectionError, DecodeError) as e:
             writer.close()
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
+        except BaseException:  # cancelled at the hello: do not leave the connection open
+            writer.close()
+            raise
         if welcome.code:
             writer.close()
             code = _CODES.get(welcome.code, grpc.StatusCode.UNKNOWN)
@@ -267,7 +273,12 @@ class StepMux:
                         )
                 if batch.HasField("stream_end"):  # the node ends the stream for all its legs
                     se = batch.stream_end
-                    err = status_error(_CODES.get(se.code, grpc.StatusCode.UNKNOWN), se.details)
+                    code = _CODES.get(se.code, grpc.StatusCode.UNKNOWN)
+                    err = status_error(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the node ended the Steps stream: {code.name}: {se.details}",
+                    )
+                    logger.error("node ended the Steps stream: %s %s", code.name, se.details)
                     break
         except grpc.aio.AioRpcError as e:
             err = e

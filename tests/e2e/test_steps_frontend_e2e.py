@@ -59,7 +59,7 @@ def test_streams_through_the_frontend_equal_the_in_process_engine(cluster, tiny_
     d0 = cluster.node("decode-0")
     rep = cluster.load("decode-0")
     assert rep.steps_address == f"127.0.0.1:{d0.frontend_port}"
-    assert rep.steps_transport == pb.STEPS_GRPC
+    assert rep.steps_socket == ""  # gRPC through the front end, not the Steps socket
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     assert_streams_equal_in_process(cluster, tiny_models["llama"], seeded)
     # every leg went through the front-end process: the router opened its stream there
@@ -72,7 +72,7 @@ def test_inline_has_no_steps_address(tiny_models, tmp_path_factory) -> None:
     cfg = make_cluster_config(tiny_models["llama"], **{"decode-0": {"frontend": "inline"}})
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-inline"), router=False) as rc:
         rep = rc.load("decode-0")
-        assert (rep.steps_address, rep.steps_transport) == ("", pb.STEPS_GRPC)
+        assert (rep.steps_address, rep.steps_socket) == ("", "")
         log = next(c for c in rc.children if c.name == "decode-0").log_path.read_text()
         assert "Steps front end (pid" not in log and "Steps socket" not in log
 

@@ -10,6 +10,7 @@ without it is refused (UNAUTHENTICATED) on the socket and on gRPC, and the route
 from __future__ import annotations
 
 import socket
+import struct
 import time
 
 import grpc
@@ -93,9 +94,9 @@ def _run(raw: _Raw, reqs: list[pb.DecodeRequest]) -> dict[str, list[list[int]]]:
 def test_streams_through_the_steps_socket_equal_the_in_process_engine(cluster, tiny_models, seeded) -> None:
     d0 = cluster.node("decode-0")
     rep = cluster.load("decode-0")
-    assert rep.steps_transport == pb.STEPS_SOCKET
-    port = int(rep.steps_address.rsplit(":", 1)[1])
-    assert rep.steps_address.startswith("127.0.0.1:") and port not in (d0.grpc_port, d0.metrics_port)
+    assert rep.steps_address == ""  # no gRPC front end
+    port = int(rep.steps_socket.rsplit(":", 1)[1])
+    assert rep.steps_socket.startswith("127.0.0.1:") and port not in (d0.grpc_port, d0.metrics_port)
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     before = _metric(metrics, "pdserve:frontend_steps_sessions_total")
     assert_streams_equal_in_process(cluster, tiny_models["llama"], seeded)
@@ -108,7 +109,7 @@ def test_streams_through_the_steps_socket_equal_the_in_process_engine(cluster, t
 
 
 def test_a_flush_interval_holds_tokens_on_the_socket_and_changes_none(cluster) -> None:
-    raw = _Raw(cluster.load("decode-0").steps_address)
+    raw = _Raw(cluster.load("decode-0").steps_socket)
     try:
         assert raw.welcome.code == 0
         got = _run(raw, [_req("every-step", 200), _req("held", 200, flush_ms=150)])
@@ -118,12 +119,17 @@ def test_a_flush_interval_holds_tokens_on_the_socket_and_changes_none(cluster) -
     flat = [t for b in every for t in b]
     assert len(flat) == 200 and [t for b in held for t in b] == flat
     assert len(held[0]) == 1  # the first token is not held
-    assert len(held) < len(every) and len(held) < 40, (len(held), len(every))
+    # one batch per step without a flush interval; a few per 150 ms with it (bounded against
+    # the other request's batch count, not a count of its own: a slow host has more windows)
+    assert len(held) <= len(every) // 2, (len(held), len(every))
     _wait_free(cluster)
 
 
 def test_a_malformed_command_ends_the_stream_invalid_argument_and_holds_nothing(cluster) -> None:
-    addr = cluster.load("decode-0").steps_address
+    d0 = cluster.node("decode-0")
+    metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
+    aborted = _metric(metrics, "pdserve:requests_aborted_total")
+    addr = cluster.load("decode-0").steps_socket
     raw = _Raw(addr)
     try:
         raw.send(pb.StepCommand(start=[_req("long", 2000)]).SerializeToString())
@@ -139,7 +145,8 @@ def test_a_malformed_command_ends_the_stream_invalid_argument_and_holds_nothing(
         assert "malformed StepCommand" in end.details
     finally:
         raw.close()
-    _wait_free(cluster)  # the running request was aborted with its stream
+    _wait_free(cluster)
+    assert _metric(metrics, "pdserve:requests_aborted_total") - aborted == 1  # aborted, not finished
     raw = _Raw(addr)  # the port still serves a well-formed stream
     try:
         assert sum(len(b) for b in _run(raw, [_req("after", 3)])["after"]) == 3
@@ -148,23 +155,27 @@ def test_a_malformed_command_ends_the_stream_invalid_argument_and_holds_nothing(
     _wait_free(cluster)
 
 
-def test_a_cut_connection_aborts_its_requests(cluster) -> None:
+@pytest.mark.parametrize("how", ["reset", "clean close"])
+def test_a_closed_connection_aborts_its_requests(cluster, how) -> None:
+    """The router's connection ends (a crash resets it; a restart closes it cleanly): the node
+    aborts the stream's requests at once, running or still waiting, and frees their blocks."""
     d0 = cluster.node("decode-0")
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     aborted = _metric(metrics, "pdserve:requests_aborted_total")
-    raw = _Raw(cluster.load("decode-0").steps_address)
+    raw = _Raw(cluster.load("decode-0").steps_socket)
     raw.send(pb.StepCommand(start=[_req("cut-1", 2000), _req("cut-2", 2000)]).SerializeToString())
     seen: set[str] = set()
     while seen != {"cut-1", "cut-2"}:
         seen.update(d.request_id for d in pb.StepBatch.FromString(raw.recv() or b"").deltas)
     assert cluster.load("decode-0").num_running == 2
-    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") * 2)  # RST
+    if how == "reset":  # SO_LINGER on with a zero timeout: close() sends RST
+        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     raw.close()
-    _wait_free(cluster)
     deadline = time.monotonic() + 10
     while _metric(metrics, "pdserve:requests_aborted_total") - aborted < 2:
-        assert time.monotonic() < deadline, "the cut stream's requests were not aborted"
+        assert time.monotonic() < deadline, "the closed stream's requests were not aborted"
         time.sleep(0.1)
+    _wait_free(cluster)
 
 
 def test_the_shared_token_guards_the_socket_and_grpc(tiny_models, tmp_path_factory) -> None:
@@ -179,15 +190,16 @@ def test_the_shared_token_guards_the_socket_and_grpc(tiny_models, tmp_path_facto
             rep = pb_grpc.DecodeServiceStub(ch).GetLoad(
                 pb.LoadRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
             )
-        for wrong in ("", "not-it"):
-            raw = _Raw(rep.steps_address, wrong)
+        assert rep.steps_socket
+        for wrong in ("", "not-it"):  # no token, a wrong one
+            raw = _Raw(rep.steps_socket, wrong)
             try:
                 assert raw.welcome.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
                 assert "shared token" in raw.welcome.details
                 assert raw.recv() is None  # and the node closed the connection
             finally:
                 raw.close()
-        raw = _Raw(rep.steps_address, TOKEN)
+        raw = _Raw(rep.steps_socket, TOKEN)
         try:
             assert raw.welcome.code == 0
             assert sum(len(b) for b in _run(raw, [_req("tok", 4)])["tok"]) == 4

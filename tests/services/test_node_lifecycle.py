@@ -124,7 +124,7 @@ def test_readiness_waits_for_the_front_end_and_liveness_does_not(tiny_models, mo
     liveness SERVING, readiness NOT_SERVING, GetLoad UNAVAILABLE (a router polling then would
     take the node without its front end and open its streams on the node's own server); once
     the front end listens, readiness turns SERVING and GetLoad names its address (a ready node
-    never reports an empty steps_address)."""
+    never reports an empty steps_socket)."""
     from services.node import NodeBase
     from services.node_lifecycle import LIVENESS_SERVICE
 
@@ -164,7 +164,7 @@ def test_readiness_waits_for_the_front_end_and_liveness_does_not(tiny_models, mo
         await asyncio.wait_for(ready.wait(), 60)
         assert await status("") == health_pb2.HealthCheckResponse.SERVING
         rep = await pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=5)
-        assert rep.steps_address.startswith("127.0.0.1:"), rep.steps_address
+        assert rep.steps_socket.startswith("127.0.0.1:"), rep.steps_socket
         await ch.close()
         node.request_stop()
         await asyncio.wait_for(serving, 30)

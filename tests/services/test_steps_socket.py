@@ -16,27 +16,30 @@ import pytest
 from pdserve.rpc import node_pb2 as pb
 from services import steps_socket
 from services.router.step_mux import SocketSteps, StepMux
-from services.steps_direct import frame, read_frame
+from services.steps_direct import MAX_FRAME, frame, read_frame
 from services.steps_socket import HELLO_MAX_BYTES, StepsFront
 
 
 class _Echo:
-    """Answers each started request with one finishing delta of its own id's length in tokens;
-    a request named ``hang-*`` gets a first token and no end."""
+    """Answers each started request with one finishing delta; a request named ``hang-*`` gets a
+    first token and no end. ``ended``: sessions that ended (the node's abort their requests)."""
 
     def __init__(self) -> None:
-        self.aborted: list[str] = []
+        self.ended = 0
 
     async def steps_session(
         self, commands: AsyncIterator[pb.StepCommand], direct: Any
     ) -> AsyncIterator[pb.StepBatch]:
-        async for cmd in commands:
-            self.aborted += list(cmd.abort)
-            for r in cmd.start:
-                fin = "" if r.request_id.startswith("hang-") else "length"
-                yield pb.StepBatch(
-                    deltas=[pb.Delta(request_id=r.request_id, token_ids=[7], finish_reason=fin)]
-                )
+        try:
+            async for cmd in commands:
+                for r in cmd.start:
+                    fin = "" if r.request_id.startswith("hang-") else "length"
+                    yield pb.StepBatch(
+                        deltas=[pb.Delta(request_id=r.request_id, token_ids=[7], finish_reason=fin)]
+                    )
+            await asyncio.Event().wait()  # a half-close: what runs would finish first
+        finally:
+            self.ended += 1
 
 
 async def _front(token: str | None = None) -> StepsFront:
@@ -71,7 +74,7 @@ def test_a_stream_after_the_hello_carries_commands_and_batches() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("sent", [None, "", "wrong"])
+@pytest.mark.parametrize("sent", [None, "wrong"])
 def test_a_missing_or_wrong_token_is_unauthenticated(sent: str | None) -> None:
     async def main() -> None:
         fe = await _front("tok")
@@ -87,14 +90,59 @@ def test_a_missing_or_wrong_token_is_unauthenticated(sent: str | None) -> None:
     asyncio.run(main())
 
 
-def test_a_cluster_without_a_token_takes_an_empty_one_only() -> None:
+def test_a_cluster_without_a_token_takes_any_hello() -> None:
+    """As its gRPC ports take any call: a router given a token first is not locked out."""
+
     async def main() -> None:
         fe = await _front(None)
         try:
             (await SocketSteps.connect(f"127.0.0.1:{fe.port}", None)).cancel()
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await SocketSteps.connect(f"127.0.0.1:{fe.port}", "unexpected")
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            (await SocketSteps.connect(f"127.0.0.1:{fe.port}", "rolled-out-first")).cancel()
+            assert fe.refused_total == 0
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_the_routers_close_ends_the_stream_at_once() -> None:
+    """The router closes its connection only when done with the stream (a restart, a crash):
+    the node ends the session then -- its requests are aborted -- instead of running them on."""
+
+    async def main() -> None:
+        echo = _Echo()
+        fe = StepsFront(echo, "127.0.0.1", 0, None)
+        await fe.start()
+        try:
+            s = await SocketSteps.connect(f"127.0.0.1:{fe.port}", None)
+            await s.write(pb.StepCommand(start=[pb.DecodeRequest(request_id="hang-1")]))
+            assert (await anext(s.batches())).deltas[0].request_id == "hang-1"
+            s.cancel()  # a clean close (FIN), not a reset
+            for _ in range(100):
+                if echo.ended:
+                    break
+                await asyncio.sleep(0.02)
+            assert echo.ended == 1
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_connections_waiting_for_their_hello_are_capped(monkeypatch) -> None:
+    monkeypatch.setattr(steps_socket, "MAX_PENDING_HELLOS", 2)
+
+    async def main() -> None:
+        fe = await _front(None)
+        try:
+            silent = [await _raw(fe.port) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            r, w = await _raw(fe.port)  # the third is closed at once
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            assert fe.refused_total == 1
+            for _, sw in silent:
+                sw.close()
+            w.close()
         finally:
             await fe.stop()
 
@@ -155,6 +203,24 @@ def test_a_malformed_command_ends_the_stream_with_invalid_argument() -> None:
     asyncio.run(main())
 
 
+def test_a_command_over_the_frame_limit_ends_the_stream_with_resource_exhausted() -> None:
+    async def main() -> None:
+        fe = await _front(None)
+        try:
+            r, w = await _raw(fe.port)
+            w.write(frame(pb.StepsHello().SerializeToString()))
+            assert await read_frame(r) is not None
+            w.write((MAX_FRAME + 1).to_bytes(4, "big"))  # announced, never sent: not read
+            last = pb.StepBatch.FromString(await asyncio.wait_for(read_frame(r), 5) or b"")
+            assert last.stream_end.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert "over the" in last.stream_end.details
+            w.close()
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
 def test_the_mux_fails_its_open_legs_with_the_streams_end_status() -> None:
     """A batch with stream_end fails every leg still open with that code; the next leg opens a
     new connection."""
@@ -183,7 +249,9 @@ def test_the_mux_fails_its_open_legs_with_the_streams_end_status() -> None:
             assert list((await leg.read()).token_ids) == [3]
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await leg.read()
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "bad command"
+            # the stream's failure, not the request's: UNAVAILABLE, the node's code and reason said
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "INVALID_ARGUMENT: bad command" in (e.value.details() or "")
             leg2 = mux.open(pb.DecodeRequest(request_id="y"), timeout_s=10)
             assert list((await leg2.read()).token_ids) == [3]
             assert mux.streams_opened == 2
