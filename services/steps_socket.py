@@ -12,9 +12,9 @@ On both sockets the node's end is :class:`StepsSocketServer`: its event loop rea
 ``StepCommand`` frames (admissions, aborts) and its **engine thread writes each step's token
 deltas to the socket itself** (services/steps_direct.py), so neither the event loop nor any
 HTTP/2 work sits between a step and the router. ``frontend: socket`` drops the front-end
-process and gRPC's per-message work on both ends of the hot stream: on the 2-core VM it cut
-the time to first token at one stream from 6.2 to 4.1 ms (docs/benchmarks.md, fifteenth
-session). Everything else between router and node stays gRPC (GetLoad, Abort, Decode, PushKV).
+process and gRPC's per-message work on both ends of the hot stream: on the 2-core VM the time
+to first token at one stream fell from 6.2 to 4.1 ms in a hop probe and its p50 from 6.1 to
+5.1 ms through bench/served.py (docs/benchmarks.md, fifteenth session). Everything else between router and node stays gRPC (GetLoad, Abort, Decode, PushKV).
 
 The TCP port speaks, per connection (one connection = one Steps stream):
 
