@@ -14,7 +14,8 @@ import logging
 
 from pdserve.config.cluster import ClusterConfig
 from pdserve.registry.base import NodeEntry, NodeRegistry, RegistryUnavailableError
-from services.router.pd_backend import NodeHandle, PDBackend
+from services.router.nodes import NodeHandle
+from services.router.pd_backend import PDBackend
 
 logger = logging.getLogger(__name__)
 

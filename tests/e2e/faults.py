@@ -21,7 +21,8 @@ from typing import Any
 
 from pdserve.engine.outputs import GenerationDelta
 from services.router.backend import BackendRequest
-from services.router.pd_backend import NodeHandle, PDBackend
+from services.router.nodes import NodeHandle
+from services.router.pd_backend import PDBackend
 
 Hook = Callable[[str, dict[str, Any]], Awaitable[None]]
 PHASES = ("before_prefill", "after_prefill", "during_transfer", "during_decode")
