@@ -121,6 +121,8 @@ def localize_cluster(
     for n in d["nodes"]:
         n["grpc_port"] = ep.local(n["host"], int(n["grpc_port"]))
         n["metrics_port"] = ep.local(n["host"], int(n["metrics_port"]))
+        if n.get("frontend_port"):  # the Steps socket's pinned port
+            n["frontend_port"] = ep.local(n["host"], int(n["frontend_port"]))
         n["host"] = LOOPBACK
     if d.get("redis_url"):
         u = urlsplit(d["redis_url"])
