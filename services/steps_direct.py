@@ -188,7 +188,7 @@ class DirectSteps:
 
     A request with a flush interval (``hold``: non-streaming, the router's
     ``nonstream_flush_ms``) has its first delta written at once, then its deltas merged and
-    written at most once per interval and with its finish, as ``_Outbox`` does on the event loop.
+    written at most once per interval and with its finish, as ``Outbox`` (services/decode/outbox.py) does on the event loop.
     There is always a next step while it runs, so no timer is needed. Per-request state lives on
     the engine thread; ``forget`` (event loop) only queues its removal."""
 

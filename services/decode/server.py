@@ -9,14 +9,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from prometheus_client import Histogram
 
 from pdserve.distributed.pp_stage import StageEndpoint
-from pdserve.engine.outputs import GenerationDelta, merge_deltas
+from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
@@ -28,6 +28,7 @@ from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.decode.keepalive import LeaseKeeper
+from services.decode.outbox import Outbox
 from services.mm_items import items_from_pb, to_engine_items
 from services.node import NodeBase, NodeOptions
 from services.prefill.server import handshake_from_pb, handshake_to_pb
@@ -388,7 +389,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
         ``direct`` (the front end's socket): the engine thread writes the requests' token deltas
         itself (services/steps_direct.py); what this yields is only ends and error deltas."""
-        outbox = _Outbox()
+        outbox = Outbox()
         tasks: dict[str, asyncio.Task[None]] = {}
 
         def admit(r: pb.DecodeRequest) -> None:
@@ -435,7 +436,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await asyncio.gather(reader, *pending, return_exceptions=True)
 
     async def _step_request(
-        self, request: pb.DecodeRequest, outbox: _Outbox, direct: DirectSteps | None = None
+        self, request: pb.DecodeRequest, outbox: Outbox, direct: DirectSteps | None = None
     ) -> None:
         """One request of a Steps stream: admit it, then let the engine loop hand its deltas
         straight to the outbox (a callback per step, no task wake-up per step); this task only
@@ -457,7 +458,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             interval = request.flush_interval_ms / 1000.0
             if direct is not None and interval > 0:
-                direct.hold(rid, interval)  # merged on the engine thread, as _Outbox would
+                direct.hold(rid, interval)  # merged on the engine thread, as Outbox would
 
             def on_delta(d: GenerationDelta) -> None:
                 if ended.done():
@@ -529,96 +530,3 @@ class _Admission:
     params: SamplingParams
     request_id: str
     kwargs: dict[str, Any]
-
-
-class _Outbox:
-    """What one Steps stream has not sent yet: per request its merged delta, then the ends.
-
-    A request with a flush interval (``DecodeRequest.flush_interval_ms``) has its deltas held
-    here and merged until the interval has passed or it finishes."""
-
-    def __init__(self) -> None:
-        self._deltas: dict[str, GenerationDelta] = {}
-        self._ends: list[pb.StepEnd] = []
-        # The writer's wait: one future, resolved by the first put / end / wake (and by the reader
-        # task ending) -- not an Event plus asyncio.wait, which made a task per empty wait.
-        self._waiter: asyncio.Future[None] | None = None
-        self._held: dict[str, GenerationDelta] = {}
-        self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._started: set[str] = set()  # held requests whose first delta was sent
-
-    def put(self, d: GenerationDelta, interval_s: float = 0.0) -> None:
-        rid = d.request_id
-        held = self._held.pop(rid, None)
-        if held is not None:
-            d = merge_deltas(held, d)
-        if interval_s > 0 and d.finish_reason is None and rid in self._started:
-            self._held[rid] = d
-            if rid not in self._timers:
-                self._timers[rid] = asyncio.get_running_loop().call_later(interval_s, self._flush, rid)
-            return
-        if d.finish_reason is None:
-            if interval_s > 0:
-                self._started.add(rid)  # its first tokens went at once (the time to first token)
-        else:
-            self._started.discard(rid)
-        timer = self._timers.pop(rid, None)
-        if timer is not None:
-            timer.cancel()
-        prev = self._deltas.get(rid)
-        self._deltas[rid] = d if prev is None else merge_deltas(prev, d)
-        self.wake()
-
-    def _flush(self, rid: str) -> None:
-        self._timers.pop(rid, None)
-        held = self._held.pop(rid, None)
-        if held is not None:
-            prev = self._deltas.get(rid)
-            self._deltas[rid] = held if prev is None else merge_deltas(prev, held)
-            self.wake()
-
-    def drop(self, rid: str) -> None:
-        """A request the router gave up on: what was held for it is not sent."""
-        self._held.pop(rid, None)
-        self._started.discard(rid)
-        timer = self._timers.pop(rid, None)
-        if timer is not None:
-            timer.cancel()
-
-    def end(self, rid: str, code: grpc.StatusCode, details: str, *, kv_load_failed: bool = False) -> None:
-        self._flush(rid)  # tokens held for it go first, as the deltas of a batch precede its ends
-        self._started.discard(rid)
-        self._ends.append(
-            pb.StepEnd(request_id=rid, code=code.value[0], details=details, kv_load_failed=kv_load_failed)
-        )
-        self.wake()
-
-    def wake(self, _task: object = None) -> None:
-        """Resolve the writer's wait (also the reader task's done callback: ``_task``)."""
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def take(self, reader: asyncio.Task[None], done: Callable[[], bool]) -> pb.StepBatch | None:
-        """The next batch; None once ``done()`` (the router closed its side, no request left)."""
-        while not (self._deltas or self._ends):
-            if done():
-                return None
-            # Once the reader has ended (the router half-closed), only a request's delta, end or
-            # finishing task (wake) can change done(): wait for those, no spinning on the reader.
-            self._waiter = asyncio.get_running_loop().create_future()
-            watch = not reader.done()
-            if watch:
-                reader.add_done_callback(self.wake)
-            try:
-                await self._waiter
-            finally:
-                if watch:
-                    reader.remove_done_callback(self.wake)
-                self._waiter = None
-        deltas, self._deltas = self._deltas, {}
-        ends, self._ends = self._ends, []
-        batch = pb.StepBatch(ends=ends)
-        for d in deltas.values():
-            convert.add_delta_pb(batch.deltas, d)
-        return batch
