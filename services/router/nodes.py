@@ -135,6 +135,20 @@ class NodePool:
             registry=reg,
             multiprocess_mode="livemin",  # router workers: 0 if any worker took it out
         )
+        self.steps_streams_opened = Counter(
+            "pdserve:router_steps_streams_opened",
+            "Steps streams (token streams) opened to a node: one per router process and node while "
+            "it lives, one more after each break or node restart.",
+            ["node"],
+            registry=reg,
+        )
+        self.steps_legs_broken = Counter(
+            "pdserve:router_steps_legs_broken",
+            "Decode legs failed because their node's Steps stream ended under them (node gone, "
+            "connection lost, a stream_end from the node).",
+            ["node"],
+            registry=reg,
+        )
 
     # -- node state ------------------------------------------------------------------------------
     def new_handle(self, name: str, addr: str, role: str) -> NodeHandle:
@@ -248,6 +262,13 @@ class NodePool:
             chosen = min(live, key=lambda n: n.load)
         chosen.breaker.on_dispatch()  # claims the half-open probe, if it is one
         return chosen
+
+    def steps_mux(self, n: NodeHandle) -> StepMux:
+        """``n``'s Steps stream, made on first use (and again after the node's Steps port moved)."""
+        if n.mux is None:
+            opened, broken = self.steps_streams_opened.labels(n.name), self.steps_legs_broken.labels(n.name)
+            n.mux = StepMux(self._steps_connector(n), on_open=opened.inc, on_break=broken.inc)
+        return n.mux
 
     def _steps_connector(self, n: NodeHandle) -> Callable[[], Awaitable[StepsStream]]:
         """How ``n``'s StepMux opens a stream: its Steps socket, or gRPC (front end or own port)."""

@@ -33,7 +33,7 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
 from services.router.nodes import NodeHandle, NodePool, RouterPolicy, record_leg_result
-from services.router.step_mux import StepLeg, StepMux
+from services.router.step_mux import StepLeg
 
 logger = logging.getLogger(__name__)
 AFFINITY_BLOCKS = 4  # leading blocks that decide prefix affinity
@@ -322,9 +322,7 @@ class PDBackend(NodePool):
 
     def _open_call(self, d_node: NodeHandle, msg: pb.DecodeRequest) -> Any:
         if self.policy.decode_stream == "multiplexed":
-            if d_node.mux is None:
-                d_node.mux = StepMux(self._steps_connector(d_node))
-            return d_node.mux.open(msg, self.policy.request_timeout_s)
+            return self.steps_mux(d_node).open(msg, self.policy.request_timeout_s)
         stub = pb_grpc.DecodeServiceStub(d_node.channel)  # per_request only: not on the hot path
         return stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
 

@@ -206,10 +206,18 @@ class StepMux:
     """The Steps stream to one node; create and use inside the router's event loop.
 
     ``connect`` opens a stream (``GrpcSteps`` or ``SocketSteps.connect``); it runs again for the
-    first leg after a stream ended."""
+    first leg after a stream ended. ``on_open``: called for each stream opened; ``on_break``: for
+    each stream that ended with legs open, with their count (the router's metrics)."""
 
-    def __init__(self, connect: Callable[[], Awaitable[StepsStream]]) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[StepsStream]],
+        on_open: Callable[[], None] | None = None,
+        on_break: Callable[[int], None] | None = None,
+    ) -> None:
         self._connect = connect
+        self._on_open = on_open
+        self._on_break = on_break
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._starts: list[pb.DecodeRequest] = []
         self._aborts: list[str] = []
@@ -220,6 +228,8 @@ class StepMux:
     def open(self, msg: pb.DecodeRequest, timeout_s: float) -> StepLeg:
         if self._task is None or self._task.done():
             self.streams_opened += 1
+            if self._on_open is not None:
+                self._on_open()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="steps-stream")
         q: asyncio.Queue[_Item] = asyncio.Queue()
         self._queues[msg.request_id] = q
@@ -299,3 +309,5 @@ class StepMux:
                 logger.warning(
                     "Steps stream ended with %d legs open: %s %s", len(queues), err.code(), err.details()
                 )
+                if self._on_break is not None:
+                    self._on_break(len(queues))

@@ -105,6 +105,8 @@ def test_streams_through_the_steps_socket_equal_the_in_process_engine(cluster, t
     assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
     log = next(c for c in cluster.children if c.name == "decode-0").log_path.read_text()
     assert "Steps socket (TCP frames" in log and "Steps front end (pid" not in log
+    router = cluster.cluster.router_url + "/metrics"
+    assert _metric(router, 'pdserve:router_steps_streams_opened_total{node="decode-0"}') >= 1
     _wait_free(cluster)
 
 

@@ -243,7 +243,13 @@ def test_the_mux_fails_its_open_legs_with_the_streams_end_status() -> None:
 
         server = await asyncio.start_server(node, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        mux = StepMux(lambda: SocketSteps.connect(f"127.0.0.1:{port}", None))
+        opened: list[int] = []
+        broken: list[int] = []
+        mux = StepMux(
+            lambda: SocketSteps.connect(f"127.0.0.1:{port}", None),
+            on_open=lambda: opened.append(1),
+            on_break=broken.append,
+        )
         try:
             leg = mux.open(pb.DecodeRequest(request_id="x"), timeout_s=10)
             assert list((await leg.read()).token_ids) == [3]
@@ -254,7 +260,8 @@ def test_the_mux_fails_its_open_legs_with_the_streams_end_status() -> None:
             assert "INVALID_ARGUMENT: bad command" in (e.value.details() or "")
             leg2 = mux.open(pb.DecodeRequest(request_id="y"), timeout_s=10)
             assert list((await leg2.read()).token_ids) == [3]
-            assert mux.streams_opened == 2
+            assert mux.streams_opened == 2 and len(opened) == 2
+            assert broken[:1] == [1]  # the first stream broke under its one open leg
         finally:
             await mux.close()
             server.close()
