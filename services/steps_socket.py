@@ -45,6 +45,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.rpc import node_pb2 as pb
+from services.sockets import listening_socket
 from services.steps_direct import DirectSteps, FrameTooLarge, SocketFrames, frame, read_frame
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,8 @@ class StepsSocketServer:
         finish first."""
         self.sessions_total += 1
         session = asyncio.current_task()
-        ending: list[str] = []  # why this side ends the stream (the peer is gone, or erred)
-        sent_end = False
+        ending: str | None = None  # why this side ends the stream (the peer is gone, or erred)
+        sent_end = False  # and told the peer in a stream_end frame
 
         # Token deltas: the engine thread writes them to this socket (services/steps_direct.py);
         # this coroutine writes the rest (ends, error deltas) through the same ordered frames.
@@ -128,8 +129,8 @@ class StepsSocketServer:
         def end(why: str, code: grpc.StatusCode | None = None) -> None:
             """End the stream from this side (its requests are aborted); ``code``: tell the
             peer why in a last ``stream_end`` frame."""
-            nonlocal sent_end
-            ending.append(why)
+            nonlocal ending, sent_end
+            ending = why
             if code is not None:
                 frames.write(end_frame(code, why))
                 sent_end = True
@@ -150,7 +151,7 @@ class StepsSocketServer:
                 except FrameTooLarge as e:
                     end(f"StepCommand refused: {e}", grpc.StatusCode.RESOURCE_EXHAUSTED)
                     return
-                except (ConnectionError, OSError) as e:  # reset, cut short: the peer is gone
+                except OSError as e:  # reset, cut short (ConnectionError): the peer is gone
                     end(f"the peer's connection failed: {e!r}")
                     return
                 yield cmd
@@ -159,14 +160,11 @@ class StepsSocketServer:
             async for batch in self.servicer.steps_session(commands(), DirectSteps(frames)):
                 frames.write(batch.SerializeToString())
                 await frames.drain()  # a failed write cancels this task (on_fail)
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            logger.warning("Steps socket session ended: %r", e)  # its requests were aborted
         except asyncio.CancelledError:
             if not (frames.closed or ending):
                 raise  # the node is stopping
             logger.info(
-                "Steps socket session ended, its requests aborted: %s",
-                ending[0] if ending else "a write to the peer failed",
+                "Steps socket session ended, its requests aborted: %s", ending or "a write to the peer failed"
             )
             if sent_end:  # let the stream_end frame out before the socket closes
                 with contextlib.suppress(Exception):
@@ -176,26 +174,6 @@ class StepsSocketServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """One TCP listening socket on ``host``'s first address (``port`` 0: any free one). An IPv6
-    wildcard also takes IPv4 (as gRPC's ports do); no SO_REUSEPORT: a second node on a taken
-    port must fail, not share it."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(addr)
-        sock.listen(1024)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 class StepsFront:
@@ -228,7 +206,7 @@ class StepsFront:
         """Listen (``port`` 0: any free one; ``port`` is then the bound one); OSError naming the
         port if it cannot."""
         try:
-            sock = listening_socket(self.host, self.port)
+            sock = listening_socket(self.host or None, self.port, dual_stack=True)
         except OSError as e:
             why = e.strerror if e.errno and e.errno > 0 and e.strerror else str(e)
             raise OSError(
@@ -293,7 +271,7 @@ class StepsFront:
             if data is None:
                 raise ConnectionError("closed before its hello")
             hello = pb.StepsHello.FromString(data)
-        except (asyncio.TimeoutError, ConnectionError, OSError, DecodeError) as e:
+        except (asyncio.TimeoutError, OSError, DecodeError) as e:
             self._refused(f"no valid hello: {e!r}")
             return False
         ok = self._token is None or hmac.compare_digest(hello.token.encode(), self._token)
@@ -305,6 +283,6 @@ class StepsFront:
         try:
             writer.write(frame(welcome.SerializeToString()))
             await writer.drain()
-        except (ConnectionError, OSError):
+        except OSError:
             return False
         return ok

@@ -24,6 +24,7 @@ from services.router.encoders import EncoderPool
 from services.router.limits import RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.pd_backend import PDBackend, RouterPolicy
+from services.sockets import listening_socket
 
 logger = logging.getLogger(__name__)
 
@@ -152,32 +153,6 @@ def _worker_main(cluster: ClusterConfig, sock: socket.socket | None, index: int,
         sock = listening_socket(cluster.router.host, cluster.router.port, reuse_port=True)
     listening.set()
     asyncio.run(serve_router(cluster, sock))
-
-
-def listening_socket(
-    host: str, port: int, backlog: int = 2048, *, reuse_port: bool = False, listen: bool = True
-) -> socket.socket:
-    """A router listening socket, made as asyncio makes its own: with ``proto`` IPPROTO_TCP.
-    asyncio turns Nagle off (TCP_NODELAY) only on connections whose socket says IPPROTO_TCP;
-    ``socket.create_server`` leaves proto 0, so every accepted connection kept Nagle, and a
-    response written as headers then body waited for the client's delayed ACK: ~40 ms per
-    non-streamed request (0.75 of one worker's throughput at concurrency 1, H200 and CPU).
-    ``reuse_port``: one of the workers' SO_REUSEPORT group; ``listen`` False only binds."""
-    family, type_, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
-        if listen:
-            sock.listen(backlog)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 # Linux spreads the connections of an SO_REUSEPORT group over its listening sockets by a hash

@@ -120,7 +120,7 @@ class SocketSteps:
             if data is None:
                 raise ConnectionError("the node closed the connection at the hello")
             welcome = pb.StepsWelcome.FromString(data)
-        except (OSError, asyncio.TimeoutError, ConnectionError, DecodeError) as e:
+        except (OSError, asyncio.TimeoutError, DecodeError) as e:
             writer.close()
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
         except BaseException:  # cancelled at the hello: do not leave the connection open
@@ -136,7 +136,7 @@ class SocketSteps:
         try:
             self._w.write(frame(cmd.SerializeToString()))
             await self._w.drain()
-        except (OSError, ConnectionError) as e:
+        except OSError as e:
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {self._where}: {e!r}") from None
 
     async def batches(self) -> AsyncIterator[pb.StepBatch]:
@@ -146,7 +146,7 @@ class SocketSteps:
                 if data is None:
                     return
                 yield pb.StepBatch.FromString(data)
-            except (OSError, ConnectionError, DecodeError) as e:
+            except (OSError, DecodeError) as e:
                 raise status_error(
                     grpc.StatusCode.UNAVAILABLE, f"Steps socket {self._where}: {e!r}"
                 ) from None
