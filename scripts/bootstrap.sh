@@ -20,6 +20,10 @@ if ((${#need[@]})); then
 fi
 
 PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ] && ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "bootstrap: pdserve needs Python 3.11 or newer; $PY is $("$PY" -V 2>&1). Run again with PYTHON=python3.11 (or newer)" >&2
+  exit 1
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.pdserve-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then

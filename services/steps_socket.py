@@ -271,7 +271,7 @@ class StepsFront:
             if data is None:
                 raise ConnectionError("closed before its hello")
             hello = pb.StepsHello.FromString(data)
-        except (asyncio.TimeoutError, OSError, DecodeError) as e:
+        except (TimeoutError, OSError, DecodeError) as e:
             self._refused(f"no valid hello: {e!r}")
             return False
         ok = self._token is None or hmac.compare_digest(hello.token.encode(), self._token)

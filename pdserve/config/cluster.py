@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -22,11 +23,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.errors import ConfigError
-
-try:  # Python 3.11+; pdserve supports 3.10, where tomli is the same parser
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-    import tomli as tomllib  # type: ignore[no-redef]
 
 Role = Literal["prefill", "decode", "encoder", "colocated"]
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]

@@ -111,7 +111,7 @@ class SocketSteps:
         host = host.strip("[]")  # an IPv6 literal
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-        except (OSError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, OSError, ValueError) as e:
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
         try:
             tune_stream_socket(writer.get_extra_info("socket"))
@@ -120,7 +120,7 @@ class SocketSteps:
             if data is None:
                 raise ConnectionError("the node closed the connection at the hello")
             welcome = pb.StepsWelcome.FromString(data)
-        except (OSError, asyncio.TimeoutError, DecodeError) as e:
+        except (TimeoutError, OSError, DecodeError) as e:
             writer.close()
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"Steps socket {address}: {e!r}") from None
         except BaseException:  # cancelled at the hello: do not leave the connection open

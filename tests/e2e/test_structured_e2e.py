@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import httpx
 import openai
@@ -17,7 +17,7 @@ from tests.e2e.cluster import make_cluster_config, running_cluster
 pytestmark = pytest.mark.slow
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     red = "red"
     green = "green"
 
