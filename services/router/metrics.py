@@ -66,3 +66,24 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+
+
+def observe_n(histogram: Histogram, amount: float, n: int) -> None:
+    """``n`` observations of ``amount`` at the cost of one: a stream's delta of ``n`` tokens gives
+    each the same inter-token latency, and prometheus_client has no weighted ``observe`` (each
+    call locks and, with router workers, writes a memory-mapped file: ~1.3 us, per token). Uses
+    the histogram's bucket values (``_sum``, ``_upper_bounds``, ``_buckets``, stable since
+    prometheus_client 0.4); a histogram without them is observed ``n`` times."""
+    if n <= 0:
+        return
+    try:
+        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
+    except AttributeError:  # pragma: no cover - another prometheus_client layout
+        for _ in range(n):
+            histogram.observe(amount)
+        return
+    total.inc(amount * n)
+    for i, bound in enumerate(bounds):
+        if amount <= bound:
+            buckets[i].inc(n)
+            break

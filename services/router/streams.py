@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
 from pdserve.engine.outputs import GenerationDelta
 from services.router.backend import BackendRequest, GenerateBackend
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RouterMetrics, observe_n
 
 _DONE = object()
 T = TypeVar("T")
@@ -43,9 +43,7 @@ class _SequenceTimer:
             if self.last_s is None:
                 self.metrics.time_to_first_token.observe(now - self.arrival_s)
             else:
-                per_token = (now - self.last_s) / num_new
-                for _ in range(num_new):
-                    self.metrics.inter_token_latency.observe(per_token)
+                observe_n(self.metrics.inter_token_latency, (now - self.last_s) / num_new, num_new)
             self.last_s = now
             self.metrics.generation_tokens.inc(num_new)
         if delta.finish_reason is not None:
