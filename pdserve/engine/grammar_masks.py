@@ -33,6 +33,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.request import Request
 from pdserve.engine.structured import (
+    FILLER_SWITCH_INTERVAL_S,
     BitmaskFill,
     BitmaskFiller,
     GrammarCompiler,
@@ -71,6 +72,9 @@ class GrammarMasker:
         # processing; never on TP workers or pipeline stages, which fill inline).
         self.use_filler = use_filler
         self.filler: BitmaskFiller | None = None
+        # The interpreter's switch interval while a fill is under way (BitmaskFiller's docstring);
+        # bench/structured_cpu.py --switch-interval-us sets it before the first fill.
+        self.filler_switch_interval_s = FILLER_SWITCH_INTERVAL_S
         self._bufs: list[torch.Tensor] = []  # two host buffers: [cap * words] bitmask, [cap] row map
         self._cap = 0
         self._turn = 0
@@ -234,7 +238,7 @@ class GrammarMasker:
         the filler thread, started on first use."""
         host, turn = self._host(len(states))
         if self.filler is None:
-            self.filler = BitmaskFiller()
+            self.filler = BitmaskFiller(self.filler_switch_interval_s)
         return GrammarMasks(rows, host, self.filler.submit(states, host, accept), states, turn)
 
     def _redo(self, masks: GrammarMasks, accepted: list[bool]) -> None:
