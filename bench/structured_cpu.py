@@ -244,8 +244,10 @@ def main() -> None:
             timers.install()
         phases: dict[str, list[dict[str, float]]] = {m: [] for m in picked}
         steps: dict[str, int] = {}
-        for _ in range(args.reps):
-            for name, mode in picked.items():
+        for rep in range(args.reps):
+            # ABC then CBA: a drift of the host's speed inside a repetition hits every mode alike
+            order = list(picked.items()) if rep % 2 == 0 else list(reversed(picked.items()))
+            for name, mode in order:
                 if timers is not None:
                     timers.reset()
                 tps, n = run(llm, args.batch, args.tokens, mode, **kw)
@@ -268,10 +270,21 @@ def main() -> None:
         f"{'' if args.switch_interval_us is None else f', switch interval {args.switch_interval_us:g} us'}"
         f"{'' if args.temperature == 0 else ', unseeded' if args.no_seed else ', seeded per request'}"
     )
-    print(f"{'mode':<24} {'tok/s':>9} {'vs ' + next(iter(results)):>17} {'tokens':>7}")
+    # Paired: each repetition's rate against the first mode's in the same repetition (seconds
+    # apart), median and range over the repetitions. On a host whose speed moves between runs
+    # (the GPU machines' hosts: docs/benchmarks.md) the ratio of the medians moves with it.
+    first = next(iter(results.values()))
+    print(
+        f"{'mode':<24} {'tok/s':>9} {'vs ' + next(iter(results)):>17} {'paired':>8} "
+        f"{'paired range':>17} {'tokens':>7}"
+    )
     for name, xs in results.items():
         m = statistics.median(xs)
-        print(f"{name:<24} {m:>9.1f} {m / base - 1:>+16.1%} {counts[name]:>7}")
+        paired = [x / b - 1 for x, b in zip(xs, first, strict=True)]
+        print(
+            f"{name:<24} {m:>9.1f} {m / base - 1:>+16.1%} {statistics.median(paired):>+8.1%} "
+            f"{min(paired):>+8.1%}..{max(paired):>+6.1%} {counts[name]:>7}"
+        )
     if args.phases:
         print_phases(phases, steps)
 
