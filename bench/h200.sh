@@ -28,6 +28,19 @@ fi
 } >"$OUT/device.log" 2>&1
 cat "$OUT/device.log"
 
+# MPS=1: run every part under CUDA MPS (one daemon for the machine, started here and stopped at
+# the end), so the processes of one GPU (P/D's prefill and decode nodes) run kernels side by side
+# instead of taking turns in time slices. Skipped, with a line, where it does not start.
+if [ "${MPS:-0}" = 1 ]; then
+  if nvidia-cuda-mps-control -d && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
+    echo "CUDA MPS on" | tee -a "$OUT/device.log"
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  else
+    echo "CUDA MPS could not start: the parts run without it" | tee -a "$OUT/device.log"
+    echo quit | nvidia-cuda-mps-control 2>/dev/null
+  fi
+fi
+
 part() {  # part NAME LIMIT_S CMD...
   local name=$1 limit=$2
   shift 2
