@@ -359,13 +359,24 @@ class Cluster:
         topology, *mods = kind.split("+")
         transport = "per_request" if "per_request" in mods else ""
         workers = next((int(m[1:]) for m in mods if m[:1] == "w" and m[1:].isdigit()), args.router_workers)
+        # A prefill node keeps its role's own step budget (PREFILL_MAX_NUM_BATCHED_TOKENS) unless
+        # --prefill-max-batched sets one: P/D measured as it is deployed.
+        prefill_node = {k: v for k, v in node.items() if k != "max_num_batched_tokens"}
+        if args.prefill_max_batched is not None:
+            prefill_node["max_num_batched_tokens"] = args.prefill_max_batched
         if topology == "colocated":
             nodes = [
                 dict(node, name="colo-0", role="colocated", grpc_port=free_port(), metrics_port=free_port())
             ]
         else:
             nodes = [
-                dict(node, name="prefill-0", role="prefill", grpc_port=free_port(), metrics_port=free_port()),
+                dict(
+                    prefill_node,
+                    name="prefill-0",
+                    role="prefill",
+                    grpc_port=free_port(),
+                    metrics_port=free_port(),
+                ),
                 dict(node, name="decode-0", role="decode", grpc_port=free_port(), metrics_port=free_port()),
             ]
         for m in ("inline", "process"):  # colo-0 / decode-0: Steps on its gRPC port / a front-end process
@@ -553,6 +564,13 @@ def main() -> None:
     ap.add_argument("--max-batched", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument(
         "--kv-bytes", type=int, default=None, help="kv_cache_memory_bytes (default: 256 MiB on CPU)"
+    )
+    ap.add_argument(
+        "--prefill-max-batched",
+        type=int,
+        default=None,
+        help="max_num_batched_tokens of P/D's prefill node (default: the prefill role's own, 16,384; "
+        "--max-batched sets every other engine's)",
     )
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument(
