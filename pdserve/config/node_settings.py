@@ -1,0 +1,244 @@
+"""One entry of the cluster file's ``nodes`` list: a node's role, address, model, sizes and limits.
+
+Also the role vocabulary (``Role``, ``KvRole``, ``EcRole`` and how they relate) and the
+per-role defaults the resolver applies, and the node's test-only fault injection
+(:class:`FaultsConfig`). Checks that need only the node itself are made here; checks across
+nodes are :class:`~pdserve.config.cluster.ClusterConfig`'s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from pdserve.config.frozen import _Frozen
+from pdserve.errors import ConfigError
+
+Role = Literal["prefill", "decode", "encoder", "colocated"]
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+EcRole = Literal["ec_producer", "ec_consumer"]
+
+# The KV role each service type holds (DESIGN §1). An explicit kv_role must equal it: a prefill
+# node that consumes KV is a contradiction, not a preference.
+KV_ROLE_OF_ROLE: dict[str, KvRole | None] = {
+    "prefill": "kv_producer",
+    "decode": "kv_consumer",
+    "colocated": "kv_both",
+    "encoder": None,
+}
+DECODE_CAPABLE_ROLES = ("decode", "colocated")
+# Token budget of one step when the file sets none. A prefill node only turns prompts into KV:
+# large steps keep the tensor cores busy (H200, Llama-1B shape, 2k-token prompts: 0.545 of the
+# bf16 peak at 8,192-16,384 tokens against 0.337 at 2,048, docs/benchmarks.md issue 17). Every
+# other role keeps 2,048, which bounds the inter-token latency of the decodes sharing a step.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+PREFILL_MAX_NUM_BATCHED_TOKENS = 16384
+_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+
+
+class FaultsConfig(_Frozen):
+    """Test-only fault injection (bench/chaos.py, tests/e2e): every field off by default. Each one
+    is acted on by the node; one that cannot apply to the node's role is refused at start."""
+
+    # SIGUSR1 makes the node's engine thread die (as an uncaught device fault would): the node
+    # turns NOT_SERVING, fails its in-flight requests and exits with 70.
+    engine_death_on_sigusr1: bool = False
+    # prefill: every PushKV waits this long right before its KV write (a slow transfer window)
+    push_delay_s: float = Field(default=0.0, ge=0)
+    # prefill: every Prefill answers this long after its first token is ready (a slow prefill)
+    prefill_reply_delay_s: float = Field(default=0.0, ge=0)
+    # encoder: every Encode waits this long before encoding (a window to fault "while encoding")
+    encode_delay_s: float = Field(default=0.0, ge=0)
+    # encoder: every PushEmbeddings waits this long before its write into prefill (a push window)
+    ec_push_delay_s: float = Field(default=0.0, ge=0)
+
+
+class NodeConfig(_Frozen):
+    name: str
+    role: Role  # service type
+    model: str  # checkpoint folder; filled from the file's top-level `model` when omitted
+    host: str = "127.0.0.1"  # the address peers and the router dial (not necessarily the bind address)
+    grpc_port: int = Field(ge=1, le=65535)
+    metrics_port: int = Field(ge=1, le=65535)  # Prometheus /metrics of the node
+    kv_role: KvRole | None = None  # None: derived from role
+    ec_role: EcRole | None = None  # derived by the resolver
+    tp: int = 1
+    pp: int = 1
+    # layers per pipeline stage (len pp, sums to the model's layers); None: even split
+    pp_layer_split: tuple[int, ...] | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_transport: Literal["tcp", "rdma", "cuda_ipc"] = "tcp"  # Mooncake TCP / RDMA, or same-host CUDA IPC
+    kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
+    max_num_seqs: int = Field(default=64, ge=1)
+    # Token budget of one engine step. None: derived from the role by the resolver (prefill
+    # PREFILL_MAX_NUM_BATCHED_TOKENS, every other role DEFAULT_MAX_NUM_BATCHED_TOKENS); a value
+    # written in the file is kept.
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    # Overload (issue 12): requests that do not fit wait in the queue; past max_queue_len waiting
+    # (admitted, never scheduled) a new one is refused, and one waiting longer than
+    # max_queue_wait_s is dropped: both reach the client as the router's 503 (OpenAI error body),
+    # holding nothing on any node. None: unbounded.
+    max_queue_len: int | None = Field(default=None, ge=1)
+    max_queue_wait_s: float | None = Field(default=None, gt=0)
+    block_size: int = 16
+    kv_load_failure_policy: Literal["fail", "recompute", "reprefill"] = "recompute"  # decode side
+    kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer
+    # decode side: every this many seconds, KeepAlive(transfer_ids) to each prefill node for the
+    # requests still queued here, so their leases outlive a long queue (must be < the lease)
+    kv_keepalive_s: float | None = Field(default=None, gt=0)  # None: min(5 s, shortest prefill lease / 3)
+    kv_checksum: bool = False  # decode: verify a digest of every pulled transfer (kvtransfer/checksum.py)
+    max_model_len: int | None = Field(default=None, ge=1)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
+    step_timeout_s: float = Field(default=300.0, gt=0)  # a device step taking longer fails its requests
+    # torch's intra-op CPU threads per engine process (see EngineConfig.cpu_threads); None: half
+    # the usable cores on a CPU device, torch's default elsewhere
+    cpu_threads: int | None = Field(default=None, ge=1)
+    # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
+    # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
+    drain_timeout_s: float = Field(default=30.0, gt=0)
+    # Embedding cache (issue 14). Encoder: its registered buffer of embeddings and their lease in
+    # the Redis index; EC consumers (prefill): the buffer pushes land in, the reservation lease and
+    # how long one fetch from an encoder may take.
+    ec_buffer_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    ec_lease_s: float = Field(default=30.0, gt=0)
+    ec_fetch_timeout_s: float = Field(default=30.0, gt=0)
+    # Where images are decoded (an encoder, or a prefill node of a model no encoder serves):
+    # images past these are a 400 before any pixel is decoded.
+    max_image_bytes: int | None = Field(default=None, ge=1)  # None: 20 MiB
+    max_image_pixels: int | None = Field(default=None, ge=1)  # None: 4096 x 4096
+    accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
+    faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
+    allow_missing_mm_embeds: bool = False  # derived, see the resolver
+    # Decode / colocated: who serves the router's Steps streams (the token streams).
+    #   socket (the default there): the node itself, on a TCP port of length-prefixed frames
+    #     (services/steps_socket.py); the engine thread writes token deltas to the router's
+    #     connection directly, no gRPC and no other process on the hot path;
+    #   process: a front-end process speaking gRPC to the router (services/steps_frontend.py);
+    #     the engine thread writes token deltas to it over a Unix socket;
+    #   inline: the node's own gRPC server, one process.
+    # None: socket on decode and colocated nodes; prefill nodes serve no Steps streams.
+    frontend: Literal["socket", "process", "inline"] | None = None
+    # The Steps port (socket, process); None or 0: any free port (the router learns it from GetLoad).
+    frontend_port: int | None = Field(default=None, ge=0, le=65535)
+
+    def steps_frontend(self) -> str | None:
+        """Who serves this node's Steps streams on ``steps_port``: socket | process; None: the
+        node's own gRPC port (inline), or no Steps streams at all (prefill)."""
+        if self.role not in ("decode", "colocated") or self.frontend == "inline":
+            return None
+        return self.frontend or "socket"
+
+    def steps_port(self) -> int | None:
+        """The port of this node's Steps socket or front-end process (0: any free one); None: none."""
+        return None if self.steps_frontend() is None else (self.frontend_port or 0)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ConfigError(
+                f"node name {v!r} is invalid: use letters, digits, '-', '_' and '.', "
+                "starting and ending with a letter or digit (it becomes a metric label and a DNS-ish id)"
+            )
+        return v
+
+    @field_validator("tp", "pp")
+    @classmethod
+    def _check_parallel(cls, v: int, info: Any) -> int:
+        if v < 1:
+            what = "GPUs per pipeline stage" if info.field_name == "tp" else "pipeline stages"
+            raise ConfigError(f"{info.field_name} must be >= 1 (the number of {what}), got {v}; use 1")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, v: int) -> int:
+        if v <= 0 or v & (v - 1):
+            raise ConfigError(f"block_size must be a power of two > 0 (e.g. 16), got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> NodeConfig:
+        if self.role not in ("decode", "colocated"):
+            for key, value in (("frontend", self.frontend), ("frontend_port", self.frontend_port)):
+                if value is not None:
+                    raise ConfigError(
+                        f"node {self.name!r}: {key} {value} is for decode and colocated nodes (the "
+                        f"router's Steps streams); a {self.role} node serves none: remove it"
+                    )
+        elif self.frontend == "inline" and self.frontend_port is not None:
+            raise ConfigError(
+                f"node {self.name!r}: frontend_port {self.frontend_port} with frontend: inline (the "
+                "node's own gRPC port serves the Steps streams): remove frontend_port or set "
+                "frontend: socket or process"
+            )
+        expected = KV_ROLE_OF_ROLE[self.role]
+        if self.kv_role is not None and self.kv_role != expected:
+            fix = f"set kv_role: {expected} or omit it" if expected else "omit kv_role"
+            raise ConfigError(
+                f"node {self.name!r}: role {self.role} contradicts kv_role {self.kv_role} "
+                f"(a {self.role} node holds kv_role {expected}); {fix}"
+            )
+        if self.ec_role == "ec_producer" and self.role != "encoder":
+            raise ConfigError(
+                f"node {self.name!r}: only encoder nodes produce embeddings, but role {self.role} "
+                "has ec_role ec_producer; omit ec_role (it is derived) or make the node role: encoder"
+            )
+        f = self.faults
+        if (f.push_delay_s or f.prefill_reply_delay_s) and self.role != "prefill":
+            raise ConfigError(
+                f"node {self.name!r}: faults.push_delay_s / faults.prefill_reply_delay_s act on "
+                f"prefill nodes only, not on role {self.role}; remove them"
+            )
+        if (f.encode_delay_s or f.ec_push_delay_s) and self.role != "encoder":
+            raise ConfigError(
+                f"node {self.name!r}: faults.encode_delay_s / faults.ec_push_delay_s act on "
+                f"encoder nodes only, not on role {self.role}; remove them"
+            )
+        if f.engine_death_on_sigusr1 and self.role == "encoder":
+            raise ConfigError(
+                f"node {self.name!r}: faults.engine_death_on_sigusr1 is not supported on encoder nodes"
+            )
+        if self.role == "encoder" and self.ec_role == "ec_consumer":
+            raise ConfigError(
+                f"node {self.name!r}: an encoder node is an ec_producer, not an ec_consumer; omit ec_role"
+            )
+        if self.role not in ("encoder", "prefill"):
+            for name in ("max_image_bytes", "max_image_pixels"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"node {self.name!r}: {name} is a setting of the node that decodes images (an "
+                        f"encoder, or a prefill node with no encoder in the cluster), but the node's "
+                        f"role is {self.role}; move it there"
+                    )
+        if self.role == "encoder":
+            if self.tp != 1 or self.pp != 1:
+                raise ConfigError(
+                    f"node {self.name!r}: an encoder runs on one device (tp 1, pp 1), got tp {self.tp}, "
+                    f"pp {self.pp}; add encoder nodes to scale out instead"
+                )
+            if self.kv_transport == "cuda_ipc":
+                raise ConfigError(
+                    f"node {self.name!r}: embeddings move over Mooncake (kv_transport tcp or rdma), "
+                    "not cuda_ipc; set kv_transport: tcp"
+                )
+        return self
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_address(self) -> str:
+        return f"{self.host}:{self.metrics_port}"

@@ -1,0 +1,111 @@
+"""The ``router`` section of the cluster file: the router's HTTP API, policy, timeouts and streams.
+
+Cross-field checks that involve only router settings (flush intervals against the inter-token
+timeout, the prefill deadline against the request deadline) are made here, at load.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pdserve.config.frozen import _Frozen
+from pdserve.errors import ConfigError
+
+
+class RouterConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)  # OpenAI HTTP API and /metrics
+    api_key: str | None = None  # clients send "Authorization: Bearer <api_key>" when set
+    policy: Literal["least_loaded", "prefix_affinity", "round_robin"] = "least_loaded"
+    # Conditional disaggregation: prompts shorter than this prefill on the decode node, where a
+    # KV transfer would cost more than the prefill itself. 0 disaggregates every prompt.
+    local_prefill_max_tokens: int = Field(default=32, ge=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)  # whole request, first byte to last token
+    # The prefill leg's deadline: P.Prefill call -> first token with the KV held (P's queue +
+    # the prompt's prefill). Past it the router aborts the leg (P frees the KV at once) and tries
+    # the next prefill node, then prefills on the decode node. Catches a wedged prefill engine
+    # that still answers gRPC keepalive pings (a frozen process is noticed sooner, by keepalive).
+    prefill_timeout_s: float = Field(default=30.0, gt=0)
+    # Request lifecycle under failure (issue 13). Bounded input: past these a request is a 400/413.
+    max_body_bytes: int | None = Field(default=None, ge=1024)  # None: max(16 MiB, room for prompt_embeds)
+    max_prompts_per_request: int = Field(default=256, ge=1)  # entries of a completions batch
+    max_sequences_per_request: int = Field(default=256, ge=1)  # prompts x n
+    # Per-leg deadlines: a frozen (SIGSTOPped) or dead peer is noticed by these, not by the lease.
+    decode_first_token_timeout_s: float = Field(
+        default=30.0, gt=0
+    )  # D.Decode call -> first delta (incl. pull)
+    inter_token_timeout_s: float = Field(default=15.0, gt=0)  # gap between two deltas of a stream
+    # Circuit breaker per node: this many consecutive node faults take it out of rotation for
+    # breaker_open_s; then one probe request (half-open) decides. 4xx / 429 are not node faults.
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_open_s: float = Field(default=5.0, gt=0)
+    http_keepalive_s: float = Field(default=75.0, ge=1)  # idle HTTP keep-alive connections close after this
+    # Parses chat output under tool_choice auto into tool_calls (services/router/tool_parsers);
+    # a name the router does not know is refused when the router starts, naming the known ones.
+    tool_call_parser: str = "hermes"
+    # Who makes the text of a sequence without stop strings: "router" (the nodes send token ids
+    # only, so their engine threads skip it) or "node". Stop strings are always matched on the
+    # node, which makes their text.
+    detokenize: Literal["router", "node"] = "router"
+    encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call (issue 14)
+    # How decode legs reach a node (issue 12): multiplexed = one Steps stream per node carrying
+    # batched deltas of every leg; per_request = one Decode stream per leg (a message per token).
+    decode_stream: Literal["multiplexed", "per_request"] = "multiplexed"
+    # Non-streaming requests on the multiplexed stream: the node holds their tokens and sends them
+    # at most every this many ms (and at their end) instead of with every step; 0 = every step.
+    # Must stay well under inter_token_timeout_s, which also bounds the gap between their messages.
+    nonstream_flush_ms: int = Field(default=100, ge=0, le=60_000)
+    # Streaming requests on the multiplexed stream, likewise (vLLM's stream_interval, in time):
+    # the first token at once, then a stream's tokens merged into one message and one SSE event
+    # at most every this many ms, and the finish at once; 0 = every engine step. A stream whose
+    # tokens come slower than this (most GPU serving) is not touched; a faster one (a small model,
+    # a CPU host) gets them in groups, at 100 events/s at most by default, and its node, router
+    # and client spend that much less per token (docs/benchmarks.md, thirteenth session).
+    stream_flush_ms: int = Field(default=10, ge=0, le=60_000)
+    # When a P/D request's decode leg opens (multiplexed only): with_prefill = together with the
+    # prefill leg, so decode allocates and asks for the KV while the prompt is prefilled and the
+    # pull brings the first token; after_prefill = once the first token is back (one leg, then
+    # the other). A failed early pull is re-driven by the router as a failed pull is under
+    # kv_load_failure_policy reprefill.
+    pd_decode_leg: Literal["with_prefill", "after_prefill"] = "with_prefill"
+    # Router worker processes sharing the HTTP port (issue 12): each runs its own event loop,
+    # node connections and registry view; /metrics adds them up. 1 = the router is one process.
+    workers: int = Field(default=1, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> RouterConfig:
+        # Both have non-zero defaults, which per_request does without; an explicit one is refused.
+        held = {
+            "nonstream_flush_ms": "nonstream_flush_ms" in self.model_fields_set,
+            "stream_flush_ms": "stream_flush_ms" in self.model_fields_set and self.stream_flush_ms > 0,
+        }
+        if (
+            self.decode_stream == "per_request"
+            and self.pd_decode_leg == "with_prefill"
+            and ("pd_decode_leg" in self.model_fields_set)
+        ):
+            raise ConfigError(
+                "router.pd_decode_leg with_prefill needs router.decode_stream multiplexed (the Steps "
+                "stream); per_request opens the decode leg after the prefill leg"
+            )
+        for name, asked in held.items():
+            ms = getattr(self, name)
+            if self.decode_stream == "per_request" and asked:
+                raise ConfigError(
+                    f"router.{name} ({ms}) needs router.decode_stream multiplexed (the Steps "
+                    "stream); per_request sends every step's tokens"
+                )
+            if ms / 1000.0 > self.inter_token_timeout_s / 2:
+                raise ConfigError(
+                    f"router.{name} ({ms}) is over half of router.inter_token_timeout_s "
+                    f"({self.inter_token_timeout_s} s): a held request would look like a stalled node; "
+                    "lower it"
+                )
+        if self.prefill_timeout_s > self.request_timeout_s:
+            raise ConfigError(
+                f"router.prefill_timeout_s ({self.prefill_timeout_s}) exceeds router.request_timeout_s "
+                f"({self.request_timeout_s}); the prefill leg is part of the request, lower it"
+            )
+        return self
