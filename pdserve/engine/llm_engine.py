@@ -28,58 +28,31 @@ replay its state-changing calls (``pdserve.distributed.tp_worker``); ``close()``
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.pp_stage import PipelineRunner
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
-from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
+from pdserve.engine.admission import AdmissionController
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
-from pdserve.engine.mm_inputs import check_mm_items
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
+from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
-from pdserve.engine.request import FINISH_REASON, MultiModalItem, Request, RequestStatus
+from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
-from pdserve.errors import (
-    CapacityError,
-    ConfigError,
-    InvalidRequestError,
-    PromptTooLongError,
-    UnsupportedError,
-)
-from pdserve.kvtransfer.params import KVTransferParams, RemoteDecodeParams, RemotePrefillParams
+from pdserve.errors import ConfigError, UnsupportedError
+from pdserve.kvtransfer.params import KVTransferParams
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
 from pdserve.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tracked:
-    req: Request
-    detok: DetokState | None
-    logprobs: bool
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    emitted_tokens: int = 0
-    # SamplingParams.prompt_logprobs: entry i is prompt token i + 1, filled chunk by chunk and
-    # sent with the request's first delta (then None: a recompute after preemption is ignored).
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-def _continues_elsewhere(req: Request) -> bool:
-    """A prefill leg whose decode continues on another node: keep an incomplete character
-    back (decode's detokenizer completes it) instead of flushing it as U+FFFD."""
-    p = req.kv_transfer_params
-    return isinstance(p, RemoteDecodeParams) and not p.final_at_prefill and req.stop_reason is None
 
 
 class LLMEngine:
@@ -155,7 +128,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model) if load_tokenizer_ else None
         self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = frozenset(arch.eos_token_ids)
-        self._tracked: dict[str, _Tracked] = {}
+        self.output_processor = OutputProcessor(self.scheduler, self.detok)
+        self._tracked = self.output_processor.tracked  # admitted, not yet handed their final delta
+        self.admission = AdmissionController(
+            config, arch, self.max_model_len, self.eos_token_ids, self.tokenize, self.scheduler, self._tracked
+        )
         self._kv_loads: list[KVLoadSpec] = []
         # Where a step's remote KV pulls go as soon as the scheduler allocated their blocks (the
         # node's connector, set by EngineLoop), before the step runs; None: take_kv_loads() after it.
@@ -215,39 +192,11 @@ class LLMEngine:
     # -- admission -----------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise a typed error for a request the engine must not admit (nothing is allocated)."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        vocab = self.arch.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", field="prompt"
-            )
-        max_tokens = params.max_tokens or 1
-        if len(prompt_token_ids) + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})",
-                field="max_tokens" if len(prompt_token_ids) < self.max_model_len else "prompt",
-            )
+        self.admission.validate_prompt(prompt_token_ids, params)
 
     def check_prompt_embeds(self, t: Any) -> Any:
         """A [n, hidden] finite float tensor on the host, or InvalidRequestError naming the problem."""
-        import torch
-
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != self.arch.hidden_size:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidRequestError(
-                f"prompt_embeds: must be [num_tokens, {self.arch.hidden_size}], got {shape}",
-                field="prompt_embeds",
-            )
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise InvalidRequestError(
-                f"prompt_embeds: dtype {t.dtype} is not a float type", field="prompt_embeds"
-            )
-        if t.shape[0] < 1 or not bool(torch.isfinite(t).all()):
-            raise InvalidRequestError("prompt_embeds: empty, or holds NaN/inf", field="prompt_embeds")
-        return t.detach().cpu().contiguous()
+        return self.admission.check_prompt_embeds(t)
 
     def tokenize(self, prompt: str) -> list[int]:
         assert self.tokenizer is not None
@@ -267,75 +216,30 @@ class LLMEngine:
     ) -> Request:
         """Admit a request. ``prompt_embeds`` ([n, hidden] tensor) replaces the prompt: ``prompt``
         is then ignored and n placeholder ids stand in for it."""
-        params.validate()
-        salt = b""
-        if prompt_embeds is not None:
-            prompt_embeds = self.check_prompt_embeds(prompt_embeds)
-            prompt = [0] * int(prompt_embeds.shape[0])
-            salt = hashlib.blake2b(prompt_embeds.float().numpy().tobytes(), digest_size=16).digest()
-        if params.n != 1:
-            raise InvalidRequestError("n: the engine takes n=1 per request; fan out above it", field="n")
-        if params.prompt_logprobs is not None and (
-            prompt_embeds is not None or isinstance(kv_transfer_params, RemotePrefillParams)
-        ):
-            raise InvalidRequestError(
-                "prompt_logprobs: needs prompt token ids computed on this node (not prompt_embeds, "
-                "not KV prefilled elsewhere: the prefilling node returns them)",
-                field="prompt_logprobs",
-            )
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(ids, params)
-        items = check_mm_items(mm_items, len(ids), self.arch.hidden_size)
-        rid = request_id or uuid.uuid4().hex
-        limit = self.config.scheduler.max_queue_len
-        if limit is not None and self.num_queued() >= limit:
-            raise CapacityError(
-                f"the engine's queue is full ({self.num_queued()} requests waiting, max_queue_len "
-                f"{limit}); retry later"
-            )
-        if rid in self._tracked:
-            raise InvalidRequestError(f"request_id: {rid!r} is already running", field="request_id")
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
+        req = self.admission.make_request(
+            prompt,
+            params,
+            request_id,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            output_token_ids=output_token_ids,
             prompt_embeds=prompt_embeds,
-            cache_salt=salt,
-            mm_items=items,
+            mm_items=mm_items,
         )
-        if output_token_ids:
-            req.output_token_ids.extend(output_token_ids)
-        detok = None
-        if self.detok is not None and params.detokenize:
-            detok = self.detok.new_state(
-                params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-            )
-        self._tracked[rid] = _Tracked(
-            req,
-            detok,
-            params.logprobs is not None,
-            emitted_tokens=len(output_token_ids or ()),
-            prompt_logprobs=[None] * (len(ids) - 1) if params.prompt_logprobs is not None else None,
-        )
-        if output_token_ids and detok is not None:
-            assert self.detok is not None
-            self.detok.append(detok, list(output_token_ids))
+        self.output_processor.add_request(req, output_token_ids)
         self.scheduler.add_request(req)
         # Forwarded once admitted here (a rejected request never reaches the workers), with the
         # resolved ids so workers neither tokenize nor draw a request id.
         self._forward(
             "add_request",
-            ids,
+            req.prompt_token_ids,
             params,
-            rid,
+            req.request_id,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
             output_token_ids=output_token_ids,
-            prompt_embeds=prompt_embeds,
-            mm_items=items,
+            prompt_embeds=req.prompt_embeds,
+            mm_items=req.mm_items,
         )
         return req
 
@@ -350,16 +254,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_unfinished()
 
-    def _queued(self) -> list[Request]:
-        """Admitted requests never scheduled yet (not preempted ones, not those pulling KV)."""
-        return [
-            r
-            for r in self.scheduler.waiting
-            if r.num_computed_tokens == 0 and r.num_preemptions == 0 and r.request_id in self._tracked
-        ]
-
     def num_queued(self) -> int:
-        return len(self._queued())
+        """Admitted requests never scheduled yet (``AdmissionController.queued``)."""
+        return self.admission.num_queued()
 
     def expire_queued(self, now: float | None = None) -> list[GenerationDelta]:
         """Drop requests queued longer than ``max_queue_wait_s`` (a no-op when unset): each ends
@@ -369,7 +266,7 @@ class LLMEngine:
         if wait is None or not self.scheduler.waiting:
             return []
         t = time.monotonic() if now is None else now
-        old = [r for r in self._queued() if t - r.arrival_time > wait]
+        old = [r for r in self.admission.queued() if t - r.arrival_time > wait]
         if not old:
             return []
         waited = {r.request_id: t - r.arrival_time for r in old}
@@ -412,14 +309,7 @@ class LLMEngine:
         emitted, fed to the detokenizer), before it can be scheduled."""
         self._forward("finish_kv_load", request_id, ok, policy, error, list(first_tokens))
         if ok and first_tokens:
-            tr = self._tracked.get(request_id)
-            req0 = self.scheduler.waiting_for_kv.get(request_id)
-            if req0 is not None and not req0.output_token_ids and not req0.is_finished:
-                req0.output_token_ids.extend(first_tokens)
-                if tr is not None:
-                    tr.emitted_tokens = len(req0.output_token_ids)
-                    if tr.detok is not None and self.detok is not None:
-                        self.detok.append(tr.detok, list(first_tokens))
+            self.output_processor.add_first_tokens(request_id, first_tokens)
         req = self.scheduler.finish_kv_load(request_id, ok, recompute_on_failure=policy == "recompute")
         if req is None or not req.is_finished or request_id not in self._tracked:
             return []
@@ -522,10 +412,8 @@ class LLMEngine:
             runner.prepare_deferred_sampled(then, out.sampled)
         self.fence.advance(sched.step_seq)
         self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
-        for rid, (start, entries) in out.prompt_logprobs.items():
-            tr = self._tracked.get(rid)
-            if tr is not None and tr.prompt_logprobs is not None:
-                tr.prompt_logprobs[start : start + len(entries)] = entries
+        if out.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(out.prompt_logprobs)
         touched = self.scheduler.update_from_output(sched, out.sampled)
         if then is None:
             return self._process(touched, out.logprobs)
@@ -546,56 +434,12 @@ class LLMEngine:
         return deltas
 
     def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
-        deltas: list[GenerationDelta] = []
-        tracked = self._tracked
-        for req in touched:
-            rid = req.request_id
-            tr = tracked.get(rid)
-            if tr is None:
-                continue
-            out_ids = req.output_token_ids
-            num_out = len(out_ids)
-            new_ids = out_ids[tr.emitted_tokens :]
-            tr.emitted_tokens = num_out
-            lp = logprobs.get(rid) if logprobs else None
-            text = ""
-            if tr.detok is not None and self.detok is not None:
-                text = self.detok.append(tr.detok, new_ids)
-                if tr.detok.stopped_by is not None and not req.is_finished:
-                    req.stop_reason = tr.detok.stopped_by
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                if req.is_finished and not _continues_elsewhere(req):
-                    text += self.detok.flush(tr.detok)
-            delta = GenerationDelta(
-                rid,
-                new_ids,
-                text,
-                ([lp] if lp is not None else []) if tr.logprobs else None,
-                num_prompt_tokens=len(req.prompt_token_ids),
-                num_output_tokens=len(out_ids),  # a stop string may have ended it: count anew
-                num_cached_tokens=req.num_cached_tokens,
-            )
-            if tr.prompt_logprobs is not None:
-                assert all(e is not None for e in tr.prompt_logprobs), "a prompt position was not computed"
-                delta.prompt_logprobs = tr.prompt_logprobs  # type: ignore[assignment]
-                tr.prompt_logprobs = None
-            if req.status.finished:
-                delta.finish_reason = FINISH_REASON[req.status]
-                delta.stop_reason = req.stop_reason
-                del tracked[rid]
-            deltas.append(delta)
-        return deltas
+        """Detokenize, check stop strings and build the step's deltas (``OutputProcessor.process``);
+        a method here so that the bench's phase timers and the tests can wrap it."""
+        return self.output_processor.process(touched, logprobs)
 
     def _final_delta(self, req: Request) -> GenerationDelta:
-        self._tracked.pop(req.request_id, None)
-        return GenerationDelta(
-            request_id=req.request_id,
-            token_ids=[],
-            text="",
-            finish_reason=FINISH_REASON.get(req.status, "abort"),
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-        )
+        return self.output_processor.final_delta(req)
 
     # -- introspection ----------------------------------------------------------------------------
     def num_used_blocks(self) -> int:
