@@ -132,6 +132,50 @@ def test_k8s_pods_probes_drain_and_pod_ip(overlay: str) -> None:
             assert cluster.node(f"{comp}-0").kv_transport == "rdma"
 
 
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # the only form our policies use
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_network_policies(overlay: str) -> None:
+    """Every pod is covered; only the router's http port is open to the world; the nodes' ports
+    are open to pdserve's own pods (Mooncake's ports are picked at start) and, for metrics, to
+    the cluster; every named port a policy opens exists on a pod it selects."""
+    docs = rendered(overlay)
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    pods = {
+        d["metadata"]["name"]: d["spec"]["template"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    assert {"pdserve-internal", "pdserve-router-http", "pdserve-metrics"} <= set(policies)
+    internal = policies["pdserve-internal"]
+    (rule,) = internal["ingress"]
+    (peer,) = rule["from"]
+    for name, tpl in pods.items():
+        labels = tpl["metadata"]["labels"]
+        assert _selects(internal["podSelector"], labels), f"{name} is not covered by pdserve-internal"
+        assert _selects(peer["podSelector"], labels), f"{name} may not reach pdserve's pods"
+        assert "ports" not in rule
+    for pname, spec in policies.items():
+        assert spec["policyTypes"] == ["Ingress"], pname
+        selected = [t for t in pods.values() if _selects(spec["podSelector"], t["metadata"]["labels"])]
+        assert selected, f"{pname} selects no pod"
+        named = {p["name"] for t in selected for c in t["spec"]["containers"] for p in c.get("ports", [])}
+        for rule in spec["ingress"]:
+            for port in rule.get("ports", []):
+                assert port["port"] in named, f"{pname}: no selected pod has a port named {port['port']!r}"
+            if "from" not in rule:  # open to every source: the router's API only
+                assert [p["port"] for p in rule["ports"]] == ["http"], pname
+                comps = {t["metadata"]["labels"]["app.kubernetes.io/component"] for t in selected}
+                assert comps == {"router"}, f"{pname} opens {comps} to the world"
+            else:
+                for peer in rule["from"]:
+                    if "namespaceSelector" in peer:  # another namespace: the metrics ports only
+                        assert [p["port"] for p in rule["ports"]] == ["metrics"], pname
+
+
 def test_cluster_files_of_every_deployment_load() -> None:
     for p in [
         "deploy/configs/compose.yaml",
