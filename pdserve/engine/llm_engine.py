@@ -40,7 +40,7 @@ from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
-from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.output_processor import OutputProcessor, TrackedRequest
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -129,9 +129,14 @@ class LLMEngine:
         self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = frozenset(arch.eos_token_ids)
         self.output_processor = OutputProcessor(self.scheduler, self.detok)
-        self._tracked = self.output_processor.tracked  # admitted, not yet handed their final delta
         self.admission = AdmissionController(
-            config, arch, self.max_model_len, self.eos_token_ids, self.tokenize, self.scheduler, self._tracked
+            config,
+            arch,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.tokenize,
+            self.scheduler,
+            self.output_processor.tracked,
         )
         self._kv_loads: list[KVLoadSpec] = []
         # Where a step's remote KV pulls go as soon as the scheduler allocated their blocks (the
@@ -254,6 +259,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_unfinished()
 
+    @property
+    def _tracked(self) -> dict[str, TrackedRequest]:
+        """Requests admitted and not yet handed their final delta (``OutputProcessor.tracked``)."""
+        return self.output_processor.tracked
+
     def num_queued(self) -> int:
         """Admitted requests never scheduled yet (``AdmissionController.queued``)."""
         return self.admission.num_queued()
@@ -311,7 +321,7 @@ class LLMEngine:
         if ok and first_tokens:
             self.output_processor.add_first_tokens(request_id, first_tokens)
         req = self.scheduler.finish_kv_load(request_id, ok, recompute_on_failure=policy == "recompute")
-        if req is None or not req.is_finished or request_id not in self._tracked:
+        if req is None or not req.is_finished or request_id not in self.output_processor.tracked:
             return []
         d = self._final_delta(req)
         if req.status == RequestStatus.FINISHED_ERROR:
