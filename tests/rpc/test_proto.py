@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,43 @@ def test_regenerating_stubs_gives_no_diff(tmp_path) -> None:
         assert fresh == committed, (
             f"pdserve/rpc/{name} differs from a fresh protoc run: run scripts/gen_proto.sh"
         )
+
+
+def _pyproject_requirements() -> dict[str, str]:
+    """Requirement name -> its version specifier, from every list in pyproject.toml."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    reqs = list(data["project"]["dependencies"])
+    for extra in data["project"]["optional-dependencies"].values():
+        reqs += extra
+    out = {}
+    for req in reqs:
+        m = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?\s*(.*)$", req)
+        assert m is not None, req
+        out[m.group(1).lower()] = m.group(2).replace(" ", "")
+    return out
+
+
+def test_generator_pins_match_the_committed_stubs() -> None:
+    """The stubs' headers name the grpcio-tools and protoc versions that wrote them; the generator
+    is pinned to exactly that version, and the runtime floors are at least as new (the stubs
+    refuse an older grpcio / protobuf at import). A new generator version means: change the pin,
+    run scripts/gen_proto.sh, commit both."""
+    grpc_stub = (ROOT / "pdserve/rpc/node_pb2_grpc.py").read_text()
+    pb_stub = (ROOT / "pdserve/rpc/node_pb2.py").read_text()
+    m = re.search(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_stub, re.M)
+    assert m is not None
+    tools_version = m.group(1)
+    m = re.search(r"^# Protobuf Python Version: ([0-9.]+)", pb_stub, re.M)
+    assert m is not None
+    protoc_version = m.group(1)
+
+    reqs = _pyproject_requirements()
+    assert reqs["grpcio-tools"] == f"=={tools_version}", reqs["grpcio-tools"]
+    assert reqs["grpcio"] == f">={tools_version}", reqs["grpcio"]
+    protobuf_floor = re.search(r">=([0-9.]+)", reqs["protobuf"])
+    assert protobuf_floor is not None and protobuf_floor.group(1) == protoc_version, reqs["protobuf"]
+    # and what is installed is what the pins say (a stale virtualenv gives a diff above)
+    assert importlib.metadata.version("grpcio-tools") == tools_version
 
 
 def test_sampling_and_delta_round_trip() -> None:
