@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 from starlette.types import Receive
 
+from pdserve.engine.chat_template import render_chat
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from services.router.errors import APIError, bad_request
@@ -49,12 +50,8 @@ def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
         )
     else:
         messages = [m.template_dict(j) for j, m in enumerate(body.messages)]
-    if getattr(ctx.tokenizer, "chat_template", None) is None:
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
-    # Render to text, then tokenize without special tokens: the template already wrote them.
-    tool_kw = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
-    text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kw)
-    token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    tools = body.tools if body.tools and body.tool_choice != "none" else None
+    _, token_ids = render_chat(ctx.tokenizer, messages, tools=tools)
     if not images and ctx.image_token_id is not None and ctx.image_token_id in token_ids:
         raise bad_request("message text must not contain the image placeholder token", "messages")
     check_token_ids(ctx, token_ids, "messages")

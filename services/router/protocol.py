@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.engine.chat_template import template_message
+from pdserve.errors import InvalidRequestError
 from services.router.errors import APIError
 
 
@@ -102,23 +104,11 @@ class ChatMessage(BaseModel):
     content: str | list[TextContentPart] | None = None
 
     def template_dict(self, index: int) -> dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
-        msg = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            texts = []
-            for j, part in enumerate(self.content):
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"content part type {part.type!r} is not supported here; only 'text'",
-                        param=f"messages.{index}.content.{j}.type",
-                        code="unsupported",
-                    )
-                texts.append(part.text)
-            msg["content"] = "\n".join(texts)
-        elif self.content is None:
-            msg["content"] = ""
-        return msg
+        """The message as the chat template sees it (chat_template.template_message)."""
+        try:
+            return template_message(self.model_dump(exclude_none=True), index)
+        except InvalidRequestError as e:  # a non-text content part
+            raise APIError(400, str(e), param=e.field, code="unsupported") from e
 
 
 class ChatCompletionRequest(SamplingFields):

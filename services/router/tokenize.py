@@ -7,13 +7,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI
 from fastapi.params import Depends
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.engine.chat_template import render_chat
 from services.router.errors import bad_request
 from services.router.protocol import ChatMessage
 from services.router.serving import ServingContext
@@ -49,16 +47,8 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
-        if getattr(ctx.tokenizer, "chat_template", None) is None:
-            raise bad_request("this model's tokenizer has no chat template; tokenize a prompt", "messages")
-        msgs: list[dict[str, Any]] = [m.template_dict(j) for j, m in enumerate(body.messages)]
-        try:
-            text = ctx.tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt
-            )
-        except (TemplateError, ValueError, TypeError) as e:  # the template refused these messages
-            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
-        ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        msgs = [m.template_dict(j) for j, m in enumerate(body.messages)]
+        _, ids = render_chat(ctx.tokenizer, msgs, add_generation_prompt=body.add_generation_prompt)
     else:
         assert body.prompt is not None
         ids = (
