@@ -4,11 +4,13 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (behind the
 optional API key); ``POST /tokenize``, ``POST /detokenize``;
-``GET /openapi.json``, ``GET /docs``, ``GET /health``, ``GET /metrics`` (always open, for probes and scrapers).
+``GET /openapi.json``, ``GET /docs``, ``GET /health``, ``GET /version``, ``GET /metrics`` (always open, for
+probes and scrapers).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import secrets
 import time
@@ -19,6 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
+import pdserve
 from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
 from services.router.chat import create_chat_completion
@@ -144,6 +147,11 @@ def create_app(
         """Liveness: the router process answers."""
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """The pdserve package's version, in vLLM's shape."""
+        return JSONResponse({"version": package_version()})
+
     @app.get("/ready")
     async def ready() -> Response:
         """Readiness: a decode-capable node is reachable (what `pdserve up` and k8s wait for)."""
@@ -161,6 +169,15 @@ def create_app(
         return Response(generate_latest(_exposed(metrics)), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def package_version() -> str:
+    """The installed distribution's version; ``pdserve.__version__`` when the package runs from a
+    source tree that was never installed (no distribution metadata)."""
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return pdserve.__version__
 
 
 def _exposed(metrics: RouterMetrics) -> CollectorRegistry:

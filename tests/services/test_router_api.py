@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import json
 import math
 import socket
@@ -205,9 +206,11 @@ def embeds_b64(t: torch.Tensor) -> str:
 # --- happy paths, official client -------------------------------------------------------------
 
 
-def test_models_and_health(client: openai.OpenAI, server: ServerThread) -> None:
+def test_models_health_and_version(client: openai.OpenAI, server: ServerThread) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
+    version = httpx.get(server.url + "/version")  # vLLM's route: the package version
+    assert version.status_code == 200 and version.json() == {"version": importlib.metadata.version("pdserve")}
 
 
 def test_completion_text_prompt(client: openai.OpenAI, tokenizer: Any, backend: FakeBackend) -> None:
@@ -603,6 +606,7 @@ def test_api_key(server_factory: Callable[..., ServerThread]) -> None:
     with openai.OpenAI(base_url=guarded.url + "/v1", api_key="sekret", max_retries=0) as ok:
         assert ok.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
     assert httpx.get(guarded.url + "/health").status_code == 200
+    assert httpx.get(guarded.url + "/version").status_code == 200  # open, as vLLM's
     assert httpx.get(guarded.url + "/metrics").status_code == 200
 
 
