@@ -6,11 +6,13 @@ anything is allocated for the request.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+_SEED_MOD = 2**63
 
 
 def _check(cond: bool, fld: str, msg: str) -> None:
@@ -112,7 +114,7 @@ class SamplingParams:
             structured.check(kind, spec)
         if self.seed is not None:
             _check(
-                isinstance(self.seed, int) and 0 <= self.seed < 2**63,
+                isinstance(self.seed, int) and 0 <= self.seed < _SEED_MOD,
                 "seed",
                 f"must be in [0, 2**63), got {self.seed!r}",
             )
@@ -125,3 +127,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether sampling reads the generated token ids (not only their count)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Sample ``index`` of an ``n``-sample request as its own n=1 request (the engine runs
+        n=1). A seeded request's sample i runs with seed + i (mod 2**63): samples differ, and the
+        same request replays the same samples; unseeded or greedy samples keep their params."""
+        assert 0 <= index < self.n, f"sample {index} of n={self.n}"
+        seed = None if self.seed is None else (self.seed + index) % _SEED_MOD
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SEED_MOD = 2**63
-
 
 @dataclass(frozen=True)
 class ServingContext:
@@ -149,8 +147,7 @@ def fan_out(
     reqs = []
     for p, prompt in enumerate(prompts):
         for i in range(params.n):
-            seed = None if params.seed is None else (params.seed + i) % _SEED_MOD
-            sp = dataclasses.replace(params, n=1, seed=seed, max_tokens=max_tokens[p])
+            sp = dataclasses.replace(params.for_sample(i), max_tokens=max_tokens[p])
             reqs.append(
                 BackendRequest(
                     f"{request_id}-{p}-{i}", prompt.token_ids, sp, prompt.embeds, mm_items=prompt.mm_items
