@@ -155,7 +155,7 @@ def main() -> None:
             max_num_batched_tokens=4096,
             max_num_seqs=32,
         )
-        colo = [o.token_ids for o in llm.generate(prompts, params)]
+        colo = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         same = sum(a == b for a, b in zip(pd, colo, strict=True))
         # One long prompt alone, three times (fresh prompts): the write's bandwidth vs a plain
         # device copy of the same bytes, and its share of that request's TTFT (median run).

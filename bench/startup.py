@@ -41,7 +41,7 @@ def main() -> None:
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print(
             f"device {args.device}: {eng.cache_sizes.num_blocks:,} KV blocks of {eng.cache_sizes.bytes_per_block:,} B; "
-            f"engine up in {t1 - t0:.2f} s, first request ({len(out[0].token_ids)} tokens) in {t2 - t1:.2f} s; "
+            f"engine up in {t1 - t0:.2f} s, first request ({len(out[0].outputs[0].token_ids)} tokens) in {t2 - t1:.2f} s; "
             f"peak host RSS {peak_gib:.2f} GiB; blocks left in use {eng.kv.pool.num_used_blocks}"
         )
 

@@ -59,7 +59,7 @@ def run(
     t0 = time.perf_counter()
     outs = llm.generate([[5, 6, 7, 8 + i] for i in range(batch)], params)
     dt = time.perf_counter() - t0
-    n = sum(len(o.token_ids) for o in outs)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
     return n / dt, n
 
 

@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pdserve.engine.llm import LLM
+    from pdserve.engine.outputs import CompletionOutput, RequestOutput
     from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -20,7 +21,11 @@ def __getattr__(name: str):  # lazy: `import pdserve` must not import torch
         from pdserve.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pdserve.engine import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

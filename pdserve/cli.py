@@ -80,7 +80,8 @@ def generate(
     except PdserveError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    for p, o in zip(prompt, outs, strict=True):
+    for p, r in zip(prompt, outs, strict=True):
+        o = r.outputs[0]
         if as_json:
             typer.echo(
                 json.dumps(

@@ -1,24 +1,26 @@
-"""Offline API: ``LLM(model_dir).generate(prompts, sampling_params)``."""
+"""Offline API in vLLM's shapes: ``LLM(model).generate(prompts, sampling_params)`` and
+``LLM(model).chat(messages, sampling_params)`` return ``RequestOutput``s."""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.engine.chat_template import render_chat
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.offline import OfflineRequest, PromptType, SampleState, parse_prompts
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import EngineStalledError
-
-Prompt = str | list[int]
+from pdserve.errors import EngineStalledError, InvalidRequestError
 
 
 class LLM:
-    """Runs a whole batch to completion in this process.
+    """Runs a whole batch to completion in this process; ``generate`` and ``chat`` return
+    vLLM-shaped ``RequestOutput``s (one per prompt, its ``n`` samples in ``.outputs``).
 
     Keyword arguments are EngineConfig fields, or CacheConfig / SchedulerConfig / ParallelConfig
     fields (e.g. ``block_size=16``, ``max_num_batched_tokens=256``, ``tensor_parallel_size=2``).
@@ -76,44 +78,117 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priorities: Sequence[int] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        """Generate for one prompt or a list, in vLLM's shapes.
+
+        A prompt is a string, a list of token ids, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``. One SamplingParams applies to every prompt, or give one
+        per prompt. Returns one RequestOutput per prompt, in order, each with ``n`` samples.
+        """
+        parsed = parse_prompts(prompts)
+        params = self._params_per_prompt(sampling_params, len(parsed))
+        ids_list = []
+        for p in parsed:
+            if p.token_ids is None:
+                assert p.text is not None
+                ids_list.append(self.engine.tokenize(p.text))
+            else:
+                ids_list.append(p.token_ids)
+        return self._run([p.text for p in parsed], ids_list, params, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or a
+        list of them, through the checkpoint's chat template (or ``chat_template``), as vLLM's
+        ``LLM.chat``. Each RequestOutput's ``prompt`` is the rendered template text."""
+        if not messages:
+            raise InvalidRequestError("messages: give at least one conversation", field="messages")
+        one = isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        texts, ids_list = [], []
+        for conv in conversations:
+            text, ids = render_chat(
+                self.tokenizer,
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            texts.append(text)
+            ids_list.append(ids)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        return self._run(texts, ids_list, params, None, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise InvalidRequestError(
+                f"sampling_params: {num_prompts} prompts but {len(params)} sampling params; give one "
+                "SamplingParams for all, or one per prompt",
+                field="sampling_params",
+            )
+        return params
+
+    def _run(
+        self,
+        texts: Sequence[str | None],
+        ids_list: list[list[int]],
+        params: list[SamplingParams],
+        priorities: Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         # Validate everything before admitting anything: a bad request allocates nothing.
-        ids_list = [self.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[arg-type]
         for ids, sp in zip(ids_list, params, strict=True):
             sp.validate()
             self.engine.validate_prompt(ids, sp)
-        results: dict[str, RequestOutput] = {}
-        order: list[str] = []
-        for i, (ids, sp) in enumerate(zip(ids_list, params, strict=True)):
-            rid = f"offline-{self._counter}"
+        if priorities is not None and len(priorities) != len(ids_list):
+            raise InvalidRequestError(
+                f"priorities: {len(ids_list)} prompts but {len(priorities)} priorities", field="priorities"
+            )
+        outputs: list[OfflineRequest] = []
+        samples: dict[str, SampleState] = {}  # engine request id -> its sample
+        for p, (text, ids, sp) in enumerate(zip(texts, ids_list, params, strict=True)):
+            req = OfflineRequest(f"offline-{self._counter}", text, ids, sp)
             self._counter += 1
-            self.engine.add_request(ids, sp, rid, priority=priorities[i] if priorities else 0)
-            results[rid] = RequestOutput(rid, ids, logprobs=[] if sp.logprobs is not None else None)
-            order.append(rid)
+            outputs.append(req)
+            for i, state in enumerate(req.samples):
+                engine_rid = req.request_id if sp.n == 1 else f"{req.request_id}-{i}"
+                samples[engine_rid] = state
+                prio = priorities[p] if priorities else 0
+                sample_sp = sp.for_sample(i)
+                if i > 0 and sample_sp.prompt_logprobs is not None:
+                    # sample 0 scores the prompt; the others may then take prefix-cache hits
+                    sample_sp = dataclasses.replace(sample_sp, prompt_logprobs=None)
+                self.engine.add_request(ids, sample_sp, engine_rid, priority=prio)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(order), desc="generate")
+            bar = tqdm(total=len(samples), desc="generate")
         idle_steps = 0
         while self.engine.has_unfinished():
             deltas = self.engine.step()
@@ -123,18 +198,9 @@ class LLM:
             if idle_steps >= 3:
                 raise EngineStalledError(self._stall_message())
             for d in deltas:
-                r = results[d.request_id]
-                r.token_ids.extend(d.token_ids)
-                r.text += d.text
-                if d.logprobs and r.logprobs is not None:
-                    r.logprobs.extend(d.logprobs)
-                r.num_cached_tokens = d.num_cached_tokens
-                if d.prompt_logprobs is not None:
-                    r.prompt_logprobs = d.prompt_logprobs
-                if d.finish_reason is not None:
-                    r.finish_reason = d.finish_reason
-                    if bar is not None:
-                        bar.update(1)
+                samples[d.request_id].add(d)
+                if d.finish_reason is not None and bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
-        return [results[rid] for rid in order]
+        return [r.result(self.tokenizer) for r in outputs]

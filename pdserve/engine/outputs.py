@@ -1,12 +1,13 @@
 """What generation hands back, in plain Python types (shared by the engine, the services and the router).
 
 The engine emits one :class:`GenerationDelta` per request per step that produced tokens; the
-router turns deltas into OpenAI chunks. No torch here: these cross process boundaries.
+router turns deltas into OpenAI chunks, the offline API (``engine/offline.py``) into vLLM's
+:class:`RequestOutput`. No torch here: these cross process boundaries.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,48 @@ class GenerationDelta:
     overloaded: bool = False
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in an offline result's logprobs, as vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely; None: outside the top-N returned (not computed)
+    decoded_token: str | None = None  # the token's text (None with detokenize=False)
+
+
+# Per position, the logprobs by token id: the chosen token first, then the top-N (vLLM's shape).
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position; the first is None (no context scores it), as vLLM's.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of an offline request (``LLM.generate`` / ``LLM.chat``), as vLLM's."""
+
+    index: int  # the sample's place among the request's n
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs; None unless logprobs
+    logprobs: SampleLogprobs | None  # None unless SamplingParams.logprobs
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string; None at EOS or length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
-    """Final result of one offline request (``LLM.generate``)."""
+    """Result of one offline prompt: its ``n`` samples in ``outputs``, as vLLM's."""
 
     request_id: str
+    prompt: str | None  # the prompt text (a chat's rendered template); None for token ids
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None  # from the second prompt token on
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None  # None unless SamplingParams.prompt_logprobs
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (sample 0's)
 
 
 def merge_deltas(a: GenerationDelta, b: GenerationDelta) -> GenerationDelta:

@@ -31,8 +31,8 @@ SEEDED = [
 def _run(model_dir: Path, tp: int) -> tuple[list[list[int]], list[list[int]]]:
     """(greedy tokens, seeded tokens) of PROMPTS; every block is free again afterwards."""
     with LLM(str(model_dir), tensor_parallel_size=tp, **COMMON) as llm:
-        greedy = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
+        greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)]
         llm.engine.kv.process_deferred_frees()
         assert llm.engine.kv.pool.num_used_blocks == 0
     return greedy, seeded
@@ -79,5 +79,5 @@ def test_worker_exits_on_close_and_loss_is_reported(tiny_models: Any) -> None:
     with LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **COMMON) as llm2:
         group2 = llm2.engine._tp_group
         assert group2 is not None
-        assert llm2.generate(PROMPTS[:2], GREEDY)[0].token_ids
+        assert llm2.generate(PROMPTS[:2], GREEDY)[0].outputs[0].token_ids
     assert not any(p.is_alive() for p in group2._procs)

@@ -88,7 +88,7 @@ def test_disaggregated_greedy_equals_colocated_and_transformers(
         llm = make_llm(model_dir)
         prompts = _prompts(llm.engine.arch.vocab_size, seed=len(arch))
         disagg = asyncio.run(_run_disaggregated(rc, prompts, params))
-        colocated = [o.token_ids for o in llm.generate(prompts, params)]
+        colocated = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert disagg == colocated
         ties = compare_greedy(disagg, _reference(model_dir, prompts))
         assert ties <= 2

@@ -52,14 +52,14 @@ def expected(llama4):
     llm.engine.kv.process_deferred_frees()
     assert llm.engine.kv.pool.num_used_blocks == 0
     llm.engine.close()
-    tokens = [o.token_ids for o in outs]
+    tokens = [o.outputs[0].token_ids for o in outs]
     ref = _reference(llama4, prompts)
     assert compare_greedy(tokens, ref) == 0  # the engine equals transformers
     # Exact equality across nodes is meaningful only away from near-ties: a different batch
     # composition legitimately moves logits by ~1e-6 (seed 11 had a 2e-6 tie at one step).
     gap = min(float(v[0] - v[1]) for _, logits in ref for lg in logits for v in [torch.topk(lg, 2).values])
     assert gap > 1e-4, gap
-    return prompts, tokens, [o.text for o in outs]
+    return prompts, tokens, [o.outputs[0].text for o in outs]
 
 
 def _cluster(model: Path, p_pp: int, d_pp: int, **all_nodes) -> object:

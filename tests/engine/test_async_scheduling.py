@@ -26,7 +26,7 @@ CPU = {"device": "cpu"}
 
 def _run_all(llm, prompts, params):
     outs = llm.generate(prompts, params)
-    return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
+    return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in (r.outputs[0] for r in outs)]
 
 
 def _assert_same(got, want) -> None:
@@ -36,10 +36,9 @@ def _assert_same(got, want) -> None:
     assert [g[:3] for g in got] == [w[:3] for w in want]
     for g, w in zip(got, want, strict=True):
         assert (g[3] is None) == (w[3] is None)
-        for a, b in zip(g[3] or [], w[3] or [], strict=True):
-            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
+        for a, b in zip(g[3] or [], w[3] or [], strict=True):  # {token_id: Logprob}, chosen first
+            assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-4)
 
 
 def _mixed_params(stop_token: int) -> list[SamplingParams]:
@@ -62,7 +61,7 @@ def test_async_equals_sync_on_mixed_requests(arch, tiny_models, make_llm) -> Non
     model_dir = tiny_models[arch]
     sync = make_llm(model_dir, max_num_batched_tokens=64, async_scheduling=False, **CPU)
     greedy = sync.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    stop_token = greedy[0].token_ids[6]  # request 1 stops on it mid-run, beside running requests
+    stop_token = greedy[0].outputs[0].token_ids[6]  # request 1 stops on it mid-run, beside running requests
     params = _mixed_params(stop_token)
     want = _run_all(sync, PROMPTS, params)
     assert want[1][2] == "stop" and len(want[1][0]) <= 7
@@ -74,7 +73,7 @@ def test_async_equals_sync_on_mixed_requests(arch, tiny_models, make_llm) -> Non
     ahead = [s for e, s in events if e == "launch" and ("result", s - 1) in events[events.index((e, s)) :]]
     assert len(ahead) >= 15, events  # most steps were launched before the previous one was read
     # Stop strings are found by the detokenizer, a step later than the token itself.
-    text = greedy[0].text
+    text = greedy[0].outputs[0].text
     stop_str = text[len(text) // 2 : len(text) // 2 + 2]
     p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop_str])
     _assert_same(_run_all(asy, [PROMPTS[1]] * 3, p), _run_all(sync, [PROMPTS[1]] * 3, p))
@@ -139,15 +138,15 @@ def rows_computed(make_llm, model_dir, **kw) -> dict[bool, tuple[int, list[list[
 
         sched.schedule = counting
         ref = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-        stop = ref[0].token_ids[4]
+        stop = ref[0].outputs[0].token_ids[4]
         params = [
             SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
             SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop]),
         ]
         total[0] = 0
         outs = llm.generate([PROMPTS[3], PROMPTS[1]], params)
-        assert outs[1].finish_reason == "stop" and outs[1].token_ids[-1] == stop
-        scheduled[mode] = (total[0], [o.token_ids for o in outs])
+        assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].token_ids[-1] == stop
+        scheduled[mode] = (total[0], [o.outputs[0].token_ids for o in outs])
         sched.schedule = orig  # no cycle through the wrapper: the engine is freed with the test
     return scheduled
 

@@ -12,30 +12,32 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_models, make_l
     llm = make_llm(tiny_models["qwen2"], max_num_batched_tokens=64)
     target = list(range(3, 40))
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=32, ignore_eos=True)
-    alone = llm.generate([target], sp)[0].token_ids
+    alone = llm.generate([target], sp)[0].outputs[0].token_ids
     others = [list(range(100, 100 + n)) for n in (5, 77, 130)]
     noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     mixed = llm.generate([others[0], target, others[1], others[2]], [noise, sp, noise, noise])
-    assert mixed[1].token_ids == alone
+    assert mixed[1].outputs[0].token_ids == alone
     last = llm.generate([*others, target], [noise, noise, noise, sp])
-    assert last[3].token_ids == alone
-    other_seed = llm.generate([target], SamplingParams(**{**sp.__dict__, "seed": 99}))[0].token_ids
+    assert last[3].outputs[0].token_ids == alone
+    other_seed = llm.generate([target], SamplingParams(**{**sp.__dict__, "seed": 99}))[0].outputs[0].token_ids
     assert other_seed != alone
 
 
 def test_stop_strings_and_max_tokens(tiny_models, make_llm) -> None:
     llm = make_llm(tiny_models["llama"])
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    full = llm.generate(["Once upon a time"], greedy)[0]
+    full = llm.generate(["Once upon a time"], greedy)[0].outputs[0]
     assert len(full.token_ids) == 40 and full.finish_reason == "length"
     stop = full.text[10:13]
     assert stop
-    cut = llm.generate(["Once upon a time"], SamplingParams(**{**greedy.__dict__, "stop": [stop]}))[0]
+    cut = llm.generate(["Once upon a time"], SamplingParams(**{**greedy.__dict__, "stop": [stop]}))[
+        0
+    ].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
     stop_tok = full.token_ids[5]
     by_id = llm.generate(
         ["Once upon a time"], SamplingParams(**{**greedy.__dict__, "stop_token_ids": [stop_tok]})
-    )[0]
+    )[0].outputs[0]
     assert (
         by_id.finish_reason == "stop"
         and by_id.token_ids == full.token_ids[: full.token_ids.index(stop_tok) + 1]
@@ -45,18 +47,24 @@ def test_stop_strings_and_max_tokens(tiny_models, make_llm) -> None:
 def test_detokenize_off_gives_the_same_tokens_and_no_text(tiny_models, make_llm) -> None:
     llm = make_llm(tiny_models["llama"])
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    full = llm.generate([[1, 2, 3]], sp)[0]
-    ids_only = llm.generate([[1, 2, 3]], SamplingParams(**{**sp.__dict__, "detokenize": False}))[0]
+    full = llm.generate([[1, 2, 3]], sp)[0].outputs[0]
+    ids_only = llm.generate([[1, 2, 3]], SamplingParams(**{**sp.__dict__, "detokenize": False}))[0].outputs[0]
     assert full.text and ids_only.text == ""
     assert ids_only.token_ids == full.token_ids and ids_only.finish_reason == full.finish_reason
 
 
 def test_logprobs_are_returned(tiny_models, make_llm) -> None:
     llm = make_llm(tiny_models["llama"])
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
-        assert lp.token_id == tok and len(lp.top) == 3 and lp.top[0][0] == tok  # greedy = top-1
+        # vLLM's shape: {token_id: Logprob}, the chosen token first; greedy: it is the top-1
+        assert next(iter(lp)) == tok and len(lp) == 3 and lp[tok].rank == 1
+        assert sorted(x.rank for x in lp.values()) == [1, 2, 3]
+        assert all(x.decoded_token == llm.tokenizer.decode([t]) for t, x in lp.items())
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True))
+    )
 
 
 @pytest.mark.parametrize(
@@ -157,7 +165,7 @@ def test_the_engine_sets_torchs_cpu_threads_from_cpu_threads(tiny_models, make_l
         llm = make_llm(tiny_models["llama"], device="cpu", cpu_threads=1)
         assert torch.get_num_threads() == 1
         out = llm.generate(["Say"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
-        assert len(out.token_ids) == 3
+        assert len(out.outputs[0].token_ids) == 3
         make_llm(tiny_models["llama"], device="cpu")
         assert torch.get_num_threads() == max(1, usable_cpus() // 2)
     finally:
@@ -173,7 +181,7 @@ def test_step_counters_sum_sequences_tokens_and_decodes(async_scheduling, tiny_m
     assert (eng.num_steps_total, eng.num_step_seqs_total, eng.num_step_tokens_total) == (0, 0, 0)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate([list(range(3, 23)), list(range(100, 105))], sp)
-    assert [len(o.token_ids) for o in out] == [4, 4]
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
     # 1: A's first 16 prompt tokens (the budget); 2: A's last 4 + B's 5 (both sample); 3-5: two
     # decodes each. Under asynchronous scheduling the same chunks (no row past max_tokens).
     assert eng.num_steps_total == 5

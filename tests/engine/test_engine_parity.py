@@ -85,7 +85,7 @@ def test_greedy_matches_transformers_chunked_and_prefix(
         prompts = _prompts(vocab, shared_prefix=shared, seed=len(arch) + shared)
         hits_before = llm.engine.kv.pool.num_hit_blocks
         outs = llm.generate(prompts, params)
-        ours = [o.token_ids for o in outs]
+        ours = [o.outputs[0].token_ids for o in outs]
         total_ties += compare_greedy(ours, _reference(model_dir, prompts))
         if shared:
             assert llm.engine.kv.pool.num_hit_blocks > hits_before, "shared prefixes gave no prefix-cache hit"
@@ -111,4 +111,4 @@ def test_preemption_keeps_greedy_output(async_scheduling: bool, tiny_models, mak
     )
     tight = tight_llm.generate(prompts, params)
     assert tight_llm.engine.scheduler.num_preemptions_total > 0
-    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]

@@ -40,16 +40,19 @@ def test_prompt_logprobs_equal_transformers(tiny_models, make_llm, async_schedul
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3))[0]
     assert out.num_cached_tokens == 0  # ... yet this request computed every position
     ref = reference_prompt_logprobs(model_dir, ids)
-    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
-    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs])
+    # vLLM's shape: None for the first token, then {token_id: Logprob}, the prompt's token first.
+    lps = out.prompt_logprobs
+    assert lps is not None and len(lps) == len(ids) and lps[0] is None
+    got = torch.tensor([lp[t].logprob for lp, t in zip(lps[1:], ids[1:], strict=True)])
     want = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     top_v, top_i = ref.topk(3, dim=-1)
-    for j, lp in enumerate(out.prompt_logprobs):
-        assert lp.token_id == ids[j + 1]
-        assert [t for t, _ in lp.top] == top_i[j].tolist()
-        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), top_v[j], atol=1e-4, rtol=0)
-    assert out.token_ids == warm.token_ids  # sampling is unaffected
+    for j, lp in enumerate(lps[1:]):
+        assert lp is not None and next(iter(lp)) == ids[j + 1]
+        top = sorted((x.rank, t, x.logprob) for t, x in lp.items() if x.rank is not None)
+        assert [t for _, t, _ in top] == top_i[j].tolist() and [r for r, _, _ in top] == [1, 2, 3]
+        torch.testing.assert_close(torch.tensor([v for _, _, v in top]), top_v[j], atol=1e-4, rtol=0)
+    assert out.outputs[0].token_ids == warm.outputs[0].token_ids  # sampling is unaffected
 
 
 def test_prompt_logprobs_mixed_batch_and_zero_top(tiny_models, make_llm) -> None:
@@ -66,11 +69,13 @@ def test_prompt_logprobs_mixed_batch_and_zero_top(tiny_models, make_llm) -> None
         ],
     )
     assert outs[1].prompt_logprobs is None
-    assert outs[2].prompt_logprobs == []  # a one-token prompt has no scored token
+    assert outs[2].prompt_logprobs == [None]  # a one-token prompt has no scored token
     lps = outs[0].prompt_logprobs
-    assert lps is not None and all(lp.top == () for lp in lps)
+    assert lps is not None and lps[0] is None
+    assert [list(lp or {}) for lp in lps[1:]] == [[t] for t in a[1:]]  # top 0: the prompt token only
     want = reference_prompt_logprobs(model_dir, a).gather(1, torch.tensor(a[1:])[:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]), want, atol=1e-4, rtol=0)
+    got = torch.tensor([lp[t].logprob for lp, t in zip(lps[1:], a[1:], strict=True) if lp is not None])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_prompt_logprobs_refused_with_prompt_embeds(tiny_models, make_llm) -> None:

@@ -29,7 +29,7 @@ def _texts(llm, structured: tuple[str, str], n: int, max_tokens: int = 48) -> li
         SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured=structured)
         for s in range(n)
     ]
-    outs = llm.generate(["The answer is"] * n, params)
+    outs = [r.outputs[0] for r in llm.generate(["The answer is"] * n, params)]
     return [o.text for o in outs]
 
 
@@ -119,7 +119,7 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
     llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
     rows = _mixed(32, temperature=1.0)
     events = record_runner_events(llm)
-    outs = llm.generate(["The answer is"] * len(rows), [sp for _, sp in rows])
+    outs = [r.outputs[0] for r in llm.generate(["The answer is"] * len(rows), [sp for _, sp in rows])]
     for (kind, sp), o in zip(rows, outs, strict=True):
         if kind is None:
             assert len(o.token_ids) == sp.max_tokens and o.finish_reason == "length"
@@ -146,7 +146,8 @@ def test_async_constrained_tokens_equal_the_synchronous_engine(
     for mode in (False, True):
         llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=mode, device=device)
         got[mode] = [
-            (o.token_ids, o.text, o.finish_reason) for o in llm.generate(["Say"] * len(rows), params)
+            (o.token_ids, o.text, o.finish_reason)
+            for o in (r.outputs[0] for r in llm.generate(["Say"] * len(rows), params))
         ]
     assert got[True] == got[False]
     for (kind, _), (_, text, _) in zip(rows, got[True], strict=True):
@@ -183,7 +184,7 @@ def test_greedy_constrained_rows_keep_the_argmax_path_and_mask_only_their_rows(
     monkeypatch.setattr(runner.sampler, "sample", lambda *a: pytest.fail("the sampler ran"))
     free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     regex = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, structured=("regex", "[ab]+"))
-    outs = llm.generate(["x"] * 4, [free, regex, free, regex])
+    outs = [r.outputs[0] for r in llm.generate(["x"] * 4, [free, regex, free, regex])]
     assert all(re.fullmatch("[ab]+", o.text) for o in outs[1::2])
     assert calls and all(c == [1, 3] for c in calls), calls
 
@@ -305,7 +306,9 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
             return got
 
         monkeypatch.setattr(structured.SteadyRows, "take_sampled", spy_take_sampled)
-        got[use] = [(o.token_ids, o.text) for o in llm.generate(["Say"] * len(rows), params)]
+        got[use] = [
+            (o.token_ids, o.text) for o in (r.outputs[0] for r in llm.generate(["Say"] * len(rows), params))
+        ]
         fills = [e for e in order if e.startswith("fill:")]
         assert fills, order
         if use:
@@ -539,7 +542,7 @@ def test_a_steady_constrained_batch_skips_the_general_advance(tiny_models, make_
         SamplingParams(temperature=1.0, seed=s, max_tokens=24, structured=("regex", "[a-z]{300}"))
         for s in range(4)
     ]
-    outs = llm.generate(["The answer is"] * 4, params)
+    outs = [r.outputs[0] for r in llm.generate(["The answer is"] * 4, params)]
     assert all(re.fullmatch("[a-z]+", o.text) for o in outs), [o.text for o in outs]
     steps = max(len(o.token_ids) for o in outs)
     assert steps == 24 and 1 <= len(calls) <= 3, len(calls)

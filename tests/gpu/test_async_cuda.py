@@ -31,7 +31,7 @@ def test_async_equals_sync_on_cuda(dtype, enforce_eager, tiny_models, make_llm) 
     kw = dict(dtype=dtype, enforce_eager=enforce_eager)
     sync = _llm(make_llm, model_dir, async_scheduling=False, **kw)
     greedy = sync.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    params = _mixed_params(greedy[0].token_ids[6])
+    params = _mixed_params(greedy[0].outputs[0].token_ids[6])
     want = _run_all(sync, PROMPTS, params)
     asy = _llm(make_llm, model_dir, async_scheduling=True, **kw)
     _assert_same(_run_all(asy, PROMPTS, params), want)
@@ -67,7 +67,7 @@ def test_launch_does_not_wait_for_the_device(enforce_eager, tiny_models, make_ll
 
     runner.launch = strict_launch
     outs = llm.generate(PROMPTS[:4] + PROMPTS[2:4], params + params[:2])
-    assert launches[0] >= 12 and all(len(o.token_ids) >= 4 for o in outs)
+    assert launches[0] >= 12 and all(len(o.outputs[0].token_ids) >= 4 for o in outs)
 
 
 def test_pinned_staging_reuses_a_slot_only_after_its_copies_ran() -> None:

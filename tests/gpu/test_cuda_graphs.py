@@ -54,8 +54,8 @@ def test_padded_static_decode_equals_eager_on_cpu(async_scheduling, tiny_models,
         attn_backend=runner.attn_backend,
     )
     prompts, params = _workload(eager.engine.arch.vocab_size)
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    got = [o.token_ids for o in static.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in static.generate(prompts, params)]
     assert got == want
     assert runner.cuda_graphs.num_runs > 20
 
@@ -76,8 +76,8 @@ def test_cuda_graphs_equal_eager(
     runner = graphs.engine.runner
     assert runner.cuda_graphs is not None and runner.cuda_graphs.sizes == [1, 2, 4, 8, 16]
     prompts, params = _workload(eager.engine.arch.vocab_size, seed=len(arch))
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     assert got == want
     assert runner.cuda_graphs.num_runs > 20
 
@@ -98,12 +98,12 @@ def test_triton_path_and_padding_under_interpreter(tiny_models, make_llm) -> Non
     kw = dict(
         device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=KV_BYTES
     )
-    want = [o.token_ids for o in make_llm(model_dir, **kw).generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in make_llm(model_dir, **kw).generate(prompts, params)]
     with kernels.use_backend("triton"):
         llm = make_llm(model_dir, max_num_batched_tokens=16, **kw)  # chunked prefill beside decodes
         runner = llm.engine.runner
         assert runner.attn_backend == "triton"
-        eager = [o.token_ids for o in llm.generate(prompts, params)]
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner.cuda_graphs = CudaGraphRunner(
             runner.model,
             runner.layer_caches,
@@ -112,6 +112,6 @@ def test_triton_path_and_padding_under_interpreter(tiny_models, make_llm) -> Non
             block_size=runner.block_size,
             attn_backend="triton",
         )
-        static = [o.token_ids for o in llm.generate(prompts, params)]
+        static = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert eager == want and static == want
     assert runner.cuda_graphs.num_runs >= 5

@@ -46,7 +46,7 @@ def test_fp32_greedy_matches_transformers(
     ties = 0
     for shared in (0, 64):
         prompts = _prompts(vocab, shared_prefix=shared, seed=len(arch) + shared)
-        ours = [o.token_ids for o in llm.generate(prompts, params)]
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         ties += compare_greedy(ours, _reference(model_dir, prompts))
     graphs = llm.engine.runner.cuda_graphs
     assert (graphs is None) == enforce_eager

@@ -191,7 +191,7 @@ class _Recorder:
 def test_engine_loop_writes_direct_streams_from_the_engine_thread(tiny_models, make_llm) -> None:
     llm = make_llm(tiny_models["llama"])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    want = [o.token_ids for o in llm.generate([[1, 2, 3, 4], [9, 8, 7]], params)]
+    want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4], [9, 8, 7]], params)]
 
     async def main() -> None:
         el = EngineLoop(llm.engine, asyncio.get_running_loop())
