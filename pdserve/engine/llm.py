@@ -1,4 +1,5 @@
-"""Offline API: ``LLM(model_dir).generate(prompts, sampling_params)``."""
+"""Offline API: ``LLM(model).generate(prompts, sampling_params)``; ``model``: a checkpoint folder,
+a ``.gguf`` file or a Hugging Face id (pdserve/models/resolve.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import EngineStalledError
+from pdserve.models.resolve import resolve_model_path
 
 Prompt = str | list[int]
 
@@ -35,7 +37,7 @@ class LLM:
         par_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
         par_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in par_fields}
         self.config = EngineConfig(
-            model=str(model),
+            model=str(resolve_model_path(model)),  # a folder, a .gguf file or an HF id
             cache=CacheConfig(**cache_kw),
             scheduler=SchedulerConfig(**sched_kw),
             parallel=ParallelConfig(**par_kw),

@@ -59,6 +59,9 @@ class ServingContext:
     # Tokens per image, when prefill encodes images itself (no encoder node serves the model).
     image_seq_length: int | None = None
     max_image_bytes: int = 20 << 20
+    # generation_config.json's sampling values (models.config.generation_defaults): what a
+    # request that leaves temperature / top_p / top_k / repetition_penalty unset runs with
+    generation_defaults: dict[str, float] = field(default_factory=dict)
     token_texts: TokenTexts = field(init=False)
     # The router makes the text of sequences without stop strings (streams.detokenize_here).
     detokenizer: IncrementalDetokenizer | None = field(init=False)
@@ -114,8 +117,15 @@ def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: i
     return requested if requested is not None else room
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param)."""
+def sampling_params(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: dict[str, float] | None = None,
+) -> SamplingParams:
+    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param).
+    A field the body leaves unset (None) takes ``defaults`` (the model's generation config), then
+    SamplingParams' own default."""
     kwargs: dict[str, Any] = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -137,6 +147,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "frequency_penalty",
     ):
         value = getattr(body, name)
+        if value is None and defaults:
+            value = defaults.get(name)
         if value is not None:
             kwargs[name] = value
     return SamplingParams(**kwargs)
