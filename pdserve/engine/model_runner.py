@@ -206,13 +206,15 @@ class ModelRunner:
         """The KV budget (engine/kv_sizing.py) in blocks of this stage's layers."""
         cc = self.config.cache
         per_block = self.bytes_per_block()
-        if cc.kv_cache_memory_bytes is not None:
+        if cc.num_blocks_override is not None:
+            budget = cc.num_blocks_override * per_block
+        elif cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             budget = gpu_kv_budget_bytes(self._gpu_memory(), cc.gpu_memory_utilization)
         else:
             budget = cpu_kv_budget_bytes(mem_available_bytes())
-        num_blocks = cc.num_blocks_override if cc.num_blocks_override is not None else budget // per_block
+        num_blocks = budget // per_block
         # Every TP rank must schedule the same blocks: free memory may differ between GPUs.
         num_blocks = min_over_ranks(num_blocks, self.device)
         if num_blocks < 1:

@@ -69,7 +69,8 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
     if looks_like_hf_id(text):
         return resolve_hf_id(text)
     raise ConfigError(
-        f"model {text!r} is not a checkpoint folder, a .gguf file or a Hugging Face id (Org/Name)"
+        f"model {text!r}: {path} does not exist; name a checkpoint folder, a .gguf file or a "
+        "Hugging Face id (Org/Name)"
     )
 
 

@@ -55,7 +55,10 @@ def test_an_absent_id_names_the_id_and_the_cache(tmp_path, monkeypatch) -> None:
 def test_folders_pass_and_nonsense_is_refused(tiny_models, tmp_path, monkeypatch) -> None:
     assert resolve_model_path(tiny_models["llama"]) == tiny_models["llama"]
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"not a checkpoint folder, a \.gguf file or a Hugging Face id"):
+    with pytest.raises(
+        ConfigError,
+        match=r"/no/such/folder does not exist; name a checkpoint folder, a \.gguf file or a Hugging Face id",
+    ):
         resolve_model_path("/no/such/folder")
     assert looks_like_hf_id("Org/Name") and not looks_like_hf_id("/abs/path")
     assert not looks_like_hf_id("a/b/c")
