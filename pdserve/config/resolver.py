@@ -154,7 +154,11 @@ class ResolvedNode:
             async_scheduling=n.async_scheduling,
             step_timeout_s=n.step_timeout_s,
             cpu_threads=n.cpu_threads,
-            cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
+            cache=CacheConfig(
+                block_size=n.block_size,
+                kv_cache_memory_bytes=n.kv_cache_memory_bytes,
+                gpu_memory_utilization=n.gpu_memory_utilization,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=n.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

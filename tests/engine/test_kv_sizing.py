@@ -72,3 +72,20 @@ def test_the_cpu_default_budget_sizes_the_cache(make_llm, tiny_models, monkeypat
     assert llm.engine.cache_sizes.budget_bytes == budget
     assert llm.engine.cache_sizes.num_blocks == budget // TINY_BLOCK_BYTES
     assert llm.engine.max_model_len == 2048
+
+
+def test_gpu_memory_utilization_reaches_the_engine_and_is_refused_where_unused() -> None:
+    from pdserve.config.cluster import ClusterConfig
+    from pdserve.config.resolver import resolve_node_settings
+
+    def cluster(**node: object) -> ClusterConfig:
+        n = {"name": "c", "role": "colocated", "host": "127.0.0.1", "grpc_port": 1, "metrics_port": 2}
+        return ClusterConfig.from_dict({"model": "/ckpt/m", "nodes": [n | node]})
+
+    c = cluster(device="cuda", gpu_memory_utilization=0.5)
+    e = resolve_node_settings(c, "c", is_multimodal=lambda m: False).engine_config()
+    assert e.cache.gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization 0\.5 is not used \(device is cpu\)"):
+        cluster(device="cpu", gpu_memory_utilization=0.5)
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes sizes the KV cache"):
+        cluster(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20)
