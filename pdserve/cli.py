@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import json
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -15,6 +17,19 @@ import typer
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Disaggregated prefill/decode LLM serving."
 )
+
+
+@contextlib.contextmanager
+def _start_errors() -> Iterator[None]:
+    """A PdserveError (a bad model path, a corrupt .gguf, a KV cache too small) ends the command
+    with its message and exit code 2, not a traceback."""
+    from pdserve.errors import PdserveError
+
+    try:
+        yield
+    except PdserveError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
 
 
 def _setup_logging(level: str) -> None:
@@ -112,11 +127,13 @@ def serve(
     _setup_logging(log_level)
     from pdserve.config.cluster import load_cluster_config
 
-    cluster = load_cluster_config(config)
+    with _start_errors():
+        cluster = load_cluster_config(config)
     if role == "router":
         from services.router.server import run_router
 
-        run_router(cluster)
+        with _start_errors():
+            run_router(cluster)
         return
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
@@ -125,8 +142,9 @@ def serve(
     from services.launch import run_node
     from services.node import NodeOptions
 
-    resolved = resolve_node_settings(cluster, node)
-    model_dir = str(resolve_model_path(resolved.node.model))  # a .gguf or an HF id -> a folder
+    with _start_errors():
+        resolved = resolve_node_settings(cluster, node)
+        model_dir = str(resolve_model_path(resolved.node.model))  # a .gguf or an HF id -> a folder
     if resolved.role != role:
         raise typer.BadParameter(f"node {node!r} has role {resolved.role!r} in {config}, not {role!r}")
     n = resolved.node
@@ -260,7 +278,9 @@ def up(
     """Start router + prefill + decode locally, wait for health, print how to call it."""
     from pdserve.launcher import up as run_up
 
-    raise typer.Exit(run_up(model, base_port, run_dir, example_request, exit_after_example))
+    with _start_errors():
+        code = run_up(model, base_port, run_dir, example_request, exit_after_example)
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,18 @@ def test_a_corrupt_file_names_the_file(tmp_path, cache_dir) -> None:
         resolve.resolve_model_path(path)
     with pytest.raises(ConfigError, match="does not exist"):
         resolve.resolve_model_path(tmp_path / "missing.gguf")
+
+
+def test_pdserve_serve_names_a_corrupt_gguf_and_exits_2(tmp_path, cache_dir) -> None:
+    from typer.testing import CliRunner
+
+    from pdserve.cli import app
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    cfg = tmp_path / "c.yaml"
+    node = {"name": "c", "role": "colocated", "host": "127.0.0.1", "grpc_port": 1, "metrics_port": 2}
+    cfg.write_text(json.dumps({"model": str(bad), "nodes": [node]}))  # JSON is YAML
+    r = CliRunner().invoke(app, ["serve", "colocated", "--config", str(cfg), "--node", "c"])
+    assert r.exit_code == 2, r.output
+    assert f"error: cannot read GGUF file {bad}" in r.output
