@@ -89,6 +89,7 @@ def create_app(
         encoders=encoders,
         image_seq_length=image_seq_length,
         generation_defaults=dict(generation_defaults or {}),
+        kv_capacity_tokens=getattr(backend, "kv_capacity_tokens", None),
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)
@@ -137,7 +138,7 @@ def create_app(
                 "object": "model",
                 "created": created,
                 "owned_by": "pdserve",
-                "max_model_len": max_model_len,
+                "max_model_len": ctx.max_len,
             }
             for name in served_model_names
         ]

@@ -32,6 +32,8 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 16
 SERVED = "smollm2-135m-instruct"
+# SmolLM2's KV per token in float32: 30 layers x (k, v) x 3 KV heads x 64 dims x 4 bytes
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +111,8 @@ def test_prefill_decode_answers_like_transformers(smollm2_gguf, reference, tmp_p
 
 
 def test_a_colocated_node_answers_like_transformers(smollm2_gguf, reference, tmp_path) -> None:
+    """The node's KV budget holds 4,096 tokens, under the checkpoint's 8,192: the node lowers its
+    max_model_len to 4,096 and the router's /v1/models says so."""
     host = "127.0.0.1"
     port = pick_base_port(host, 30500, span=3)
     cfg = ClusterConfig.from_dict(
@@ -117,7 +121,8 @@ def test_a_colocated_node_answers_like_transformers(smollm2_gguf, reference, tmp
             "router": {"host": host, "port": port},
             "nodes": [
                 {"name": "colo-0", "role": "colocated", "host": host, "dtype": "float32"}
-                | {"device": "cpu", "grpc_port": port + 1, "metrics_port": port + 2},
+                | {"device": "cpu", "grpc_port": port + 1, "metrics_port": port + 2}
+                | {"kv_cache_memory_bytes": 4096 * KV_BYTES_PER_TOKEN},
             ],
         }
     )
@@ -131,5 +136,7 @@ def test_a_colocated_node_answers_like_transformers(smollm2_gguf, reference, tmp
             for line in metrics.splitlines()
             if line.startswith(("pdserve:max_model_len", "pdserve:kv_blocks_total"))
         }
-        assert gauges["pdserve:max_model_len"] == 8192
-        assert gauges["pdserve:kv_blocks_total"] * 16 >= 8192
+        assert gauges["pdserve:max_model_len"] == 4096
+        assert gauges["pdserve:kv_blocks_total"] == 4096 // 16
+        [entry] = _models(rc.base_url)
+        assert entry["max_model_len"] == 4096
