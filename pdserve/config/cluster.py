@@ -46,6 +46,7 @@ from pdserve.config.node_settings import (
 )
 from pdserve.config.router_settings import RouterConfig
 from pdserve.errors import ConfigError
+from pdserve.models.resolve import looks_like_hf_id
 
 # The public names. All but ClusterConfig and UnknownNodeError are re-exported from the modules
 # above: callers (resolver, launcher, services, tests, bench) import them from here.
@@ -250,6 +251,8 @@ class ClusterConfig(_Frozen):
         """The name clients use for ``model`` (OpenAI ``model`` field)."""
         if model == self.model and self.served_model_name:
             return self.served_model_name
+        if "/" in model and looks_like_hf_id(model):  # Org/Name: served as written, as vLLM does
+            return model
         return Path(model).name or model
 
     @property

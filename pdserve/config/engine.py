@@ -15,8 +15,8 @@ from pdserve.errors import ConfigError
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Memory for KV: an absolute byte budget wins; otherwise a fraction of free device memory
-    # (GPU) or a default of 256 MiB (CPU).
+    # Memory for KV: an absolute byte budget wins; otherwise gpu_memory_utilization of the GPU
+    # less weights and activations, or on a CPU min(4 GiB, half of MemAvailable) (engine/kv_sizing.py).
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_blocks_override: int | None = None
@@ -87,10 +87,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # Hugging Face checkpoint folder
+    model: str  # Hugging Face checkpoint folder (models/resolve.py turns a .gguf or an HF id into one)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    # None: the checkpoint's max_position_embeddings, lowered to what the KV cache holds
+    max_model_len: int | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -147,6 +148,7 @@ class CacheSizes:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    budget_bytes: int = 0  # what the blocks were cut from (kv_cache_memory_bytes or the default)
 
     @property
     def num_tokens(self) -> int:

@@ -71,7 +71,10 @@ class NodeConfig(_Frozen):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_transport: Literal["tcp", "rdma", "cuda_ipc"] = "tcp"  # Mooncake TCP / RDMA, or same-host CUDA IPC
+    # KV budget (engine/kv_sizing.py): this many bytes; unset: on a GPU gpu_memory_utilization of
+    # the device less weights and activations, on a CPU min(4 GiB, half of MemAvailable)
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     max_num_seqs: int = Field(default=64, ge=1)
     # Token budget of one engine step. None: derived from the role by the resolver (prefill
     # PREFILL_MAX_NUM_BATCHED_TOKENS, every other role DEFAULT_MAX_NUM_BATCHED_TOKENS); a value
@@ -170,6 +173,14 @@ class NodeConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_roles(self) -> NodeConfig:
+        if "gpu_memory_utilization" in self.model_fields_set and (
+            self.device == "cpu" or self.kv_cache_memory_bytes is not None
+        ):
+            why = "device is cpu" if self.device == "cpu" else "kv_cache_memory_bytes sizes the KV cache"
+            raise ConfigError(
+                f"node {self.name!r}: gpu_memory_utilization {self.gpu_memory_utilization} is not used "
+                f"({why}); remove it"
+            )
         if self.role not in ("decode", "colocated"):
             for key, value in (("frontend", self.frontend), ("frontend_port", self.frontend_port)):
                 if value is not None:

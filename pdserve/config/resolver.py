@@ -30,7 +30,6 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pdserve.config.cluster import (
@@ -53,7 +52,9 @@ _MM_ARCH_MARKERS = ("Llava", "VL")
 
 def checkpoint_is_multimodal(model: str) -> bool:
     """True when the checkpoint's ``config.json`` has a ``vision_config`` or a VLM architecture."""
-    path = Path(model) / "config.json"
+    from pdserve.models.resolve import resolve_model_path
+
+    path = resolve_model_path(model) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError as e:
@@ -153,7 +154,11 @@ class ResolvedNode:
             async_scheduling=n.async_scheduling,
             step_timeout_s=n.step_timeout_s,
             cpu_threads=n.cpu_threads,
-            cache=CacheConfig(block_size=n.block_size, kv_cache_memory_bytes=n.kv_cache_memory_bytes),
+            cache=CacheConfig(
+                block_size=n.block_size,
+                kv_cache_memory_bytes=n.kv_cache_memory_bytes,
+                gpu_memory_utilization=n.gpu_memory_utilization,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=n.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -1,5 +1,6 @@
 """Offline API in vLLM's shapes: ``LLM(model).generate(prompts, sampling_params)`` and
-``LLM(model).chat(messages, sampling_params)`` return ``RequestOutput``s."""
+``LLM(model).chat(messages, sampling_params)`` return ``RequestOutput``s; ``model``: a checkpoint
+folder, a ``.gguf`` file or a Hugging Face id (pdserve/models/resolve.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pdserve.engine.offline import OfflineRequest, PromptType, SampleState, pars
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import EngineStalledError, InvalidRequestError
+from pdserve.models.resolve import resolve_model_path
 
 
 class LLM:
@@ -37,7 +39,7 @@ class LLM:
         par_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
         par_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in par_fields}
         self.config = EngineConfig(
-            model=str(model),
+            model=str(resolve_model_path(model)),  # a folder, a .gguf file or an HF id
             cache=CacheConfig(**cache_kw),
             scheduler=SchedulerConfig(**sched_kw),
             parallel=ParallelConfig(**par_kw),

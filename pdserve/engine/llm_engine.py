@@ -39,6 +39,7 @@ from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
+from pdserve.engine.kv_sizing import fit_max_model_len
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
 from pdserve.engine.output_processor import OutputProcessor, TrackedRequest
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
@@ -110,12 +111,14 @@ class LLMEngine:
                 f"{arch.max_position_embeddings}"
             )
         self.cache_sizes = self.runner.determine_cache_sizes()
-        if self.cache_sizes.num_tokens < self.max_model_len:
-            raise ConfigError(
-                f"the KV cache holds {self.cache_sizes.num_tokens} tokens "
-                f"({self.cache_sizes.num_blocks} blocks x {self.cache_sizes.block_size}), fewer than "
-                f"max_model_len={self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
-            )
+        self.max_model_len = fit_max_model_len(
+            self.cache_sizes.num_tokens,
+            self.max_model_len,
+            config.max_model_len,
+            self.cache_sizes.budget_bytes,
+        )
+        if isinstance(self.runner, ModelRunner):  # its CUDA graphs are captured for this length
+            self.runner.max_model_len = self.max_model_len
         self.runner.init_kv_cache(self.cache_sizes.num_blocks)
         self.fence = StepFence()
         self.kv = KVCacheManager(
@@ -158,10 +161,12 @@ class LLMEngine:
         self.num_step_decode_seqs_total = 0
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks (%d tokens), max_model_len=%d, async scheduling %s",
+            "engine ready: %s on %s/%s, KV cache %d MiB: %d blocks (%d tokens), max_model_len=%d, "
+            "async scheduling %s",
             config.model,
             self.runner.device,
             self.runner.dtype,
+            self.cache_sizes.budget_bytes >> 20,
             self.cache_sizes.num_blocks,
             self.cache_sizes.num_tokens,
             self.max_model_len,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import mmap
 from array import array
 from dataclasses import dataclass, field
 
@@ -29,6 +31,12 @@ from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.grammar_masks import GrammarMasker, GrammarMasks
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
+from pdserve.engine.kv_sizing import (
+    GpuMemory,
+    cpu_kv_budget_bytes,
+    gpu_kv_budget_bytes,
+    mem_available_bytes,
+)
 from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_logprobs, prompt_logprob_spans
@@ -44,7 +52,6 @@ from pdserve.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_DEFAULT_KV_BYTES = 256 << 20
 
 
 def set_intra_op_threads(config: EngineConfig, processes: int = 1) -> None:
@@ -144,6 +151,16 @@ class PendingStep:
         return RunnerOutput(sampled, logprobs, prompt_logprobs=prompt)
 
 
+def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor on an anonymous memory mapping: the kernel hands out zero pages
+    on first touch, so a 4 GiB KV cache costs RAM only for the blocks requests use (torch.zeros
+    writes every page up front: ~4 GiB resident and seconds of start-up)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps ``buf`` alive (frombuffer holds a reference to the buffer's owner)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, layer_start: int = 0, layer_end: int | None = None) -> None:
         self.config = config
@@ -186,33 +203,46 @@ class ModelRunner:
         return self.num_local_layers * 2 * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_cache_sizes(self) -> CacheSizes:
+        """The KV budget (engine/kv_sizing.py) in blocks of this stage's layers."""
         cc = self.config.cache
         per_block = self.bytes_per_block()
         if cc.num_blocks_override is not None:
-            num_blocks = cc.num_blocks_override
+            budget = cc.num_blocks_override * per_block
         elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = cc.kv_cache_memory_bytes // per_block
+            budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations: the budget is a share of what is free after weights.
-            num_blocks = int(free * cc.gpu_memory_utilization) // per_block
+            budget = gpu_kv_budget_bytes(self._gpu_memory(), cc.gpu_memory_utilization)
         else:
-            num_blocks = CPU_DEFAULT_KV_BYTES // per_block
+            budget = cpu_kv_budget_bytes(mem_available_bytes())
+        num_blocks = budget // per_block
         # Every TP rank must schedule the same blocks: free memory may differ between GPUs.
         num_blocks = min_over_ranks(num_blocks, self.device)
         if num_blocks < 1:
             raise ConfigError(
-                f"the KV cache budget holds no block ({per_block} bytes each); raise kv_cache_memory_bytes"
+                f"the KV cache budget ({budget} bytes) holds no block ({per_block} bytes each); "
+                "raise kv_cache_memory_bytes"
             )
-        return CacheSizes(num_blocks=num_blocks, block_size=self.block_size, bytes_per_block=per_block)
+        return CacheSizes(num_blocks, self.block_size, per_block, budget_bytes=budget)
+
+    def _gpu_memory(self) -> GpuMemory:
+        """The device's memory now (weights loaded), with an estimate of one step's activations:
+        the residual stream, q/k/v, the MLP's gate/up and the fp32 logits of a full token budget."""
+        a, sc = self.arch, self.config.scheduler
+        free, total = torch.cuda.mem_get_info(self.device)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        tokens = min(sc.max_num_batched_tokens, self.max_model_len)
+        qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+        per_token = (4 * a.hidden_size + qkv + 3 * a.intermediate_size) * elem
+        logits = min(sc.max_num_seqs, tokens) * a.vocab_size * 4 * 2  # logits + sampler's copy
+        return GpuMemory(total, free, torch.cuda.memory_reserved(self.device), tokens * per_token + logits)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
-        self.kv_cache = torch.zeros(
-            (num_blocks, self.num_local_layers, 2, self.block_size, self.num_kv_heads, a.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (num_blocks, self.num_local_layers, 2, self.block_size, self.num_kv_heads, a.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = lazily_zeroed_cpu_tensor(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # [num_blocks, 2, block_size, num_kv_heads, head_dim] views, one per local layer
         self.layer_caches = [self.kv_cache[:, i] for i in range(self.num_local_layers)]
         reason = self._cuda_graphs_off_reason()

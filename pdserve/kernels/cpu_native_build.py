@@ -32,11 +32,9 @@ _BUILD_TIMEOUT_S = 120
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pdserve"
+    from pdserve.models.resolve import pdserve_cache_dir
+
+    return pdserve_cache_dir()
 
 
 def _compiler() -> str | None:

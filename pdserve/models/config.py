@@ -168,6 +168,28 @@ class ModelArchConfig:
         return cfg if mm is None else dataclasses.replace(cfg, mm_config=mm)
 
 
+# generation_config.json keys a request inherits when it leaves them unset (vLLM's
+# ``--generation-config auto``); their names are the same in SamplingParams.
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, float]:
+    """The sampling defaults ``generation_config.json`` sets (empty without the file)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    out: dict[str, float] = {}
+    for key in GENERATION_DEFAULT_KEYS:
+        value = gen.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
 @dataclass
 class IntermediateTensors:
     """What one pipeline stage hands the next: the residual stream before the next layer's norm."""

@@ -58,12 +58,15 @@ def create_app(
     image_token_id: int | None = None,
     encoders: Any | None = None,
     image_seq_length: int | None = None,
+    generation_defaults: dict[str, float] | None = None,
 ) -> FastAPI:
     """Build the app.
 
     ``hidden_size`` enables prompt_embeds (their width); ``vocab_size`` defaults to
     ``len(tokenizer)``; ``max_body_bytes`` defaults to room for two base64 prompt_embeds of
     ``max_model_len`` float32 rows, and at least 16 MiB (``limits.DEFAULT_MIN_BODY_BYTES``).
+    ``generation_defaults``: sampling values for fields a request leaves unset (the model's
+    generation_config.json, ``models.config.generation_defaults``).
     """
     if not served_model_names:
         raise ValueError("served_model_names is empty: name at least one model to serve")
@@ -88,6 +91,8 @@ def create_app(
         image_token_id=image_token_id,
         encoders=encoders,
         image_seq_length=image_seq_length,
+        generation_defaults=dict(generation_defaults or {}),
+        kv_capacity_tokens=getattr(backend, "kv_capacity_tokens", None),
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)
@@ -136,7 +141,7 @@ def create_app(
                 "object": "model",
                 "created": created,
                 "owned_by": "pdserve",
-                "max_model_len": max_model_len,
+                "max_model_len": ctx.max_len,
             }
             for name in served_model_names
         ]

@@ -39,6 +39,7 @@ class NodeHandle:
     in_flight: int = 0  # sequences the router has on this node now
     reported_load: int = 0  # running + waiting, from the node's last GetLoad
     block_size: int = 16
+    num_blocks_total: int = 0  # from GetLoad: the node's KV cache (0 until a report)
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
@@ -190,6 +191,7 @@ class NodePool:
             n.healthy = True
             n.reported_load = rep.num_running + rep.num_waiting
             n.block_size = rep.block_size or n.block_size
+            n.num_blocks_total = rep.num_blocks_total
             n.pp_size = max(1, len(rep.stages))
             if (rep.steps_socket, rep.steps_address) != (n.steps_socket, n.steps_address):
                 # A (re)started node with another Steps port, or none any more: the next leg
@@ -225,6 +227,15 @@ class NodePool:
             except Exception:  # keep polling: one bad answer must not blind the router
                 logger.exception("load poll failed")
             await asyncio.sleep(LOAD_POLL_S)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """The fewest tokens one request may hold on any node that reported its KV cache (a node
+        whose cache is smaller than the checkpoint's length serves only that much: engine/kv_sizing.py);
+        None before any report."""
+        sizes = [
+            n.num_blocks_total * n.block_size for n in (*self.prefill, *self.decode) if n.num_blocks_total
+        ]
+        return min(sizes) if sizes else None
 
     async def check_capacity(self) -> None:
         self.start()

@@ -31,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None) -> None:
     """One router process; ``sock``: the listening socket its parent shares with other workers."""
-    from pdserve.models.config import ModelArchConfig
+    from pdserve.models.config import ModelArchConfig, generation_defaults
     from pdserve.models.loader import load_tokenizer
+    from pdserve.models.resolve import resolve_model_path
 
     model = cluster.model
     assert model is not None, "the cluster config names no model"
-    arch = ModelArchConfig.from_model_dir(model)
+    model_dir = resolve_model_path(model)  # a .gguf or an HF id: the nodes' folder (models/resolve.py)
+    arch = ModelArchConfig.from_model_dir(model_dir)
     max_len = min(
         [n.max_model_len or arch.max_position_embeddings for n in cluster.decode_nodes]
         + [arch.max_position_embeddings]
@@ -89,7 +91,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
     backend.start()
     app = create_app(
         backend,
-        load_tokenizer(model),
+        load_tokenizer(model_dir),
         [cluster.served_name(model)],
         max_len,
         api_key=r.api_key,
@@ -103,6 +105,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         image_token_id=image_token_id,
         encoders=encoders,
         image_seq_length=image_seq_length,
+        generation_defaults=generation_defaults(model_dir),
     )
     server = uvicorn.Server(
         uvicorn.Config(

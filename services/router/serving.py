@@ -57,6 +57,11 @@ class ServingContext:
     # Tokens per image, when prefill encodes images itself (no encoder node serves the model).
     image_seq_length: int | None = None
     max_image_bytes: int = 20 << 20
+    # generation_config.json's sampling values (models.config.generation_defaults): what a
+    # request that leaves temperature / top_p / top_k / repetition_penalty unset runs with
+    generation_defaults: dict[str, float] = field(default_factory=dict)
+    # The nodes' KV capacity in tokens (NodePool.kv_capacity_tokens); None: not known (yet)
+    kv_capacity_tokens: Callable[[], int | None] | None = None
     token_texts: TokenTexts = field(init=False)
     # The router makes the text of sequences without stop strings (streams.detokenize_here).
     detokenizer: IncrementalDetokenizer | None = field(init=False)
@@ -67,6 +72,13 @@ class ServingContext:
         if self.detokenize_in_router and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer)
         object.__setattr__(self, "detokenizer", detok)
+
+    @property
+    def max_len(self) -> int:
+        """max_model_len, lowered to the smallest KV cache a node reported (a node that sized its
+        cache below the checkpoint's length lowered its own max_model_len to it)."""
+        cap = self.kv_capacity_tokens() if self.kv_capacity_tokens is not None else None
+        return self.max_model_len if cap is None else min(self.max_model_len, cap)
 
     def check_model(self, model: str) -> None:
         if model not in self.served_model_names:
@@ -99,12 +111,13 @@ def check_token_ids(ctx: ServingContext, token_ids: list[int], param: str) -> No
 
 def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, param: str) -> int:
     """The max_tokens a sequence runs with; raises OpenAI's context_length_exceeded when it can't fit."""
-    room = ctx.max_model_len - num_prompt_tokens
+    max_len = ctx.max_len
+    room = max_len - num_prompt_tokens
     if room < 1 or (requested is not None and requested > room):
         completion = requested if requested is not None else 1
         asked = f"{num_prompt_tokens + completion} tokens ({num_prompt_tokens} in the prompt, {completion} in the completion)"
         raise PromptTooLongError(
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
             + (asked if requested is not None else f"{num_prompt_tokens} tokens in the prompt")
             + ". Please reduce the length of the prompt or the completion.",
             field=param,
@@ -112,8 +125,15 @@ def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: i
     return requested if requested is not None else room
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param)."""
+def sampling_params(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: dict[str, float] | None = None,
+) -> SamplingParams:
+    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param).
+    A field the body leaves unset (None) takes ``defaults`` (the model's generation config), then
+    SamplingParams' own default."""
     kwargs: dict[str, Any] = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -135,6 +155,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "frequency_penalty",
     ):
         value = getattr(body, name)
+        if value is None and defaults:
+            value = defaults.get(name)
         if value is not None:
             kwargs[name] = value
     return SamplingParams(**kwargs)

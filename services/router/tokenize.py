@@ -56,7 +56,7 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
             if body.prompt
             else []
         )
-    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids))
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_len, tokens=list(ids))
 
 
 def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:

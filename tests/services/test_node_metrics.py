@@ -50,6 +50,10 @@ def test_step_counters_move_with_a_generation(tiny_models, pp) -> None:
     )
     node = DecodeNode(NodeOptions(name="colo-m", role="colocated", engine=cfg, grpc_port=_free_port()))
     before = _scrape(node)
+    sizes = node.engine.cache_sizes  # the KV sizing the start log names, as gauges
+    assert before["pdserve:kv_blocks_total"] == sizes.num_blocks > 0
+    assert before["pdserve:kv_cache_budget_bytes"] == sizes.budget_bytes > 0
+    assert before["pdserve:max_model_len"] == node.engine.max_model_len == 2048
     for name in STEP_COUNTERS:
         assert before[f"pdserve:{name}_total"] == 0
     assert before["pdserve:kv_pull_seconds_count"] == 0  # a colocated node pulls nothing
