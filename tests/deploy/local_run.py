@@ -44,11 +44,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def dockerfile_instructions(name: str) -> list[str]:
-    """Every instruction ``name`` (RUN, COPY, ...) of the Dockerfile, continuation lines joined."""
+def dockerfile_instructions(name: str, stage: str | None = None) -> list[str]:
+    """Every instruction ``name`` (RUN, COPY, ...) of the Dockerfile, or of its stage ``stage``
+    (``FROM ... AS stage``), continuation lines joined."""
     text = (ROOT / "deploy/docker/Dockerfile").read_text()
     text = re.sub(r"\\\n", " ", text)
-    return [line.split(None, 1)[1] for line in text.splitlines() if line.startswith(name + " ")]
+    found, current = [], None
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            current = line.split()[-1]
+        if line.startswith(name + " ") and stage in (None, current):
+            found.append(line.split(None, 1)[1])
+    return found
 
 
 def entrypoint() -> list[str]:

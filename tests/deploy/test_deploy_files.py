@@ -7,6 +7,7 @@ import fnmatch
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,55 @@ def test_dockerfile_one_nonroot_image_and_its_context() -> None:
         for src in copy.split()[:-1]:
             assert (ROOT / src).exists(), src
             assert not any(fnmatch.fnmatch(src, pat) for pat in ignore), f"{src} is in .dockerignore"
+
+
+def _run_stage_command(
+    command: str, flavour: str, python: str = "/opt/pdserve/bin/python"
+) -> subprocess.CompletedProcess[str]:
+    """A RUN command of the Dockerfile in bash (for its function names) with FLAVOUR set, apt-get and rm replaced by echoes
+    and the venv's python by ``python``."""
+    command = command.replace("/opt/pdserve/bin/python", python)
+    prelude = 'apt-get() { echo "apt-get $*"; }; rm() { :; }; '
+    return subprocess.run(
+        ["bash", "-c", prelude + command],
+        env={"FLAVOUR": flavour, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_gpu_runtime_stage_has_what_triton_compiles_with(tmp_path: Path) -> None:
+    """Triton builds each kernel's launcher at its first use: the gpu image's runtime stage has a
+    C compiler, Python.h of the venv's interpreter, and a Triton cache its user can write (the
+    user's home is /nonexistent)."""
+    assert "FLAVOUR=cpu" in dockerfile_instructions("ARG", stage="runtime"), "the stage reads FLAVOUR"
+    (apt,) = [r for r in dockerfile_instructions("RUN", stage="runtime") if "apt-get install" in r]
+    installed = {}
+    for flavour in ("cpu", "gpu"):
+        out = _run_stage_command(apt, flavour)
+        assert out.returncode == 0, out.stderr
+        (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("apt-get install")]
+        installed[flavour] = set(line.split()) - {"apt-get", "install", "-y", "--no-install-recommends"}
+    assert {"gcc", "libc6-dev", "libibverbs1"} <= installed["gpu"]
+    assert "gcc" not in installed["cpu"] and "libibverbs1" in installed["cpu"]
+
+    # The header check runs against the venv's python (here: this interpreter, which has them).
+    (check,) = [r for r in dockerfile_instructions("RUN", stage="runtime") if "Python.h" in r]
+    assert _run_stage_command(check, "gpu", python=sys.executable).returncode == 0
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho {tmp_path}\n")
+    fake.chmod(0o755)
+    headless = _run_stage_command(check, "gpu", python=str(fake))
+    assert headless.returncode != 0 and f"no {tmp_path}/Python.h" in headless.stderr
+    assert _run_stage_command(check, "cpu", python=str(fake)).returncode == 0
+
+    env = dict(kv.split("=", 1) for e in dockerfile_instructions("ENV", stage="runtime") for kv in e.split())
+    uid = dockerfile_instructions("USER", stage="runtime")[-1].split(":")[0]
+    (useradd,) = [r for r in dockerfile_instructions("RUN", stage="runtime") if "useradd" in r]
+    made = re.search(rf"install -d -o {uid} -g {uid} ([^&]+)", useradd)
+    assert made, f"no folder made for uid {uid}: {useradd}"
+    owned = made.group(1).split()
+    for name in ("TRITON_HOME", "TRITON_CACHE_DIR"):
+        assert env[name] in owned, f"{name}={env[name]} is not a folder uid {uid} owns ({owned})"
+        assert not env[name].startswith("/nonexistent"), name

@@ -9,7 +9,11 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import apply_token_bitmask_, bitmask_unsupported_reason
 from pdserve.kernels.bitmask import apply_token_bitmask_torch
-from pdserve.kernels.triton_bitmask import BLOCK
+
+try:
+    from pdserve.kernels.triton_bitmask import BLOCK
+except ImportError:  # no triton: every test that runs the kernel skips (conftest.force_triton)
+    BLOCK = 4096
 
 CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
