@@ -391,7 +391,13 @@ class NodeBase:
                 max_pending_per_peer=self.opts.steps_max_pending_per_peer,
             )
         else:
-            fe = FrontendProcess(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+            fe = FrontendProcess(
+                servicer,
+                self.opts.host,
+                self.opts.frontend_port,
+                self.opts.shared_token,
+                max_receive_bytes=self.receive_limit_bytes(),
+            )
         await fe.start()
         host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
         if ":" in host and not host.startswith("["):
