@@ -120,6 +120,8 @@ def serve(
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
     from pdserve.config.resolver import resolve_node_settings
+    from pdserve.kvtransfer.bind_shim import reexec_with_shim
+    from pdserve.kvtransfer.exposure import MOONCAKE_TRANSPORTS
     from services.launch import run_node
     from services.node import NodeOptions
 
@@ -135,6 +137,14 @@ def serve(
     # A DNS name other than localhost may name a Service address this host cannot bind: every
     # interface then, each port behind the shared token (Mooncake's: kvtransfer/exposure.py).
     host = bind_host or ("127.0.0.1" if n.host == "localhost" else n.host if _is_ip(n.host) else "0.0.0.0")
+    if (
+        role in ("prefill", "decode", "encoder")
+        and n.kv_transport in MOONCAKE_TRANSPORTS
+        and _is_ip(host)
+        and not ipaddress.ip_address(host).is_unspecified
+    ):
+        # Mooncake's ports on the node's address, not every interface (kvtransfer/bind_shim.py)
+        reexec_with_shim(host)
     kv_host = os.environ.get("PDSERVE_KV_HOST") or (
         n.host if _is_ip(n.host) else socket.gethostbyname(socket.gethostname())
     )

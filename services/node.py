@@ -24,7 +24,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
-from pdserve.kvtransfer.exposure import check_kv_ports
+from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.limits import node_receive_limit_bytes
@@ -103,7 +103,7 @@ class NodeBase:
         self.epoch = new_epoch()
         if opts.role in ("prefill", "decode"):
             check_kv_ports(
-                opts.name, opts.kv_transport, (opts.host, opts.kv_host), opts.allow_unauthenticated_kv_ports
+                opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
             )
         pp = opts.engine.parallel.pipeline_parallel_size
         if pp > 1 and opts.role in ("prefill", "decode"):
@@ -140,6 +140,9 @@ class NodeBase:
         runner = self.engine.runner
         if opts.role in ("prefill", "decode"):
             self.backend = make_backend(opts.kv_transport, opts.kv_host, str(runner.device))
+            check_no_wildcard(
+                opts.name, opts.kv_transport, opts.host, opts.allow_unauthenticated_kv_ports, self.backend
+            )
             cache = runner.kv_cache
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())

@@ -28,7 +28,7 @@ from pdserve.embedcache.connector import EmbeddingProducer
 from pdserve.embedcache.index import EmbeddingIndex
 from pdserve.errors import CapacityError, ConfigError, InvalidRequestError
 from pdserve.kvtransfer.backend import TransferError
-from pdserve.kvtransfer.exposure import check_kv_ports
+from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.models.image_processor import ClipImageProcessor, ImageLimits
@@ -77,7 +77,7 @@ class EncoderNode:
         self.opts = opts
         self.epoch = new_epoch()
         check_kv_ports(
-            opts.name, opts.kv_transport, (opts.host, opts.kv_host), opts.allow_unauthenticated_kv_ports
+            opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
         )
         device = resolve_device(opts.device)
         model, _ = load_model(opts.model, resolve_dtype(opts.dtype, device), device)
@@ -85,6 +85,9 @@ class EncoderNode:
             raise ConfigError(f"model {opts.model!r} has no vision tower: an encoder needs a LLaVA model")
         self.registry = CollectorRegistry()
         self.backend = make_backend(opts.kv_transport, opts.kv_host, "cpu")
+        check_no_wildcard(
+            opts.name, opts.kv_transport, opts.host, opts.allow_unauthenticated_kv_ports, self.backend
+        )
         self.producer = EmbeddingProducer(
             opts.name,
             self.backend,

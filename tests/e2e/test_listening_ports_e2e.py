@@ -1,11 +1,11 @@
 """What a local cluster (router + prefill + decode, api_key and shared_token set) listens on, and
 what a stranger can do to it. Real processes started as `pdserve up` starts them.
 
-- Every listening socket of the cluster's processes is on loopback, except Mooncake's two ports
-  per engine node (handshake and TCP data), which the installed Mooncake binds on every
-  interface whatever it is told (pdserve/kvtransfer/exposure.py); they are allowed only on a
-  loopback node, and exactly those ports.
-- A node with a non-loopback address refuses to start, naming the reason and the setting.
+- Every listening socket of the cluster's processes is on loopback, Mooncake's two ports per
+  engine node (handshake and TCP data) too: the installed Mooncake binds every interface
+  whatever it is told, so the node pins them with its bind shim (pdserve/kvtransfer/bind_shim.py).
+- A node on another address (127.0.0.2) has Mooncake's ports there; a node that binds every
+  interface (a DNS-named host) refuses to start, naming the reason and the setting.
 - An unauthenticated 100 MB gRPC message is refused without decode's RSS growing (the token is
   checked from the metadata; the body is never read).
 - 200 idle connections to the Steps socket do not stop the router's streams.
@@ -14,6 +14,7 @@ what a stranger can do to it. Real processes started as `pdserve up` starts them
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 import threading
@@ -165,7 +166,7 @@ def test_metrics_want_the_shared_token(nodes_then_router) -> None:
     assert ok.status_code == 200 and "pdserve:kv_blocks_used" in ok.text
 
 
-def test_every_listening_socket_is_loopback_but_mooncakes_on_a_loopback_node(nodes_then_router) -> None:
+def test_every_listening_socket_is_loopback_mooncakes_too(nodes_then_router) -> None:
     rc = nodes_then_router
     router = start_child(rc.run_dir / "cluster.yaml", "router", None, rc.run_dir)
     try:
@@ -182,13 +183,7 @@ def test_every_listening_socket_is_loopback_but_mooncakes_on_a_loopback_node(nod
         stop_children([router])
     for name, socks in listeners.items():
         for sock in socks:
-            if sock.loopback:
-                continue
-            # the documented exception: Mooncake's ports of a node on a loopback host
-            assert name in mooncake, f"{name} listens on {sock.address}:{sock.port}"
-            assert sock.port in mooncake[name], f"{name} listens on {sock.address}:{sock.port}"
-            assert sock.wildcard
-            assert rc.cluster.node(name).host == "127.0.0.1"
+            assert sock.loopback and not sock.wildcard, f"{name} listens on {sock.address}:{sock.port}"
     # router HTTP; per node gRPC + metrics (+ decode's Steps socket) + Mooncake's two
     assert len(listeners["router"]) >= 1
     assert len(listeners["prefill-0"]) == 4 and len(listeners["decode-0"]) == 5, listeners
@@ -196,21 +191,41 @@ def test_every_listening_socket_is_loopback_but_mooncakes_on_a_loopback_node(nod
         assert ports <= {s.port for s in listeners[name]}, (name, ports, listeners[name])
 
 
-def test_a_node_on_a_non_loopback_address_refuses_to_start_with_the_reason(tiny_models, tmp_path) -> None:
+def _start_alone(tiny_models, tmp_path, host: str):  # type: ignore[no-untyped-def]
+    """decode-0 of the test cluster, started alone with ``host`` as its address."""
     cfg = _config(tiny_models)
     data = cfg.model_dump(mode="json", exclude_unset=True)
     for n in data["nodes"]:
         if n["name"] == "decode-0":
-            n["host"] = "192.0.2.10"  # TEST-NET-1: not loopback (never dialled: refused first)
-    path = write_cluster_config(ClusterConfig.from_dict(data), tmp_path / "cluster.yaml")
-    child = start_child(path, "decode", "decode-0", tmp_path)
+            n["host"] = host
+    cluster = ClusterConfig.from_dict(data)
+    path = write_cluster_config(cluster, tmp_path / "cluster.yaml")
+    return cluster, start_child(path, "decode", "decode-0", tmp_path)
+
+
+def test_a_node_on_another_address_has_mooncakes_ports_there(tiny_models, tmp_path) -> None:
+    cluster, child = _start_alone(tiny_models, tmp_path, "127.0.0.2")
+    try:
+        wait_ready(
+            cluster.model_copy(update={"nodes": (cluster.node("decode-0"),)}), [child], 120, router=False
+        )
+        socks = listeners_of(descendants([child.proc.pid]))
+        log = child.log_path.read_text(errors="replace")
+    finally:
+        stop_children([child])
+    ports = _mooncake_ports(log)
+    assert ports <= {s.port for s in socks}
+    bound = {getattr(s.address, "ipv4_mapped", None) or s.address for s in socks}
+    assert bound == {ipaddress.IPv4Address("127.0.0.2")}, socks
+
+
+def test_a_node_that_binds_every_interface_refuses_to_start_with_the_reason(tiny_models, tmp_path) -> None:
+    _, child = _start_alone(tiny_models, tmp_path, "decode-0.pdserve.invalid")  # binds 0.0.0.0
     try:
         rc = child.proc.wait(timeout=120)
     finally:
         stop_children([child])
     log = child.log_path.read_text(errors="replace")
     assert rc == EXIT_CONFIG_REFUSED, f"exit code {rc}; log:\n{log[-3000:]}"
-    assert "node decode-0 refuses to start" in log and "'192.0.2.10' is not a loopback one" in log, log[
-        -3000:
-    ]
+    assert "node decode-0 refuses to start" in log and "is not a loopback one" in log, log[-3000:]
     assert "allow_unauthenticated_kv_ports: true" in log and "Traceback" not in log, log[-3000:]
