@@ -139,6 +139,8 @@ def serve(
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
     from pdserve.config.resolver import resolve_node_settings
+    from pdserve.kvtransfer.bind_shim import reexec_with_shim
+    from pdserve.kvtransfer.exposure import MOONCAKE_TRANSPORTS
     from pdserve.models.resolve import resolve_model_path
     from services.launch import run_node
     from services.node import NodeOptions
@@ -154,7 +156,17 @@ def serve(
             f"--advertise-host {advertise_host!r} (or PDSERVE_ADVERTISE_HOST) needs a node registry: "
             "set redis_url in the cluster config, or drop it (the router dials the config's host)"
         )
-    host = bind_host or (n.host if _is_ip(n.host) else "0.0.0.0")
+    # A DNS name other than localhost may name a Service address this host cannot bind: every
+    # interface then, each port behind the shared token (Mooncake's: kvtransfer/exposure.py).
+    host = bind_host or ("127.0.0.1" if n.host == "localhost" else n.host if _is_ip(n.host) else "0.0.0.0")
+    if (
+        role in ("prefill", "decode", "encoder")
+        and n.kv_transport in MOONCAKE_TRANSPORTS
+        and _is_ip(host)
+        and not ipaddress.ip_address(host).is_unspecified
+    ):
+        # Mooncake's ports on the node's address, not every interface (kvtransfer/bind_shim.py)
+        reexec_with_shim(host)
     kv_host = os.environ.get("PDSERVE_KV_HOST") or (
         n.host if _is_ip(n.host) else socket.gethostbyname(socket.gethostname())
     )
@@ -183,6 +195,8 @@ def serve(
                 advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
                 encode_delay_s=n.faults.encode_delay_s,
                 push_delay_s=n.faults.ec_push_delay_s,
+                allow_unauthenticated_kv_ports=cluster.allow_unauthenticated_kv_ports,
+                metrics_require_token=cluster.metrics_require_token,
             )
         )
         return
@@ -206,6 +220,10 @@ def serve(
             advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
             frontend_port=n.steps_port(),
             frontend=n.steps_frontend() or "socket",
+            steps_hello_timeout_s=n.steps_hello_timeout_s,
+            steps_max_pending_per_peer=n.steps_max_pending_per_peer,
+            allow_unauthenticated_kv_ports=cluster.allow_unauthenticated_kv_ports,
+            metrics_require_token=cluster.metrics_require_token,
             stages=n.pp,
             drain_timeout_s=n.drain_timeout_s,
             faults=n.faults,

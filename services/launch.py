@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from pdserve.errors import ConfigError
 from services.node import NodeBase, NodeOptions
 
 logger = logging.getLogger(__name__)
@@ -24,10 +25,15 @@ def build_node(opts: NodeOptions) -> NodeBase:
 
 
 EXIT_STARTUP_FAILED = 71  # EX_OSERR: a port could not be bound (logged as one line)
+EXIT_CONFIG_REFUSED = 78  # EX_CONFIG: a setting the node refuses at start (logged as one line)
 
 
 def run_node(opts: NodeOptions) -> None:
-    node = build_node(opts)
+    try:
+        node = build_node(opts)
+    except ConfigError as e:  # e.g. Mooncake's ports on a non-loopback address (kvtransfer/exposure.py)
+        logger.critical("node %s refuses to start: %s", opts.name, e)
+        sys.exit(EXIT_CONFIG_REFUSED)
     try:
         asyncio.run(node.serve())
     except OSError as e:  # a port in use, an address not bindable: one line, not a traceback

@@ -24,8 +24,10 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
+from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
+from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
 from services.steps_frontend import FrontendProcess
@@ -80,6 +82,12 @@ class NodeOptions:
     # (services/steps_frontend.py). None: this process serves them on grpc_port (gRPC).
     frontend_port: int | None = None
     frontend: str = "socket"
+    steps_hello_timeout_s: float = 1.0  # the Steps socket's hello deadline (services/steps_socket.py)
+    steps_max_pending_per_peer: int = 4  # connections of one peer address waiting for their hello
+    # Mooncake's ports listen on every interface, unauthenticated (kvtransfer/exposure.py): a
+    # node on a non-loopback address starts only with this set.
+    allow_unauthenticated_kv_ports: bool = False
+    metrics_require_token: bool = False  # /metrics asks for "Authorization: Bearer <shared_token>"
 
 
 class InjectedEngineFault(BaseException):
@@ -93,6 +101,10 @@ class NodeBase:
     def __init__(self, opts: NodeOptions) -> None:
         self.opts = opts
         self.epoch = new_epoch()
+        if opts.role in ("prefill", "decode"):
+            check_kv_ports(
+                opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
+            )
         pp = opts.engine.parallel.pipeline_parallel_size
         if pp > 1 and opts.role in ("prefill", "decode"):
             # Every stage process opens its own endpoint (pp_stage.start_kv_endpoints); only the
@@ -128,6 +140,9 @@ class NodeBase:
         runner = self.engine.runner
         if opts.role in ("prefill", "decode"):
             self.backend = make_backend(opts.kv_transport, opts.kv_host, str(runner.device))
+            check_no_wildcard(
+                opts.name, opts.kv_transport, opts.host, opts.allow_unauthenticated_kv_ports, self.backend
+            )
             cache = runner.kv_cache
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
@@ -185,6 +200,17 @@ class NodeBase:
 
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         return []
+
+    def receive_limit_bytes(self) -> int:
+        """The largest gRPC message this node takes (pdserve/rpc/limits.py)."""
+        images = self.opts.image_limits if self.opts.colocated_encoder else None
+        model = getattr(self.engine.runner, "model", None)
+        return node_receive_limit_bytes(
+            self.engine.max_model_len,
+            self.engine.arch.hidden_size,
+            max_image_bytes=images.max_image_bytes if images is not None else 0,
+            image_tokens=int(getattr(model, "num_image_tokens", 0) or 0),
+        )
 
     def ec_reservations(self) -> int:
         """EC consumers: embedding-buffer reservations alive now (0 between requests)."""
@@ -247,6 +273,8 @@ class NodeBase:
                 shared_token=self.opts.shared_token,
                 metrics_port=self.opts.metrics_port,
                 registry=self.registry,
+                max_receive_bytes=self.receive_limit_bytes(),
+                metrics_token=self.opts.shared_token if self.opts.metrics_require_token else None,
                 ready=False,  # SERVING below, once the front end (GetLoad's steps_address) is up
             )
             self._health = health_servicer
@@ -357,9 +385,22 @@ class NodeBase:
         assert self.opts.frontend_port is not None
         fe: FrontendProcess | StepsFront
         if self.opts.frontend == "socket":
-            fe = StepsFront(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+            fe = StepsFront(
+                servicer,
+                self.opts.host,
+                self.opts.frontend_port,
+                self.opts.shared_token,
+                hello_timeout_s=self.opts.steps_hello_timeout_s,
+                max_pending_per_peer=self.opts.steps_max_pending_per_peer,
+            )
         else:
-            fe = FrontendProcess(servicer, self.opts.host, self.opts.frontend_port, self.opts.shared_token)
+            fe = FrontendProcess(
+                servicer,
+                self.opts.host,
+                self.opts.frontend_port,
+                self.opts.shared_token,
+                max_receive_bytes=self.receive_limit_bytes(),
+            )
         await fe.start()
         host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
         if ":" in host and not host.startswith("["):

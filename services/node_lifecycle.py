@@ -172,20 +172,25 @@ async def start_grpc_server(
     metrics_port: int | None,
     registry: Any,
     ready: bool = True,
+    max_receive_bytes: int | None = None,
+    metrics_token: str | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
     """A node's gRPC server, started: the token check first (an unauthenticated call learns
     nothing), then ``interceptors``; the servicers, standard health (readiness ``""`` and
     liveness), ``/metrics`` on ``metrics_port``. Returns (server, health servicer, address).
     ``ready=False`` leaves readiness NOT_SERVING (liveness SERVING) until the caller sets it,
-    once whatever else it starts (a front-end process, membership) is up."""
+    once whatever else it starts (a front-end process, membership) is up. ``max_receive_bytes``:
+    the largest message a call may send (pdserve/rpc/limits.py; None: MAX_MESSAGE_BYTES);
+    ``metrics_token``: ``/metrics`` answers only a request with ``Authorization: Bearer`` it."""
     from grpc_health.v1 import health_pb2_grpc
-    from prometheus_client import start_http_server
 
     from pdserve.rpc import channel
+    from services.metrics_http import start_metrics_server
 
     if shared_token:
         interceptors = [channel.TokenAuthInterceptor(shared_token), *interceptors]
-    server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
+    options = channel.server_options(max_receive_bytes or channel.MAX_MESSAGE_BYTES)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     add_servicers(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -193,7 +198,7 @@ async def start_grpc_server(
     httpd = None
     if metrics_port:  # before gRPC: a port in use fails here with nothing to undo
         try:
-            httpd, _ = start_http_server(metrics_port, addr=host, registry=registry)
+            httpd, _ = start_metrics_server(host, metrics_port, registry, metrics_token)
         except OSError as e:
             raise OSError(f"cannot bind metrics port {host}:{metrics_port}: {e.strerror or e}") from e
     try:

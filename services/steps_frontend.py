@@ -111,11 +111,17 @@ class _Relay:
 
 
 async def _serve(
-    host: str, port: int, socket_path: str, shared_token: str | None, parent: Connection
+    host: str,
+    port: int,
+    socket_path: str,
+    shared_token: str | None,
+    parent: Connection,
+    max_receive_bytes: int,
 ) -> None:
     relay = _Relay(socket_path)
     interceptors = [channel.TokenAuthInterceptor(shared_token)] if shared_token else []
-    server = grpc.aio.server(options=channel.SERVER_OPTIONS, interceptors=interceptors)
+    options = channel.server_options(max_receive_bytes)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -150,7 +156,12 @@ async def _serve(
 
 
 def frontend_main(
-    host: str, port: int, socket_path: str, shared_token: str | None, parent: Connection
+    host: str,
+    port: int,
+    socket_path: str,
+    shared_token: str | None,
+    parent: Connection,
+    max_receive_bytes: int = channel.MAX_MESSAGE_BYTES,
 ) -> None:
     """Entry point of the front-end process (multiprocessing spawn)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -159,7 +170,7 @@ def frontend_main(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        asyncio.run(_serve(host, port, socket_path, shared_token, parent))
+        asyncio.run(_serve(host, port, socket_path, shared_token, parent, max_receive_bytes))
     except KeyboardInterrupt:  # pragma: no cover - SIGINT is ignored above
         pass
 
@@ -174,7 +185,15 @@ class FrontendProcess:
     def sessions_total(self) -> int:
         return self.socket.sessions_total
 
-    def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
+    def __init__(
+        self,
+        servicer: Any,
+        host: str,
+        port: int,
+        shared_token: str | None,
+        max_receive_bytes: int = channel.MAX_MESSAGE_BYTES,  # the node's (pdserve/rpc/limits.py)
+    ) -> None:
+        self.max_receive_bytes = max_receive_bytes
         self._dir = tempfile.mkdtemp(prefix="pdserve-fe-")  # 0700: only this user reaches the socket
         self.socket = StepsSocketServer(servicer)
         self.socket_path = os.path.join(self._dir, "steps.sock")
@@ -220,7 +239,7 @@ class FrontendProcess:
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=frontend_main,
-            args=(self.host, self.port, self.socket_path, self.token, child),
+            args=(self.host, self.port, self.socket_path, self.token, child, self.max_receive_bytes),
             name="pdserve-frontend",
             daemon=True,
         )

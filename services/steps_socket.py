@@ -18,7 +18,7 @@ to first token at one stream fell from 6.2 to 4.1 ms in a hop probe and its p50 
 
 The TCP port speaks, per connection (one connection = one Steps stream):
 
-    router -> node   StepsHello {token}              first frame, within HELLO_TIMEOUT_S
+    router -> node   StepsHello {token}              first frame, within hello_timeout_s
     node -> router   StepsWelcome {code, details}    OK, or UNAUTHENTICATED and the node closes
     router -> node   StepCommand frames              as on the gRPC stream
     node -> router   StepBatch frames                as on the gRPC stream; a batch with
@@ -26,6 +26,12 @@ The TCP port speaks, per connection (one connection = one Steps stream):
 
 Frames: a 4-byte big-endian length, then the message. Before the hello is accepted a frame may
 be at most ``HELLO_MAX_BYTES`` (an unauthenticated peer cannot make the node buffer more).
+Strangers cannot hold the door: a connection without its hello after ``hello_timeout_s`` (1 s
+by default) is closed; at most ``max_pending_per_peer`` connections of one peer address (4)
+and ``MAX_PENDING_HELLOS`` in all wait for their hello, and a new connection past either
+closes the **oldest** waiting one instead of being refused, so the router's connection, whose
+hello follows its connect at once, is never turned away by idle connections (200 of them from
+the router's own address did not stop its streams: tests/e2e/test_listening_ports_e2e.py).
 A malformed command ends the stream with ``stream_end`` INVALID_ARGUMENT and aborts its requests.
 """
 
@@ -50,8 +56,9 @@ from services.steps_direct import DirectSteps, FrameTooLarge, SocketFrames, fram
 
 logger = logging.getLogger(__name__)
 HELLO_MAX_BYTES = 4096
-HELLO_TIMEOUT_S = 10.0
-MAX_PENDING_HELLOS = 64  # connections past this many still without a hello are closed at once
+HELLO_TIMEOUT_S = 1.0  # default of nodes[].steps_hello_timeout_s
+MAX_PENDING_PER_PEER = 4  # default of nodes[].steps_max_pending_per_peer
+MAX_PENDING_HELLOS = 1024  # waiting connections of all peers; a newer one closes the oldest
 # A peer that vanished (host down, cable out) is noticed within ~15 s, as gRPC's keepalive pings
 # notice it on the other calls (pdserve/rpc/channel.py): keepalive probes on an idle connection,
 # TCP_USER_TIMEOUT while sent data waits for its acknowledgement (retransmits alone take ~15 min).
@@ -184,14 +191,26 @@ class StepsFront:
     :class:`StepsSocketServer` stream. The node's ``_start_frontend`` uses this or a
     ``FrontendProcess`` (``frontend: process``) through the same few members."""
 
-    def __init__(self, servicer: Any, host: str, port: int, shared_token: str | None) -> None:
+    def __init__(
+        self,
+        servicer: Any,
+        host: str,
+        port: int,
+        shared_token: str | None,
+        *,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+        max_pending_per_peer: int = MAX_PENDING_PER_PEER,
+    ) -> None:
         self.sessions = StepsSocketServer(servicer)
         self.host, self.port = host, port
         self._token = shared_token.encode() if shared_token else None
+        self._hello_timeout_s = hello_timeout_s
+        self._max_pending_per_peer = max_pending_per_peer
         self._server: asyncio.AbstractServer | None = None
         self._open: set[asyncio.Task[Any]] = set()  # connections being served
         self._stopping = False
-        self._pending_hellos = 0
+        # Connections waiting for their hello, oldest first: writer -> peer address.
+        self._waiting: dict[asyncio.StreamWriter, str] = {}
         self.refused_total = 0  # connections turned away before a stream (no hello, wrong token, too many)
         self._refusal_logged_at = float("-inf")
 
@@ -241,15 +260,12 @@ class StepsFront:
         try:
             if self._stopping:
                 return
-            if self._pending_hellos >= MAX_PENDING_HELLOS:
-                self._refused(f"{MAX_PENDING_HELLOS} connections already wait for their hello")
-                return
             self._open.add(task)
-            self._pending_hellos += 1
+            self._make_room(writer)
             try:
                 ok = await self._welcome(reader, writer)
             finally:
-                self._pending_hellos -= 1
+                self._waiting.pop(writer, None)
             if ok and not self._stopping:
                 await self.sessions.serve(reader, writer, eof_ends=True)
         except asyncio.CancelledError:
@@ -261,13 +277,29 @@ class StepsFront:
             self._open.discard(task)
             writer.close()
 
+    def _make_room(self, writer: asyncio.StreamWriter) -> None:
+        """Count ``writer`` as waiting for its hello; past ``max_pending_per_peer`` waiting of
+        its peer address, or MAX_PENDING_HELLOS of all, close the oldest one waiting."""
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        same = [w for w, a in self._waiting.items() if a == address]
+        oldest = None
+        if len(same) >= self._max_pending_per_peer:
+            oldest = same[0]
+        elif len(self._waiting) >= MAX_PENDING_HELLOS:
+            oldest = next(iter(self._waiting))
+        if oldest is not None:  # its _welcome reads end of stream and counts the refusal
+            del self._waiting[oldest]
+            oldest.transport.abort()
+        self._waiting[writer] = address
+
     async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Read the hello and answer it; whether the stream may start."""
         sock = writer.get_extra_info("socket")
         if sock is not None:
             tune_stream_socket(sock)
         try:
-            data = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
+            data = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), self._hello_timeout_s)
             if data is None:
                 raise ConnectionError("closed before its hello")
             hello = pb.StepsHello.FromString(data)

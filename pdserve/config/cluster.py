@@ -82,6 +82,12 @@ class ClusterConfig(_Frozen):
     router: RouterConfig = RouterConfig()  # frozen, so one shared default is safe
     redis_url: str | None = None  # node registry / embedding-cache index
     shared_token: str | None = None  # internal gRPC calls carry "authorization: Bearer <token>"
+    # Every node's /metrics answers only "Authorization: Bearer <shared_token>" (401 otherwise).
+    metrics_require_token: bool = False
+    # Mooncake (kv_transport tcp / rdma) listens on every interface with no authentication
+    # (pdserve/kvtransfer/exposure.py): a node on a non-loopback address refuses to start unless
+    # this says the operator keeps those ports off the network (firewall, NetworkPolicy).
+    allow_unauthenticated_kv_ports: bool = False
     # Redis registry: a node's entry expires this long after its last heartbeat (beats every TTL/3).
     registry_ttl_s: float = Field(default=10.0, gt=0)
     nodes: tuple[NodeConfig, ...]
@@ -123,6 +129,11 @@ class ClusterConfig(_Frozen):
             raise ConfigError(
                 "no decode-capable node: add a node with role decode or colocated "
                 "(a prefill node hands its KV to one; without it no request can finish)"
+            )
+        if self.metrics_require_token and not self.shared_token:
+            raise ConfigError(
+                "metrics_require_token: true needs shared_token (the bearer token /metrics asks "
+                "for): set shared_token or drop metrics_require_token"
             )
         self._check_models()
         self._check_addresses()

@@ -127,6 +127,11 @@ class NodeConfig(_Frozen):
     frontend: Literal["socket", "process", "inline"] | None = None
     # The Steps port (socket, process); None or 0: any free port (the router learns it from GetLoad).
     frontend_port: int | None = Field(default=None, ge=0, le=65535)
+    # The Steps socket (frontend: socket): a connection must send its hello within
+    # steps_hello_timeout_s, and at most steps_max_pending_per_peer connections from one peer
+    # address wait for theirs (a newer one closes the oldest; services/steps_socket.py).
+    steps_hello_timeout_s: float = Field(default=1.0, gt=0, le=1.0)
+    steps_max_pending_per_peer: int = Field(default=4, ge=1, le=1024)
 
     def steps_frontend(self) -> str | None:
         """Who serves this node's Steps streams on ``steps_port``: socket | process; None: the
@@ -193,6 +198,13 @@ class NodeConfig(_Frozen):
                 f"node {self.name!r}: frontend_port {self.frontend_port} with frontend: inline (the "
                 "node's own gRPC port serves the Steps streams): remove frontend_port or set "
                 "frontend: socket or process"
+            )
+        steps_keys = {"steps_hello_timeout_s", "steps_max_pending_per_peer"} & self.model_fields_set
+        if steps_keys and self.steps_frontend() != "socket":
+            raise ConfigError(
+                f"node {self.name!r}: {sorted(steps_keys)} act on the Steps socket (decode and "
+                f"colocated nodes with frontend: socket), which a {self.role} node with frontend "
+                f"{self.frontend} does not serve: remove them"
             )
         expected = KV_ROLE_OF_ROLE[self.role]
         if self.kv_role is not None and self.kv_role != expected:

@@ -118,7 +118,8 @@ class MooncakeBackend(TransferBackend):
     """Mooncake Transfer Engine backend (``mooncake.engine.TransferEngine``).
 
     ``host`` is the address peers use; with TCP it is also exported as ``MC_TCP_BIND_ADDRESS``
-    (unless already set) because Mooncake otherwise advertises eth0's address.
+    (unless already set) because Mooncake otherwise advertises eth0's address. Neither moves
+    where its ports listen: every interface (kvtransfer/exposure.py, checked at node start).
     """
 
     def __init__(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,43 +38,56 @@ SERVER_OPTIONS = [
 ]
 
 
+def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS with a node's own receive limit (pdserve/rpc/limits.py)."""
+    assert 0 < max_receive_bytes <= MAX_MESSAGE_BYTES
+    keep = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    return [*keep, ("grpc.max_receive_message_length", max_receive_bytes)]
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without the cluster's shared token (when one is configured)."""
+    """Rejects calls without the cluster's shared token (when one is configured), by metadata
+    alone: the call's message is never read.
+
+    A refused call gets a request-streaming handler that aborts before it asks for a message,
+    whatever the method's own shape: gRPC reads a unary request whole (up to the receive limit)
+    before its handler runs, a streamed one only when the handler iterates. So a stranger's
+    400 MB message is neither buffered nor parsed (the sender is stopped by HTTP/2 flow control
+    and the stream's reset), and the refusal comes before any servicer runs."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
-
-        self._deny = deny
+        self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        md = dict(details.invocation_metadata or ())
-        if details.method.startswith("/grpc.health") or md.get("authorization") == self._expected:
+        if details.method.startswith("/grpc.health") or self._authorized(details):
             return await continuation(details)
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self._deny, request_deserializer=handler.request_deserializer
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                self._deny, request_deserializer=handler.request_deserializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            self._deny, request_deserializer=handler.request_deserializer
-        )
+        return _DENY
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+
+def _never_parsed(raw: bytes) -> Any:
+    raise AssertionError("a refused call's message is never read")
+
+
+async def _deny(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+
+
+_DENY = grpc.stream_unary_rpc_method_handler(_deny, request_deserializer=_never_parsed)
 
 
 def error_to_status(e: BaseException) -> grpc.StatusCode:

@@ -28,11 +28,13 @@ from pdserve.embedcache.connector import EmbeddingProducer
 from pdserve.embedcache.index import EmbeddingIndex
 from pdserve.errors import CapacityError, ConfigError, InvalidRequestError
 from pdserve.kvtransfer.backend import TransferError
+from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.models.image_processor import ClipImageProcessor, ImageLimits
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from pdserve.rpc.limits import encoder_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.encoder.core import EncoderCore, EncoderMetrics, ImageInput
 from services.node_lifecycle import start_grpc_server
@@ -62,6 +64,8 @@ class EncoderOptions:
     # test-only faults (cluster file ``faults.encode_delay_s`` / ``faults.ec_push_delay_s``)
     encode_delay_s: float = 0.0
     push_delay_s: float = 0.0
+    allow_unauthenticated_kv_ports: bool = False  # see pdserve/kvtransfer/exposure.py
+    metrics_require_token: bool = False  # /metrics asks for "Authorization: Bearer <shared_token>"
 
 
 class EncoderNode:
@@ -72,12 +76,18 @@ class EncoderNode:
 
         self.opts = opts
         self.epoch = new_epoch()
+        check_kv_ports(
+            opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
+        )
         device = resolve_device(opts.device)
         model, _ = load_model(opts.model, resolve_dtype(opts.dtype, device), device)
         if not isinstance(model, LlavaForConditionalGeneration):
             raise ConfigError(f"model {opts.model!r} has no vision tower: an encoder needs a LLaVA model")
         self.registry = CollectorRegistry()
         self.backend = make_backend(opts.kv_transport, opts.kv_host, "cpu")
+        check_no_wildcard(
+            opts.name, opts.kv_transport, opts.host, opts.allow_unauthenticated_kv_ports, self.backend
+        )
         self.producer = EmbeddingProducer(
             opts.name,
             self.backend,
@@ -91,6 +101,7 @@ class EncoderNode:
             max_image_bytes=opts.max_image_bytes or defaults.max_image_bytes,
             max_image_pixels=opts.max_image_pixels or defaults.max_image_pixels,
         )
+        self.max_image_bytes = limits.max_image_bytes
         self.core = EncoderCore(
             model,
             ClipImageProcessor.from_model_dir(opts.model),
@@ -116,6 +127,8 @@ class EncoderNode:
             shared_token=self.opts.shared_token,
             metrics_port=self.opts.metrics_port,
             registry=self.registry,
+            max_receive_bytes=encoder_receive_limit_bytes(self.max_image_bytes),
+            metrics_token=self.opts.shared_token if self.opts.metrics_require_token else None,
         )
         print(f"pdserve encoder node {self.opts.name} ready on {addr}", flush=True)
         if ready is not None:

@@ -33,6 +33,7 @@ from google.protobuf.message import DecodeError
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from pdserve.rpc.limits import command_split
 from services.steps_direct import frame, read_frame
 from services.steps_socket import HELLO_MAX_BYTES, tune_stream_socket
 
@@ -256,6 +257,16 @@ class StepMux:
                 self._wake.clear()
                 if not (self._starts or self._aborts):
                     continue
+                # Starts go out in commands of at most STEP_COMMAND_BYTES (one larger start goes
+                # alone), so a command stays within the node's receive limit
+                # (pdserve/rpc/limits.py); aborts go with the last one.
+                while len(self._starts) > 1:
+                    n = command_split(self._starts)
+                    if n == len(self._starts):
+                        break
+                    starts = self._starts[:n]
+                    del self._starts[:n]
+                    await call.write(pb.StepCommand(start=starts))
                 cmd = pb.StepCommand(start=self._starts, abort=self._aborts)
                 self._starts, self._aborts = [], []
                 await call.write(cmd)

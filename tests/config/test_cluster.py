@@ -557,3 +557,20 @@ def test_token_budget_is_derived_from_the_role_unless_the_file_sets_it() -> None
     set_ = ClusterConfig.from_dict(_1p1d(max_num_batched_tokens=1024))
     r = resolve_node_settings(set_, "p0", is_multimodal=_text)
     assert r.engine_config().scheduler.max_num_batched_tokens == 1024 and r.overridden == ()
+
+
+def test_metrics_require_token_needs_a_shared_token() -> None:
+    assert "needs shared_token" in _load_error({**_1p1d(), "metrics_require_token": True})
+    c = ClusterConfig.from_dict({**_1p1d(), "metrics_require_token": True, "shared_token": "t"})
+    assert c.metrics_require_token and not c.allow_unauthenticated_kv_ports
+
+
+def test_steps_socket_settings_only_where_a_steps_socket_listens() -> None:
+    msg = _load_error(_1p1d(steps_hello_timeout_s=0.5))
+    assert "steps_hello_timeout_s" in msg and "prefill" in msg
+    inline = _node("d0", "decode", 50062, frontend="inline", steps_max_pending_per_peer=2)
+    assert "steps_max_pending_per_peer" in _load_error(_cluster(inline))
+    d0 = _node("d0", "decode", 50062, steps_hello_timeout_s=0.5, steps_max_pending_per_peer=2)
+    node = ClusterConfig.from_dict(_cluster(d0)).node("d0")
+    assert (node.steps_hello_timeout_s, node.steps_max_pending_per_peer) == (0.5, 2)
+    assert ClusterConfig.from_dict(_1p1d()).node("d0").steps_hello_timeout_s == 1.0

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from pdserve.rpc import node_pb2 as pb
+from pdserve.rpc.limits import STEP_COMMAND_BYTES
 from services import steps_socket
 from services.router.step_mux import SocketSteps, StepMux
 from services.steps_direct import MAX_FRAME, frame, read_frame
@@ -42,8 +43,8 @@ class _Echo:
             self.ended += 1
 
 
-async def _front(token: str | None = None) -> StepsFront:
-    fe = StepsFront(_Echo(), "127.0.0.1", 0, token)
+async def _front(token: str | None = None, **kw: Any) -> StepsFront:
+    fe = StepsFront(_Echo(), "127.0.0.1", 0, token, **kw)
     await fe.start()
     return fe
 
@@ -129,20 +130,40 @@ def test_the_routers_close_ends_the_stream_at_once() -> None:
     asyncio.run(main())
 
 
-def test_connections_waiting_for_their_hello_are_capped(monkeypatch) -> None:
-    monkeypatch.setattr(steps_socket, "MAX_PENDING_HELLOS", 2)
+def test_a_new_connection_past_the_per_peer_cap_closes_the_oldest_waiting_one() -> None:
+    """Idle strangers from the router's own address cannot keep the router out: the newest
+    connection gets in (and its hello is answered), the oldest silent one is closed."""
 
     async def main() -> None:
-        fe = await _front(None)
+        fe = await _front("tok", max_pending_per_peer=2, hello_timeout_s=5.0)
         try:
             silent = [await _raw(fe.port) for _ in range(2)]
             await asyncio.sleep(0.05)
-            r, w = await _raw(fe.port)  # the third is closed at once
-            assert await asyncio.wait_for(r.read(), 5) == b""
+            s = await SocketSteps.connect(f"127.0.0.1:{fe.port}", "tok")  # the third: welcomed
+            assert await asyncio.wait_for(silent[0][0].read(), 5) == b""  # the oldest: closed
+            third = await _raw(fe.port)  # a fourth closes the next oldest, the second silent one
+            assert await asyncio.wait_for(silent[1][0].read(), 5) == b""
+            assert fe.refused_total == 2
+            s.cancel()
+            for _, sw in [*silent, third]:
+                sw.close()
+        finally:
+            await fe.stop()
+
+    asyncio.run(main())
+
+
+def test_connections_of_all_peers_waiting_are_capped(monkeypatch) -> None:
+    monkeypatch.setattr(steps_socket, "MAX_PENDING_HELLOS", 2)
+
+    async def main() -> None:
+        fe = await _front(None, max_pending_per_peer=10, hello_timeout_s=5.0)
+        try:
+            silent = [await _raw(fe.port) for _ in range(3)]  # the third closes the first
+            assert await asyncio.wait_for(silent[0][0].read(), 5) == b""
             assert fe.refused_total == 1
             for _, sw in silent:
                 sw.close()
-            w.close()
         finally:
             await fe.stop()
 
@@ -162,11 +183,9 @@ def test_nothing_listening_is_unavailable() -> None:
         asyncio.run(main())
 
 
-def test_no_hello_in_time_or_an_oversized_one_is_closed_unread(monkeypatch) -> None:
-    monkeypatch.setattr(steps_socket, "HELLO_TIMEOUT_S", 0.2)
-
+def test_no_hello_in_time_or_an_oversized_one_is_closed_unread() -> None:
     async def main() -> None:
-        fe = await _front("tok")
+        fe = await _front("tok", hello_timeout_s=0.2)
         try:
             r, w = await _raw(fe.port)  # says nothing
             assert await asyncio.wait_for(r.read(), 5) == b""  # closed by the node
@@ -281,5 +300,50 @@ def test_stopping_the_front_ends_its_streams() -> None:
         with pytest.raises(StopAsyncIteration):  # the node closed the connection
             await asyncio.wait_for(anext(batches), 5)
         s.cancel()
+
+    asyncio.run(main())
+
+
+def test_the_router_sends_many_starts_in_commands_of_a_bounded_size() -> None:
+    """A burst of starts goes out in commands of at most STEP_COMMAND_BYTES (each within the
+    node's receive limit, pdserve/rpc/limits.py); every request still runs, aborts after the starts."""
+
+    class Recording(_Echo):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[tuple[int, int, int]] = []
+
+        async def steps_session(self, commands: AsyncIterator[pb.StepCommand], direct: Any):  # type: ignore[no-untyped-def]
+            async def recorded() -> AsyncIterator[pb.StepCommand]:
+                async for cmd in commands:
+                    self.sizes.append((len(cmd.start), len(cmd.abort), cmd.ByteSize()))
+                    yield cmd
+
+            async for batch in super().steps_session(recorded(), direct):
+                yield batch
+
+    async def main() -> None:
+        node = Recording()
+        fe = StepsFront(node, "127.0.0.1", 0, None)
+        await fe.start()
+        mux = StepMux(lambda: SocketSteps.connect(f"127.0.0.1:{fe.port}", None))
+        try:
+            n = 11  # 1 MiB of prompt each: four to a command
+            ids = [1 << 27] * ((1 << 18) - 16)  # 4-byte varints: just under 1 MiB
+            legs = [
+                mux.open(pb.DecodeRequest(request_id=f"r{i}", prompt_token_ids=ids), timeout_s=10)
+                for i in range(n)
+            ]
+            extra = mux.open(pb.DecodeRequest(request_id="hang-x"), timeout_s=10)
+            extra.cancel()  # queued with the burst: its abort follows its start
+            for leg in legs:
+                assert (await leg.read()).finish_reason == "length"
+            assert sum(s for s, _, _ in node.sizes) == n + 1
+            assert [s for s, _, _ in node.sizes] == [4, 4, 4]
+            assert max(b for _, _, b in node.sizes) <= STEP_COMMAND_BYTES + 64
+            assert [a for _, a, _ in node.sizes] == [0, 0, 1]
+        finally:
+            await mux.close()
+            await fe.stop()
 
     asyncio.run(main())
