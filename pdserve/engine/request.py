@@ -24,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_REMOTE_KV = 1  # blocks allocated, KV being pulled from a prefill node
     RUNNING = 2
     PREEMPTED = 3
+    WAITING_FOR_GRAMMAR = 4  # its structured-output grammar is compiling (nothing allocated)
     # Everything from here on is finished.
     FINISHED_STOPPED = 10  # eos, stop token or stop string
     FINISHED_LENGTH = 11  # max_tokens or max_model_len

@@ -67,6 +67,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by request.sort_key(policy)
         self.running: list[Request] = []  # admission order
         self.waiting_for_kv: dict[str, Request] = {}
+        # Requests whose grammar is compiling (GrammarCompileService): never scheduled, nothing
+        # allocated; grammar_ready() moves them to the waiting queue.
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         # Prefill side: finished requests whose blocks stay held for a decode node to pull.
         self.held_for_transfer: dict[str, Request] = {}
@@ -76,10 +79,22 @@ class Scheduler:
         self.num_preemptions_total = 0
 
     # -- queue management ------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, wait_for_grammar: bool = False) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
-        self._insert_waiting(req)
+        if wait_for_grammar:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[req.request_id] = req
+        else:
+            self._insert_waiting(req)
+
+    def grammar_ready(self, request_id: str) -> Request | None:
+        """The request's grammar compiled: it joins the waiting queue (None: it is gone)."""
+        req = self.waiting_for_grammar.pop(request_id, None)
+        if req is not None:
+            req.status = RequestStatus.WAITING
+            self._insert_waiting(req)
+        return req
 
     def _insert_waiting(self, req: Request) -> None:
         key = req.sort_key(self.policy)
@@ -87,15 +102,17 @@ class Scheduler:
         self.waiting.insert(bisect.bisect_right(keys, key), req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.waiting_for_grammar)
 
     def has_runnable(self) -> bool:
-        """Work a step could do now (requests waiting only for remote KV are not)."""
+        """Work a step could do now (requests waiting only for remote KV or a grammar are not)."""
         return bool(self.waiting or self.running)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+        return (
+            len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.waiting_for_grammar)
+        )
 
     def _pick_victim(self) -> Request:
         # The lowest-ranked running request: the last by policy order.
@@ -325,6 +342,8 @@ class Scheduler:
             # (finish_kv_load); keep them until then.
             req.status = status
             return req
+        elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
