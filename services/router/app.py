@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
+from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
 from services.router.chat import create_chat_completion
@@ -55,6 +56,7 @@ def create_app(
     image_token_id: int | None = None,
     encoders: Any | None = None,
     image_seq_length: int | None = None,
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
 ) -> FastAPI:
     """Build the app.
 
@@ -85,6 +87,7 @@ def create_app(
         image_token_id=image_token_id,
         encoders=encoders,
         image_seq_length=image_seq_length,
+        max_grammar_bytes=max_grammar_bytes,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

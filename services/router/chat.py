@@ -87,7 +87,7 @@ async def create_chat_completion(
     requested = body.requested_max_tokens
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     num_top = body.top_logprobs or 0
-    params = sampling_params(body, requested, num_top if body.logprobs else None)
+    params = sampling_params(body, requested, num_top if body.logprobs else None, ctx.max_grammar_bytes)
     ctx.limits.check_sequences(1, body.n)
     mode, params = _with_tools(body, params, ctx.tool_call_parser)
     prompt, images = render_chat_prompt(ctx, body)

@@ -103,6 +103,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         image_token_id=image_token_id,
         encoders=encoders,
         image_seq_length=image_seq_length,
+        max_grammar_bytes=r.max_grammar_bytes,
     )
     server = uvicorn.Server(
         uvicorn.Config(

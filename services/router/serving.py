@@ -19,6 +19,7 @@ from starlette.types import Receive
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError, PdserveError, PromptTooLongError
 from services.router.backend import BackendRequest, GenerateBackend
 from services.router.errors import APIError, bad_request, to_api_error
@@ -59,6 +60,7 @@ class ServingContext:
     # Tokens per image, when prefill encodes images itself (no encoder node serves the model).
     image_seq_length: int | None = None
     max_image_bytes: int = 20 << 20
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # router.max_grammar_bytes (structured_of)
     token_texts: TokenTexts = field(init=False)
     # The router makes the text of sequences without stop strings (streams.detokenize_here).
     detokenizer: IncrementalDetokenizer | None = field(init=False)
@@ -114,8 +116,14 @@ def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: i
     return requested if requested is not None else room
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param)."""
+def sampling_params(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+) -> SamplingParams:
+    """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param).
+    A structured-output constraint longer than ``max_grammar_bytes`` is refused before it is parsed."""
     kwargs: dict[str, Any] = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -125,7 +133,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "seed": body.seed,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
-        "structured": structured_of(body.response_format, body.structured_outputs),
+        "structured": structured_of(body.response_format, body.structured_outputs, max_grammar_bytes),
     }
     for name in (
         "temperature",
