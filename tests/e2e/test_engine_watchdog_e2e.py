@@ -30,24 +30,22 @@ STALL_S = 5.0
 NODES = ["prefill-0", "decode-0", "decode-1"]
 
 
+def _two_decode_config(model_dir) -> ClusterConfig:
+    """router + prefill-0 + decode-0 (step_timeout_s 1, the stall fault) + decode-1 (defaults)."""
+    wedging = {"step_timeout_s": STEP_TIMEOUT_S, "faults": {"engine_stall_on_sigusr2_s": STALL_S}}
+    data = isolated_cluster_config(model_dir, **{"decode-0": wedging}).model_dump(
+        mode="json", exclude_unset=True
+    )
+    d0 = next(n for n in data["nodes"] if n["name"] == "decode-0")
+    base = data["router"]["port"]
+    d1 = {k: v for k, v in d0.items() if k not in wedging}
+    data["nodes"].append({**d1, "name": "decode-1", "grpc_port": base + 5, "metrics_port": base + 6})
+    return ClusterConfig.from_dict(data)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
-    c = isolated_cluster_config(
-        tiny_models["llama"],
-        router={"breaker_failures": 1},
-        **{
-            "decode-0": {
-                "step_timeout_s": STEP_TIMEOUT_S,
-                "faults": {"engine_stall_on_sigusr2_s": STALL_S},
-            }
-        },
-    )
-    data = c.model_dump(mode="json", exclude_unset=True)
-    base = c.router.port
-    d1 = {k: v for k, v in next(n for n in data["nodes"] if n["name"] == "decode-0").items() if k != "faults"}
-    d1.update(name="decode-1", grpc_port=base + 5, metrics_port=base + 6, step_timeout_s=300.0)
-    data["nodes"].append(d1)
-    with running_cluster(ClusterConfig.from_dict(data), tmp_path_factory.mktemp("wedge")) as rc:
+    with running_cluster(_two_decode_config(tiny_models["llama"]), tmp_path_factory.mktemp("wedge")) as rc:
         yield rc
 
 
