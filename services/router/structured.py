@@ -100,13 +100,21 @@ def structured_of(
             400, "give either response_format or structured_outputs, not both", param="structured_outputs"
         )
     got = a if a is not None else b
-    if got is not None and len(got[1].encode()) > max_grammar_bytes:
-        kind = "JSON schema" if got[0] == "json_schema" else got[0]
+    if got is not None:
+        refuse_large(got, max_grammar_bytes, "response_format" if a is not None else "structured_outputs")
+    return got
+
+
+def refuse_large(structured: tuple[str, str], max_grammar_bytes: int, param: str) -> None:
+    """A 400 naming router.max_grammar_bytes when the constraint's spec is longer (the spec may be
+    cut short just past the limit: ``_spec_text``)."""
+    kind, spec = structured
+    if len(spec.encode()) > max_grammar_bytes:
+        kind = "JSON schema" if kind == "json_schema" else kind
         raise APIError(
             400,
             f"the {kind} constraint is over {max_grammar_bytes} bytes long; at most "
             f"router.max_grammar_bytes={max_grammar_bytes} bytes are accepted: send a smaller one",
-            param="response_format" if a is not None else "structured_outputs",
+            param=param,
             code="grammar_too_large",
         )
-    return got

@@ -115,6 +115,12 @@ def test_a_1mb_schema_is_a_400_naming_the_limit_in_under_a_second(url: str) -> N
     extra = {"structured_outputs": {"json": schema}}
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    # a forced tool call's constraint is built from the tool's parameters: the same limit
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    forced = {**body, "response_format": None, "tools": [tool], "tool_choice": "required"}
+    r = httpx.post(url + "/v1/chat/completions", json=forced, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert r.json()["error"]["code"] == "grammar_too_large"
     # under the limit the same shape passes the size check (the fake backend answers)
     small = {
         **body,
