@@ -48,32 +48,37 @@ class GrammarTimeoutError(InvalidRequestError):
 
 
 class _Worker:
-    """The compile worker process (pdserve.engine.grammar_worker) and its JSON-line pipes."""
+    """The compile worker process (pdserve.engine.grammar_worker) and its JSON-line pipes.
 
-    def __init__(self, tokenizer_info_json: str, start_timeout_s: float) -> None:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            f.write(json.dumps({"tokenizer_info": tokenizer_info_json}) + "\n")
+    Spawned at once (importing xgrammar, which imports torch, took 3.3 s of CPU and up to 10 s on
+    the loaded 2-core CI host) and given the tokenizer by ``start`` when the first job needs it:
+    the import overlaps the tokenizer's loading, and after a kill the next worker's import
+    overlaps the wait for the next grammar."""
+
+    def __init__(self) -> None:
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
         )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.engine.grammar_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.ready = False
+
+    def start(self, tokenizer_info_json: str, start_timeout_s: float) -> None:
+        """Hand the worker its tokenizer (a file: a line that fits the pipe never blocks on a
+        worker still importing) and wait until it answers ready."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            f.write(tokenizer_info_json)
         try:
-            with open(f.name) as info:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "pdserve.engine.grammar_worker"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                )
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(info.read())
-                self.proc.stdin.flush()
+            self.send({"tokenizer_info_path": f.name})
             self.recv(start_timeout_s, "start (grammar_worker_start_timeout_s)")
-        except BaseException:
-            self.kill()
-            raise
         finally:
             os.unlink(f.name)
+        self.ready = True
 
     def send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -119,11 +124,11 @@ class GrammarCompileService:
         self.start_timeout_s = start_timeout_s
         self.on_done = on_done  # called on the compile thread after a Future is settled
         self.compiler: GrammarCompiler | None = None  # built on the compile thread (loads the tokenizer)
-        self._worker: _Worker | None = None
         self._jobs: queue.SimpleQueue[tuple[str, str, str] | None] = queue.SimpleQueue()
         self._inflight: dict[str, Future[Any]] = {}  # key -> its Future, shared by equal submits
         self._lock = threading.Lock()
         self.num_timeouts_total = 0
+        self._worker: _Worker | None = _Worker()  # importing while the first grammar's tokenizer loads
         self._thread = threading.Thread(target=self._run, name="pdserve-grammar-compile", daemon=True)
         self._thread.start()
 
@@ -178,13 +183,20 @@ class GrammarCompileService:
         """Compile in the worker process within ``timeout_s``, or kill it and raise."""
         assert self.compiler is not None
         if self._worker is None:
-            self._worker = _Worker(self.compiler.info.serialize_json(), self.start_timeout_s)
+            self._worker = _Worker()
+        if not self._worker.ready:
+            try:
+                self._worker.start(self.compiler.info.serialize_json(), self.start_timeout_s)
+            except (TimeoutError, ChildProcessError, OSError, ValueError) as e:
+                self._worker.kill()
+                self._worker = None
+                raise RuntimeError(f"the grammar compile worker did not start: {e}") from e
         try:
             self._worker.send({"kind": kind, "spec": spec})
             msg = self._worker.recv(self.timeout_s, f"a {kind} compile")
         except TimeoutError as e:
             self._worker.kill()
-            self._worker = None
+            self._worker = _Worker()  # the next one imports while nothing waits for it
             self.num_timeouts_total += 1
             raise GrammarTimeoutError(
                 f"the {kind} grammar ({len(spec.encode())} bytes) did not compile within "

@@ -9,7 +9,8 @@ string properties, 512-token vocabulary: compile 0.42 s, ``serialize_json`` 9.3 
 ``deserialize_json`` 5.8 s; docs/architecture.md, structured outputs).
 
 Protocol: JSON lines on stdin / stdout, never pickle. The first line is
-``{"tokenizer_info": <TokenizerInfo.serialize_json()>}``, answered ``{"ready": true}``; then each
+``{"tokenizer_info_path": <a file holding TokenizerInfo.serialize_json()>}``, answered
+``{"ready": true}``; then each
 ``{"kind": k, "spec": s}`` is answered ``{"ok": true, "compile_s": t}`` or
 ``{"ok": false, "error": msg}``. EOF on stdin ends the process; so does the parent's death
 (PR_SET_PDEATHSIG on Linux).
@@ -48,7 +49,8 @@ def serve(inp: TextIO, out: TextIO) -> None:
     first = inp.readline()
     if not first:
         return
-    info = xgr.TokenizerInfo.deserialize_json(json.loads(first)["tokenizer_info"])
+    with open(json.loads(first)["tokenizer_info_path"]) as f:
+        info = xgr.TokenizerInfo.deserialize_json(f.read())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     _reply(out, {"ready": True})
     for line in inp:

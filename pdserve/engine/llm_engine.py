@@ -279,8 +279,9 @@ class LLMEngine:
             from pdserve.engine.structured import GrammarCompiler
 
             cfg, vocab, eos = self.config, self.arch.vocab_size, sorted(self.eos_token_ids) or None
+            tok = self.tokenizer
             self.grammars = GrammarCompileService(
-                lambda: GrammarCompiler(load_tokenizer(cfg.model), vocab, eos),
+                lambda: GrammarCompiler(tok if tok is not None else load_tokenizer(cfg.model), vocab, eos),
                 cfg.grammar_compile_timeout_s,
                 cfg.grammar_worker_start_timeout_s,
                 on_done=lambda: self.grammar_wake() if self.grammar_wake is not None else None,
