@@ -286,6 +286,15 @@ class EngineLoop:
         must :meth:`release` the request: after its finishing delta, or with ``abort=True``
         when it gives up on it."""
         self.check_alive()
+        if params.structured is not None:
+            # Admitted once its grammar is compiled (off this loop and the engine thread): a
+            # compile that fails or runs out of time is this request's error (InvalidRequestError:
+            # INVALID_ARGUMENT, the router's 400), never a stream that ends in an error.
+            # shield: a caller that leaves must not cancel a Future other requests share
+            await asyncio.shield(
+                asyncio.wrap_future(self.engine.grammar_service().submit(*params.structured))
+            )
+            self.check_alive()
         self._streams[request_id] = on_delta
         if direct is not None:
             self._direct[request_id] = direct

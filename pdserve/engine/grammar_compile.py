@@ -161,6 +161,10 @@ class GrammarCompileService:
             key, kind, spec = job
             with self._lock:
                 fut = self._inflight[key]
+            if not fut.set_running_or_notify_cancel():  # cancelled while queued: nobody waits
+                with self._lock:
+                    del self._inflight[key]
+                continue
             try:
                 fut.set_result(self._compile(kind, spec))
             except BaseException as e:  # handed to the waiting requests, never swallowed

@@ -29,6 +29,7 @@ replay its state-changing calls (``pdserve.distributed.tp_worker``); ``close()``
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -76,6 +77,7 @@ class LLMEngine:
         # request id -> (its grammar's Future, the forward of its add_request to TP workers)
         self._grammar_pending: dict[str, tuple[Future[Any], Callable[[], None]]] = {}
         self.grammar_wake: Callable[[], None] | None = None  # EngineLoop: wake the engine thread
+        self._grammar_lock = threading.Lock()
         self._tp_group: TPWorkerGroup | None = None
         tp = config.parallel.tensor_parallel_size
         if tp_rank == 0:  # TP workers and pipeline stages set their own (tp_worker, pp_stage)
@@ -275,6 +277,12 @@ class LLMEngine:
         return req
 
     def grammar_service(self) -> GrammarCompileService:
+        """The engine's grammar compiler (made on first use; any thread: EngineLoop.admit asks
+        from the event loop)."""
+        with self._grammar_lock:
+            return self._make_grammar_service()
+
+    def _make_grammar_service(self) -> GrammarCompileService:
         if self.grammars is None:
             from pdserve.engine.structured import GrammarCompiler
 
