@@ -4,7 +4,10 @@ A request with a constraint waits outside the scheduler's queues (``Scheduler.wa
 until its grammar is compiled; the engine keeps stepping every other request meanwhile. Compiled
 grammars are cached by content hash (``structured.grammar_key``): a cached one admits at once.
 
-    engine thread          add_request -> submit(kind, spec) -> Future; the request waits
+    node's event loop      EngineLoop.admit: submit(kind, spec) -> Future, awaited before admission
+                           (a failure is the request's INVALID_ARGUMENT / 400)
+    engine thread          add_request -> submit(kind, spec) -> Future (a cache hit on a node);
+                           not done: the request waits in Scheduler.waiting_for_grammar
     compile thread         cache hit? -> worker process: compile under grammar_compile_timeout_s
                               timeout: kill the worker, the Future fails (GrammarTimeoutError)
                               ok:      compile again here (the GIL is let go) -> cache -> Future
