@@ -28,13 +28,14 @@ blocks cover every running request's next chunk, so no preemption can be needed.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.config.engine import SchedulerConfig
 from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, next_arrival_seq
 from pdserve.engine.scheduler_output import KVLoadSpec, ScheduledChunk, SchedulerOutput
 from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
 
@@ -89,9 +90,12 @@ class Scheduler:
             self._insert_waiting(req)
 
     def grammar_ready(self, request_id: str) -> Request | None:
-        """The request's grammar compiled: it joins the waiting queue (None: it is gone)."""
+        """The request's grammar compiled: it joins the waiting queue (None: it is gone), as if it
+        arrived now: TP workers are handed the request at this point (LLMEngine) and queue it
+        behind everything waiting, so rank 0 must too, or their schedules part."""
         req = self.waiting_for_grammar.pop(request_id, None)
         if req is not None:
+            req.arrival_time, req.arrival_seq = time.monotonic(), next_arrival_seq()
             req.status = RequestStatus.WAITING
             self._insert_waiting(req)
         return req

@@ -231,9 +231,12 @@ def test_a_request_waiting_for_its_grammar_is_never_scheduled_until_ready() -> N
     assert g.status == h.status == RequestStatus.WAITING_FOR_GRAMMAR and not s.kv.holds("g")
     assert s.finish_request("h", RequestStatus.FINISHED_ERROR) is h  # its compile failed
     assert s.grammar_ready("h") is None and "h" not in s.requests
+    late = req("late", 5, base=200)
+    s.add_request(late)  # arrived after g, queued before g's grammar was ready
     assert s.grammar_ready("g") is g and g.status == RequestStatus.WAITING
+    assert [r.request_id for r in s.waiting] == ["late", "g"]  # g queues as if it arrived now (TP lockstep)
     out = run_step(s)
-    assert "g" in {c.request.request_id for c in out.chunks}
+    assert {"g", "late"} <= {c.request.request_id for c in out.chunks}
     while s.has_unfinished():
         run_step(s)
     assert s.kv.pool.num_used_blocks == 0 and not s.waiting_for_grammar
