@@ -273,8 +273,20 @@ class LLMEngine:
             assert grammar is not None
             self._grammar_pending[req.request_id] = (grammar, forward)
         else:
+            if grammar is not None:
+                self._share_grammar_compiler()
             forward()
         return req
+
+    def _share_grammar_compiler(self) -> None:
+        """The model runner's matchers use the compile service's compiler and its cache, so
+        their first sight of a request finds its grammar compiled (never compiled on this thread)."""
+        if (
+            isinstance(self.runner, ModelRunner)
+            and self.grammars is not None
+            and self.grammars.compiler is not None
+        ):
+            self.runner.grammar.compiler = self.grammars.compiler
 
     def grammar_service(self) -> GrammarCompileService:
         """The engine's grammar compiler (made on first use; any thread: EngineLoop.admit asks
@@ -317,8 +329,7 @@ class LLMEngine:
                 continue
             err = fut.exception()
             if err is None:
-                if isinstance(self.runner, ModelRunner) and self.grammars is not None:
-                    self.runner.grammar.compiler = self.grammars.compiler  # the cache it filled
+                self._share_grammar_compiler()
                 self.scheduler.grammar_ready(rid)
                 forward()
                 continue

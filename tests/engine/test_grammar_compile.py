@@ -110,3 +110,36 @@ def test_a_spec_over_max_grammar_bytes_is_refused_at_admission(tiny_models, make
         llm.engine.add_request("Say", SamplingParams(structured=("json_schema", _schema(100))))
     assert str(len(_schema(100))) in str(e.value)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_cached_grammar_admits_at_once_and_the_matchers_use_the_service_cache(
+    tiny_models, make_llm, monkeypatch
+) -> None:
+    """The path a node takes (EngineLoop.admit waits for the compile, then add_request hits the
+    cache): the request is queued at once and its matcher's grammar comes from the service's
+    cache; nothing compiles on the engine thread."""
+    import threading
+
+    from pdserve.engine.structured import GrammarCompiler
+
+    llm = make_llm(tiny_models["llama"], max_model_len=256)
+    eng = llm.engine
+    eng.grammar_service().submit("regex", "[xy]{5}").result(timeout=120)
+    engine_thread = threading.current_thread()
+    compile_ = GrammarCompiler.compile
+
+    def compile_off_thread(self, kind, spec):
+        assert threading.current_thread() is not engine_thread or self.cached(kind, spec) is not None
+        return compile_(self, kind, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", compile_off_thread)
+    eng.add_request(
+        "Say", SamplingParams(temperature=0.0, max_tokens=5, structured=("regex", "[xy]{5}")), "r"
+    )
+    assert eng.scheduler.requests["r"].status == RequestStatus.WAITING
+    deltas = []
+    while eng.has_unfinished():
+        deltas += eng.step()
+    text = "".join(d.text for d in deltas)
+    assert len(text) == 5 and set(text) <= {"x", "y"}, text
+    assert eng.runner.grammar.compiler is eng.grammars.compiler
