@@ -32,6 +32,7 @@ from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
+from pdserve.engine.structured import check_size
 from pdserve.errors import EngineDeadError, EngineWedgedError
 from pdserve.kvtransfer.params import KVTransferParams
 
@@ -291,9 +292,9 @@ class EngineLoop:
             # compile that fails or runs out of time is this request's error (InvalidRequestError:
             # INVALID_ARGUMENT, the router's 400), never a stream that ends in an error.
             # shield: a caller that leaves must not cancel a Future other requests share
-            await asyncio.shield(
-                asyncio.wrap_future(self.engine.grammar_service().submit(*params.structured))
-            )
+            kind, spec = params.structured
+            check_size(spec, self.engine.config.max_grammar_bytes, "the node's max_grammar_bytes")
+            await asyncio.shield(asyncio.wrap_future(self.engine.grammar_service().submit(kind, spec)))
             self.check_alive()
         self._streams[request_id] = on_delta
         if direct is not None:
