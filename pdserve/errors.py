@@ -43,3 +43,8 @@ class EngineStalledError(PdserveError, RuntimeError):
 class EngineDeadError(PdserveError, RuntimeError):
     """The node's engine thread (or a stage process) died: nothing more can be served here. The
     node turns NOT_SERVING and exits non-zero; maps to gRPC UNAVAILABLE so the router goes elsewhere."""
+
+
+class EngineWedgedError(EngineDeadError):
+    """The node's engine thread has been in one step past ``step_timeout_s``: the node takes no
+    request until the step ends (services/engine_watchdog.py); UNAVAILABLE, as a dead engine."""

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
+from services.engine_watchdog import EngineWatchdog
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
 from services.steps_frontend import FrontendProcess
 from services.steps_socket import StepsFront
@@ -178,6 +180,9 @@ class NodeBase:
         # Set with readiness (health SERVING): until then GetLoad answers UNAVAILABLE, so a router
         # polling a starting node never takes it before its front end's steps_address is known.
         self.started = False
+        self.engine_watchdog: EngineWatchdog | None = (
+            None  # set by serve(): step_timeout_s on the engine thread
+        )
 
     # hooks -------------------------------------------------------------------------------------
     def _on_hold(self, req: Any, block_ids: list[int]) -> bool:
@@ -308,6 +313,12 @@ class NodeBase:
         self._stop_event = stop
         if self.opts.faults.engine_death_on_sigusr1:
             self.loop.add_signal_handler(signal.SIGUSR1, self.inject_engine_death)
+        if self.opts.faults.engine_stall_on_sigusr2_s:
+            self.loop.add_signal_handler(signal.SIGUSR2, self.inject_engine_stall)
+        self.engine_watchdog = EngineWatchdog(
+            self.opts.name, self.engine_loop, self.engine.config.step_timeout_s, health_servicer
+        )
+        engine_watch = asyncio.create_task(self.engine_watchdog.run())
         watchdog = None
         if isinstance(self.engine.runner, PipelineRunner):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
@@ -315,6 +326,7 @@ class NodeBase:
         if isinstance(frontend, FrontendProcess):
             fe_watch = asyncio.create_task(self._watch_frontend(frontend, health_servicer))
         await stop.wait()
+        engine_watch.cancel()
         if watchdog is not None:
             watchdog.cancel()
         if fe_watch is not None:
@@ -340,6 +352,18 @@ class NodeBase:
 
         assert self.engine_loop is not None
         self.engine_loop.post(die)
+
+    def inject_engine_stall(self) -> None:
+        """Test-only (``faults.engine_stall_on_sigusr2_s``): hold the engine thread in one
+        command that long, as a wedged step would (the watchdog's case)."""
+        stall_s = self.opts.faults.engine_stall_on_sigusr2_s
+        logger.warning(
+            "node %s: injected engine stall of %g s (faults.engine_stall_on_sigusr2_s)",
+            self.opts.name,
+            stall_s,
+        )
+        assert self.engine_loop is not None
+        self.engine_loop.post(lambda _engine: time.sleep(stall_s))
 
     def _on_engine_death(self, e: BaseException) -> None:
         """Event loop, once: the engine thread died (its streams already ended with an error).

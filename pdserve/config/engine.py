@@ -105,6 +105,14 @@ class EngineConfig:
     # Longest a step's device work may take before the engine gives up on it (a hung kernel or
     # device then fails the requests with an error instead of blocking the node forever).
     step_timeout_s: float = 300.0
+    # Structured outputs (pdserve.engine.grammar_compile): a constraint's spec past
+    # max_grammar_bytes is refused at admission; a grammar that does not compile within
+    # grammar_compile_timeout_s is cancelled (its worker process killed) and its request ends
+    # with an error while the others keep stepping; the worker process must start within
+    # grammar_worker_start_timeout_s.
+    max_grammar_bytes: int = 65536
+    grammar_compile_timeout_s: float = 10.0
+    grammar_worker_start_timeout_s: float = 60.0
     # torch's intra-op CPU threads in each of the engine's processes. None: on a CPU device half
     # the host's usable cores (at least one), split between the engine's processes (TP ranks,
     # pipeline stages), leaving the rest to the node's other processes (front end, router,
@@ -118,6 +126,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        for name in ("grammar_compile_timeout_s", "grammar_worker_start_timeout_s", "max_grammar_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -45,6 +45,9 @@ class FaultsConfig(_Frozen):
     # SIGUSR1 makes the node's engine thread die (as an uncaught device fault would): the node
     # turns NOT_SERVING, fails its in-flight requests and exits with 70.
     engine_death_on_sigusr1: bool = False
+    # SIGUSR2 holds the engine thread in one command this long (a wedged step): past the node's
+    # step_timeout_s its watchdog turns it NOT_SERVING; 0: off
+    engine_stall_on_sigusr2_s: float = Field(default=0.0, ge=0)
     # prefill: every PushKV waits this long right before its KV write (a slow transfer window)
     push_delay_s: float = Field(default=0.0, ge=0)
     # prefill: every Prefill answers this long after its first token is ready (a slow prefill)
@@ -97,6 +100,11 @@ class NodeConfig(_Frozen):
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
     step_timeout_s: float = Field(default=300.0, gt=0)  # a device step taking longer fails its requests
+    # Structured outputs: a constraint (JSON schema, regex, grammar) longer than this is refused
+    # (the router's own router.max_grammar_bytes refuses it first), and one whose grammar does not
+    # compile within grammar_compile_timeout_s is cancelled and its request fails alone.
+    max_grammar_bytes: int = Field(default=65536, ge=1)
+    grammar_compile_timeout_s: float = Field(default=10.0, gt=0)
     # torch's intra-op CPU threads per engine process (see EngineConfig.cpu_threads); None: half
     # the usable cores on a CPU device, torch's default elsewhere
     cpu_threads: int | None = Field(default=None, ge=1)
@@ -229,9 +237,10 @@ class NodeConfig(_Frozen):
                 f"node {self.name!r}: faults.encode_delay_s / faults.ec_push_delay_s act on "
                 f"encoder nodes only, not on role {self.role}; remove them"
             )
-        if f.engine_death_on_sigusr1 and self.role == "encoder":
+        if (f.engine_death_on_sigusr1 or f.engine_stall_on_sigusr2_s) and self.role == "encoder":
             raise ConfigError(
-                f"node {self.name!r}: faults.engine_death_on_sigusr1 is not supported on encoder nodes"
+                f"node {self.name!r}: faults.engine_death_on_sigusr1 / faults.engine_stall_on_sigusr2_s "
+                "are not supported on encoder nodes"
             )
         if self.role == "encoder" and self.ec_role == "ec_consumer":
             raise ConfigError(

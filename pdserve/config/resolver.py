@@ -153,6 +153,8 @@ class ResolvedNode:
             enforce_eager=n.enforce_eager,
             async_scheduling=n.async_scheduling,
             step_timeout_s=n.step_timeout_s,
+            max_grammar_bytes=n.max_grammar_bytes,
+            grammar_compile_timeout_s=n.grammar_compile_timeout_s,
             cpu_threads=n.cpu_threads,
             cache=CacheConfig(
                 block_size=n.block_size,

@@ -32,6 +32,9 @@ class RouterConfig(_Frozen):
     max_body_bytes: int | None = Field(default=None, ge=1024)  # None: max(16 MiB, room for prompt_embeds)
     max_prompts_per_request: int = Field(default=256, ge=1)  # entries of a completions batch
     max_sequences_per_request: int = Field(default=256, ge=1)  # prompts x n
+    # A response_format / structured_outputs constraint (JSON schema text, regex, grammar) longer
+    # than this is a 400 naming it, before anything parses it (nodes: max_grammar_bytes)
+    max_grammar_bytes: int = Field(default=65536, ge=1)
     # Per-leg deadlines: a frozen (SIGSTOPped) or dead peer is noticed by these, not by the lease.
     decode_first_token_timeout_s: float = Field(
         default=30.0, gt=0

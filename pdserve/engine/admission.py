@@ -20,6 +20,7 @@ from pdserve.engine.mm_inputs import check_mm_items
 from pdserve.engine.request import MultiModalItem, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured import check_size
 from pdserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from pdserve.kvtransfer.params import KVTransferParams, RemotePrefillParams
 from pdserve.models.config import ModelArchConfig
@@ -105,6 +106,8 @@ class AdmissionController:
     ) -> Request:
         """The checked ``Request`` (its prompt ids resolved, its id drawn if not given), or a
         typed error; see ``LLMEngine.add_request`` for the arguments."""
+        if params.structured is not None:
+            check_size(params.structured[1], self.config.max_grammar_bytes, "the node's max_grammar_bytes")
         params.validate()
         salt = b""
         if prompt_embeds is not None:

@@ -8,6 +8,10 @@ The thread must not die silently (DESIGN §7): a command whose caller was cancel
 a command that raises is logged and the loop goes on, and if the loop itself fails every stream
 ends with an error delta at once, every later call raises ``EngineDeadError``, and ``on_death``
 tells the node (which turns NOT_SERVING and exits non-zero).
+
+The thread must not hang silently either: ``busy_s()`` says how long its current step or
+command has run, and the node's watchdog (services/node.py) takes the node out of service while
+that exceeds ``step_timeout_s`` (``fail_streams`` ends the streams from the event loop).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
@@ -27,7 +32,8 @@ from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import KVLoadSpec
-from pdserve.errors import EngineDeadError
+from pdserve.engine.structured import check_size
+from pdserve.errors import EngineDeadError, EngineWedgedError
 from pdserve.kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,13 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._outq: collections.deque[list[GenerationDelta]] = collections.deque()  # engine -> loop
         self._wake_pending = False
+        # time.monotonic() when the engine thread's current step or command began; None: idle
+        # (written by the engine thread, read by the node's watchdog on the event loop)
+        self._busy_since: float | None = None
+        # Set by the node's watchdog while the current step is past step_timeout_s: calls are
+        # refused (EngineWedgedError) instead of queueing behind the stuck step.
+        self.wedged: str | None = None
+        engine.grammar_wake = self._wake_engine  # a grammar compiled: admit its request now
 
     def start(self) -> None:
         self._thread.start()
@@ -90,9 +103,36 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.dead is None
 
+    def busy_s(self, now: float | None = None) -> float:
+        """How long the engine thread's current step or command has run (0 when idle)."""
+        since = self._busy_since
+        return 0.0 if since is None else (time.monotonic() if now is None else now) - since
+
+    def fail_streams(self, message: str) -> list[str]:
+        """Event loop: end every open stream now with an error delta (the engine thread may be
+        stuck and cannot), and abort their requests on the engine once it runs again. Returns
+        their request ids."""
+        ids = list(self._streams)
+        for rid in ids:
+            sink = self._streams.get(rid)
+            if sink is not None:
+                sink(
+                    GenerationDelta(
+                        request_id=rid, token_ids=[], text="", finish_reason="error", error=message
+                    )
+                )
+            self.release(rid, abort=True)
+        return ids
+
+    def _wake_engine(self) -> None:
+        """Any thread: wake an idle engine thread (a no-op command)."""
+        self._cmds.put(lambda: None)
+
     def check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread died ({self.dead!r}); this node is restarting")
+        if self.wedged is not None:
+            raise EngineWedgedError(self.wedged)
 
     def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
         """Run ``fn(engine)`` on the engine thread; await the result.
@@ -247,6 +287,15 @@ class EngineLoop:
         must :meth:`release` the request: after its finishing delta, or with ``abort=True``
         when it gives up on it."""
         self.check_alive()
+        if params.structured is not None:
+            # Admitted once its grammar is compiled (off this loop and the engine thread): a
+            # compile that fails or runs out of time is this request's error (InvalidRequestError:
+            # INVALID_ARGUMENT, the router's 400), never a stream that ends in an error.
+            # shield: a caller that leaves must not cancel a Future other requests share
+            kind, spec = params.structured
+            check_size(spec, self.engine.config.max_grammar_bytes, "the node's max_grammar_bytes")
+            await asyncio.shield(asyncio.wrap_future(self.engine.grammar_service().submit(kind, spec)))
+            self.check_alive()
         self._streams[request_id] = on_delta
         if direct is not None:
             self._direct[request_id] = direct
@@ -336,7 +385,9 @@ class EngineLoop:
                 if block and self._on_step is not None:
                     self._on_step(eng)  # idle tick: leases, deferred frees
             while cmd is not None:
+                self._busy_since = time.monotonic()
                 cmd()
+                self._busy_since = None
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
@@ -348,6 +399,7 @@ class EngineLoop:
             expired = self._guarded(lambda e: e.expire_queued())
             if expired:
                 self._deliver(expired)
+            self._busy_since = time.monotonic()
             try:
                 deltas = eng.step()
             except PipelineStageError as e:  # a stage process died: say so (first line only)
@@ -357,6 +409,8 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine step failed; failing every request in flight")
                 deltas = eng.fail_all("engine step failed (see the node's log)")
+            finally:
+                self._busy_since = None
             loads = eng.take_kv_loads()
             if loads and self._on_kv_loads is not None:
                 self._on_kv_loads(loads)

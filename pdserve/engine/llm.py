@@ -193,6 +193,8 @@ class LLM:
             bar = tqdm(total=len(samples), desc="generate")
         idle_steps = 0
         while self.engine.has_unfinished():
+            if not self.engine.has_runnable() and self.engine.wait_for_grammars(timeout_s=0.1):
+                continue  # only requests whose grammar compiles are left
             deltas = self.engine.step()
             # Offline nothing else can free memory: a few empty steps in a row (the first ones
             # may still release deferred blocks) mean no step will ever schedule these requests.

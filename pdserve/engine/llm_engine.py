@@ -29,8 +29,11 @@ replay its state-changing calls (``pdserve.distributed.tp_worker``); ``close()``
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from pdserve.config.engine import EngineConfig
@@ -38,6 +41,7 @@ from pdserve.distributed.pp_stage import PipelineRunner
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.grammar_compile import GrammarCompileService
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.kv_sizing import fit_max_model_len
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
@@ -47,7 +51,7 @@ from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
-from pdserve.errors import ConfigError, UnsupportedError
+from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
 from pdserve.kvtransfer.params import KVTransferParams
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
@@ -67,6 +71,14 @@ class LLMEngine:
     ) -> None:
         """``tp_rank`` > 0 only in a TP worker process (its group is already joined)."""
         self.config = config
+        self._tp_rank = tp_rank
+        # Structured outputs: grammars compile off this thread (made by the first constrained
+        # request, on rank 0; TP workers get a request once its grammar is ready there).
+        self.grammars: GrammarCompileService | None = None
+        # request id -> (its grammar's Future, the forward of its add_request to TP workers)
+        self._grammar_pending: dict[str, tuple[Future[Any], Callable[[], None]]] = {}
+        self.grammar_wake: Callable[[], None] | None = None  # EngineLoop: wake the engine thread
+        self._grammar_lock = threading.Lock()
         self._tp_group: TPWorkerGroup | None = None
         tp = config.parallel.tensor_parallel_size
         if tp_rank == 0:  # TP workers and pipeline stages set their own (tp_worker, pp_stage)
@@ -186,7 +198,10 @@ class LLMEngine:
         return config.async_scheduling
 
     def close(self) -> None:
-        """Stop the TP worker ranks or pipeline stages, if any (idempotent)."""
+        """Stop the TP worker ranks or pipeline stages and the grammar compiler, if any (idempotent)."""
+        if self.grammars is not None:
+            self.grammars.close()
+            self.grammars = None
         runner = getattr(self, "runner", None)
         if isinstance(runner, (PipelineRunner, ModelRunner)):
             runner.close()
@@ -236,22 +251,100 @@ class LLMEngine:
             prompt_embeds=prompt_embeds,
             mm_items=mm_items,
         )
+        grammar = None
+        if params.structured is not None and self._tp_rank == 0:
+            grammar = self.grammar_service().submit(*params.structured)
         self.output_processor.add_request(req, output_token_ids)
-        self.scheduler.add_request(req)
-        # Forwarded once admitted here (a rejected request never reaches the workers), with the
-        # resolved ids so workers neither tokenize nor draw a request id.
-        self._forward(
-            "add_request",
-            req.prompt_token_ids,
-            params,
-            req.request_id,
-            priority=priority,
-            kv_transfer_params=kv_transfer_params,
-            output_token_ids=output_token_ids,
-            prompt_embeds=req.prompt_embeds,
-            mm_items=req.mm_items,
-        )
+        waits = grammar is not None and not grammar.done()
+        self.scheduler.add_request(req, wait_for_grammar=waits)
+
+        def forward() -> None:
+            # Forwarded once admitted here (a rejected request never reaches the workers), with
+            # the resolved ids so workers neither tokenize nor draw a request id; a request whose
+            # grammar compiles, once it is ready.
+            self._forward(
+                "add_request",
+                req.prompt_token_ids,
+                params,
+                req.request_id,
+                priority=priority,
+                kv_transfer_params=kv_transfer_params,
+                output_token_ids=output_token_ids,
+                prompt_embeds=req.prompt_embeds,
+                mm_items=req.mm_items,
+            )
+
+        if waits:
+            assert grammar is not None
+            self._grammar_pending[req.request_id] = (grammar, forward)
+        else:
+            if grammar is not None:
+                self._share_grammar_compiler()
+            forward()
         return req
+
+    def _share_grammar_compiler(self) -> None:
+        """The model runner's matchers use the compile service's compiler and its cache, so
+        their first sight of a request finds its grammar compiled (never compiled on this thread)."""
+        if (
+            isinstance(self.runner, ModelRunner)
+            and self.grammars is not None
+            and self.grammars.compiler is not None
+        ):
+            self.runner.grammar.compiler = self.grammars.compiler
+
+    def grammar_service(self) -> GrammarCompileService:
+        """The engine's grammar compiler (made on first use; any thread: EngineLoop.admit asks
+        from the event loop)."""
+        with self._grammar_lock:
+            return self._make_grammar_service()
+
+    def _make_grammar_service(self) -> GrammarCompileService:
+        if self.grammars is None:
+            from pdserve.engine.structured import GrammarCompiler
+
+            cfg, vocab, eos = self.config, self.arch.vocab_size, sorted(self.eos_token_ids) or None
+            tok = self.tokenizer
+            self.grammars = GrammarCompileService(
+                lambda: GrammarCompiler(tok if tok is not None else load_tokenizer(cfg.model), vocab, eos),
+                cfg.grammar_compile_timeout_s,
+                cfg.grammar_worker_start_timeout_s,
+                on_done=lambda: self.grammar_wake() if self.grammar_wake is not None else None,
+            )
+        return self.grammars
+
+    def wait_for_grammars(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a pending grammar is settled (offline use: nothing else
+        to do meanwhile); False when none is pending. The compile thread settles each one within
+        grammar_compile_timeout_s of its turn."""
+        futs = [fut for fut, _ in self._grammar_pending.values()]
+        if futs:
+            wait_futures(futs, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return bool(futs)
+
+    def _admit_compiled(self) -> list[GenerationDelta]:
+        """Requests whose grammar is ready join the queue; those whose compile failed or ran out
+        of time end here with an error (they hold no blocks)."""
+        out: list[GenerationDelta] = []
+        for rid, (fut, forward) in list(self._grammar_pending.items()):
+            if not fut.done():
+                continue
+            del self._grammar_pending[rid]
+            if rid not in self.scheduler.waiting_for_grammar:  # aborted meanwhile
+                continue
+            err = fut.exception()
+            if err is None:
+                self._share_grammar_compiler()
+                self.scheduler.grammar_ready(rid)
+                forward()
+                continue
+            req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            assert req is not None
+            d = self._final_delta(req)
+            d.finish_reason = "error"
+            d.error = str(err) if isinstance(err, InvalidRequestError) else f"grammar compile failed: {err}"
+            out.append(d)
+        return out
 
     def abort(self, request_ids: list[str]) -> list[GenerationDelta]:
         self._forward("abort", request_ids)
@@ -295,17 +388,22 @@ class LLMEngine:
         return out
 
     def has_runnable(self) -> bool:
-        """A step would make progress: work to schedule, or a launched step to process."""
-        return self._inflight is not None or self.scheduler.has_runnable()
+        """A step would make progress: work to schedule, a launched step to process, or a
+        compiled grammar to admit."""
+        return (
+            self._inflight is not None
+            or self.scheduler.has_runnable()
+            or any(fut.done() for fut, _ in self._grammar_pending.values())
+        )
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[GenerationDelta]:
         """Schedule and launch one step; returns the deltas of the step that completed (this one
         when synchronous, the previous one under asynchronous scheduling)."""
+        deltas = self._admit_compiled() if self._grammar_pending else []
         self._forward("step")
-        deltas: list[GenerationDelta] = []
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
-            deltas = self._complete_inflight()
+            deltas += self._complete_inflight()
         sched = self.scheduler.schedule()
         self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
         return deltas + self.execute_scheduled(sched)
@@ -348,6 +446,7 @@ class LLMEngine:
                 logger.error("in-flight step %d did not complete: %s", sched.step_seq, e)
             self.fence.advance(sched.step_seq)
         ids = list(self.scheduler.requests)
+        self._grammar_pending.clear()
         out, self._undelivered = self._undelivered, []
         aborted = self.scheduler.abort_requests(ids)
         if self._failed_step_seq is not None:

@@ -19,11 +19,17 @@ from pdserve.kvtransfer.params import KVTransferParams
 _arrival_counter = itertools.count()
 
 
+def next_arrival_seq() -> int:
+    """The next arrival number (Request.arrival_seq: ties of arrival_time keep admission order)."""
+    return next(_arrival_counter)
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_REMOTE_KV = 1  # blocks allocated, KV being pulled from a prefill node
     RUNNING = 2
     PREEMPTED = 3
+    WAITING_FOR_GRAMMAR = 4  # its structured-output grammar is compiling (nothing allocated)
     # Everything from here on is finished.
     FINISHED_STOPPED = 10  # eos, stop token or stop string
     FINISHED_LENGTH = 11  # max_tokens or max_model_len
@@ -91,7 +97,7 @@ class Request:
     stop_reason: int | str | None = None
     # Chained block hashes of this request's full blocks, extended lazily by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
-    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_seq: int = field(default_factory=next_arrival_seq)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,13 +28,14 @@ blocks cover every running request's next chunk, so no preemption can be needed.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.config.engine import SchedulerConfig
 from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, next_arrival_seq
 from pdserve.engine.scheduler_output import KVLoadSpec, ScheduledChunk, SchedulerOutput
 from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
 
@@ -67,6 +68,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by request.sort_key(policy)
         self.running: list[Request] = []  # admission order
         self.waiting_for_kv: dict[str, Request] = {}
+        # Requests whose grammar is compiling (GrammarCompileService): never scheduled, nothing
+        # allocated; grammar_ready() moves them to the waiting queue.
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         # Prefill side: finished requests whose blocks stay held for a decode node to pull.
         self.held_for_transfer: dict[str, Request] = {}
@@ -76,10 +80,25 @@ class Scheduler:
         self.num_preemptions_total = 0
 
     # -- queue management ------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, wait_for_grammar: bool = False) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
-        self._insert_waiting(req)
+        if wait_for_grammar:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[req.request_id] = req
+        else:
+            self._insert_waiting(req)
+
+    def grammar_ready(self, request_id: str) -> Request | None:
+        """The request's grammar compiled: it joins the waiting queue (None: it is gone), as if it
+        arrived now: TP workers are handed the request at this point (LLMEngine) and queue it
+        behind everything waiting, so rank 0 must too, or their schedules part."""
+        req = self.waiting_for_grammar.pop(request_id, None)
+        if req is not None:
+            req.arrival_time, req.arrival_seq = time.monotonic(), next_arrival_seq()
+            req.status = RequestStatus.WAITING
+            self._insert_waiting(req)
+        return req
 
     def _insert_waiting(self, req: Request) -> None:
         key = req.sort_key(self.policy)
@@ -87,15 +106,17 @@ class Scheduler:
         self.waiting.insert(bisect.bisect_right(keys, key), req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.waiting_for_grammar)
 
     def has_runnable(self) -> bool:
-        """Work a step could do now (requests waiting only for remote KV are not)."""
+        """Work a step could do now (requests waiting only for remote KV or a grammar are not)."""
         return bool(self.waiting or self.running)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+        return (
+            len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.waiting_for_grammar)
+        )
 
     def _pick_victim(self) -> Request:
         # The lowest-ranked running request: the last by policy order.
@@ -325,6 +346,8 @@ class Scheduler:
             # (finish_kv_load); keep them until then.
             req.status = status
             return req
+        elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status

@@ -11,12 +11,15 @@ tokens reached the host and advanced the matchers (``LLMEngine.execute_scheduled
 matcher is rebuilt from the request's output tokens so far whenever the runner first sees the
 request: on the P/D path prefill samples the first token under the grammar, and decode replays
 that token into a fresh matcher before its first step. Compiled grammars are cached per
-(tokenizer, kind, spec).
+tokenizer by the SHA-256 of (kind, spec), least recently used first out; a compile runs off the
+engine thread under a size and a time limit (``pdserve.engine.grammar_compile``).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import json
 import queue
 import sys
@@ -29,13 +32,27 @@ from pdserve.config.engine import usable_cpus
 from pdserve.errors import InvalidRequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# OpenAI's ``json_object``: any JSON *object* (xgrammar's builtin JSON grammar also takes arrays
+# and scalars at the top); strict_mode off so the object may hold any keys.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# The longest constraint spec (a JSON schema's text, a regex, an EBNF grammar) accepted by
+# default: router.max_grammar_bytes at the router, max_grammar_bytes on a node. A 1 MB schema of
+# 20,000 string properties took 2.1 s only to parse and did not compile in 9.5 minutes.
+DEFAULT_MAX_GRAMMAR_BYTES = 65536
+# Compiled grammars kept per tokenizer (GrammarCompiler's cache).
+GRAMMAR_CACHE_ENTRIES = 256
+
+
+def grammar_key(kind: str, spec: str) -> str:
+    """The cache key of a constraint: SHA-256 of its kind and spec."""
+    return hashlib.sha256(f"{kind}\0{spec}".encode()).hexdigest()
 
 
 def _grammar(kind: str, spec: str) -> Any:  # -> xgrammar.Grammar
     import xgrammar as xgr  # lazy: the scheduler's import path stays free of torch
 
     if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
     if kind == "json_schema":
         return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
     if kind == "regex":
@@ -47,6 +64,18 @@ def _grammar(kind: str, spec: str) -> Any:  # -> xgrammar.Grammar
         # EBNF string literals take JSON's escapes.
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
     raise AssertionError(kind)
+
+
+def check_size(spec: str, max_bytes: int, setting: str, field: str = "response_format") -> None:
+    """Raise InvalidRequestError naming ``setting`` when ``spec`` is longer than ``max_bytes``
+    (UTF-8): checked before anything parses or compiles it."""
+    num_bytes = len(spec.encode())
+    if num_bytes > max_bytes:
+        raise InvalidRequestError(
+            f"the structured-output constraint (schema, regex or grammar) is {num_bytes} bytes; at "
+            f"most {max_bytes} are accepted ({setting}): send a smaller one",
+            field=field,
+        )
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,7 +98,9 @@ def check(kind: str, spec: str) -> None:
 
 
 class GrammarCompiler:
-    """One per model runner: compiles constraints for a tokenizer, cached by (kind, spec)."""
+    """One per engine: compiles constraints for a tokenizer, cached by ``grammar_key``. The
+    engine's compile thread fills the cache (GrammarCompileService); the engine thread's
+    matchers read it, so the cache is guarded by a lock."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
         import xgrammar as xgr
@@ -86,15 +117,29 @@ class GrammarCompiler:
         self.stop_ids = frozenset(info.stop_token_ids)  # what advance() checks for the end
         self.mask_vocab = mask_vocab  # ids the bitmask covers; every id from here on is banned
         self.mask_words = (mask_vocab + 31) // 32  # int32 words per bitmask row
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
-        self._cache: dict[tuple[str, str], Any] = {}
+        self.info = info  # what a compile worker process rebuilds (TokenizerInfo.serialize_json)
+        # xgrammar's own cache is keyed by the grammar and unbounded: ours replaces it.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def cached(self, kind: str, spec: str) -> Any | None:  # -> xgrammar.CompiledGrammar | None
+        key = grammar_key(kind, spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
 
     def compile(self, kind: str, spec: str) -> Any:  # -> xgrammar.CompiledGrammar
-        key = (kind, spec)
-        compiled = self._cache.get(key)
+        """The cached grammar, else compiled here (xgrammar lets go of the GIL meanwhile)."""
+        compiled = self.cached(kind, spec)
         if compiled is None:
             compiled = self._compiler.compile_grammar(_grammar(kind, spec))
-            self._cache[key] = compiled
+            with self._lock:
+                self._cache[grammar_key(kind, spec)] = compiled
+                while len(self._cache) > GRAMMAR_CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
         return compiled
 
     def matcher(self, kind: str, spec: str) -> GrammarState:

@@ -36,7 +36,7 @@ def queued_transfers(engine: LLMEngine) -> dict[str, list[str]]:
     from), and asking for it races with its release ("unknown" right after a good pull)."""
     sched = engine.scheduler
     out: dict[str, list[str]] = defaultdict(list)
-    for req in sched.waiting:
+    for req in [*sched.waiting, *sched.waiting_for_grammar.values()]:  # a grammar compiling: queued too
         p = req.kv_transfer_params
         # No first token yet: a leg opened with its prefill leg, whose prefill may not hold the
         # KV yet (nothing to keep alive; its pull waits for the hold).

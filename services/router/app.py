@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 
 import pdserve
+from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
 from services.router.chat import create_chat_completion
@@ -59,6 +60,7 @@ def create_app(
     encoders: Any | None = None,
     image_seq_length: int | None = None,
     generation_defaults: dict[str, float] | None = None,
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
 ) -> FastAPI:
     """Build the app.
 
@@ -93,6 +95,7 @@ def create_app(
         image_seq_length=image_seq_length,
         generation_defaults=dict(generation_defaults or {}),
         kv_capacity_tokens=getattr(backend, "kv_capacity_tokens", None),
+        max_grammar_bytes=max_grammar_bytes,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

@@ -33,6 +33,7 @@ from services.router.serving import (
     usage,
 )
 from services.router.streams import until_disconnect
+from services.router.structured import refuse_large
 from services.router.tools import ToolMode, tool_message, tool_mode
 
 
@@ -84,9 +85,11 @@ async def create_chat_completion(
     requested = body.requested_max_tokens
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     num_top = body.top_logprobs or 0
-    params = sampling_params(body, requested, num_top if body.logprobs else None, ctx.generation_defaults)
+    params = sampling_params(
+        body, requested, num_top if body.logprobs else None, ctx.generation_defaults, ctx.max_grammar_bytes
+    )
     ctx.limits.check_sequences(1, body.n)
-    mode, params = _with_tools(body, params, ctx.tool_call_parser)
+    mode, params = _with_tools(body, params, ctx.tool_call_parser, ctx.max_grammar_bytes)
     prompt, images = render_chat_prompt(ctx, body)
     request_id = new_request_id("chatcmpl")
     prompt = await with_images(ctx, request_id, prompt, images)
@@ -164,7 +167,7 @@ async def create_chat_completion(
 
 
 def _with_tools(
-    body: ChatCompletionRequest, params: SamplingParams, parser: str
+    body: ChatCompletionRequest, params: SamplingParams, parser: str, max_grammar_bytes: int
 ) -> tuple[ToolMode | None, SamplingParams]:
     """The request's tool mode, and its params with a forced call's constraint."""
     mode = tool_mode(body.tools, body.tool_choice, parser)
@@ -174,6 +177,7 @@ def _with_tools(
         raise APIError(
             400, "a forced tool_choice cannot be combined with response_format", param="tool_choice"
         )
+    refuse_large(mode.structured, max_grammar_bytes, "tools")  # before anything parses it
     return mode, dataclasses.replace(params, structured=mode.structured)
 
 

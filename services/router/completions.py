@@ -84,7 +84,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     # (the prefill that scores the prompt samples it); it is dropped here.
     echo_only = body.echo and body.max_tokens == 0
     engine_max_tokens = 1 if echo_only else body.max_tokens
-    params = sampling_params(body, engine_max_tokens, body.logprobs, ctx.generation_defaults)
+    params = sampling_params(
+        body, engine_max_tokens, body.logprobs, ctx.generation_defaults, ctx.max_grammar_bytes
+    )
     if body.echo and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     prompts = _prompts(ctx, body)

@@ -106,6 +106,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         encoders=encoders,
         image_seq_length=image_seq_length,
         generation_defaults=generation_defaults(model_dir),
+        max_grammar_bytes=r.max_grammar_bytes,
     )
     server = uvicorn.Server(
         uvicorn.Config(

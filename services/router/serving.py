@@ -19,6 +19,7 @@ from starlette.types import Receive
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError, PdserveError, PromptTooLongError
 from services.router.backend import BackendRequest, GenerateBackend
 from services.router.errors import APIError, bad_request, to_api_error
@@ -62,6 +63,7 @@ class ServingContext:
     generation_defaults: dict[str, float] = field(default_factory=dict)
     # The nodes' KV capacity in tokens (NodePool.kv_capacity_tokens); None: not known (yet)
     kv_capacity_tokens: Callable[[], int | None] | None = None
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # router.max_grammar_bytes (structured_of)
     token_texts: TokenTexts = field(init=False)
     # The router makes the text of sequences without stop strings (streams.detokenize_here).
     detokenizer: IncrementalDetokenizer | None = field(init=False)
@@ -130,10 +132,12 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     defaults: dict[str, float] | None = None,
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
 ) -> SamplingParams:
     """Map the body to SamplingParams; InvalidRequestError names the field (-> 400 with param).
     A field the body leaves unset (None) takes ``defaults`` (the model's generation config), then
-    SamplingParams' own default."""
+    SamplingParams' own default. A structured-output constraint longer than ``max_grammar_bytes``
+    is refused before it is parsed."""
     kwargs: dict[str, Any] = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -143,7 +147,7 @@ def sampling_params(
         "seed": body.seed,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
-        "structured": structured_of(body.response_format, body.structured_outputs),
+        "structured": structured_of(body.response_format, body.structured_outputs, max_grammar_bytes),
     }
     for name in (
         "temperature",

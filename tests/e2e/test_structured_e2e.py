@@ -47,11 +47,16 @@ class Bounded(BaseModel):
 
 
 SCHEMAS = [Nested, WithEnum, WithArray, Bounded]
+GRAMMAR_TIMEOUT_S = 3.0  # the nodes' grammar_compile_timeout_s (the schemas above take milliseconds)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 48})
+    cfg = make_cluster_config(
+        tiny_models["llama"],
+        router={"local_prefill_max_tokens": 48},
+        all={"grammar_compile_timeout_s": GRAMMAR_TIMEOUT_S},
+    )
     with running_cluster(cfg, tmp_path_factory.mktemp("structured-e2e")) as rc:
         yield rc
 
@@ -259,3 +264,38 @@ def test_auto_tool_choice_parses_model_output(cluster, pd) -> None:
     plain = client.chat.completions.create(**{**kw, "max_tokens": 6})
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason in ("length", "stop") and plain.usage.completion_tokens <= 6
+
+
+def test_a_schema_that_compiles_too_long_is_a_400_and_the_node_serves_on(cluster) -> None:
+    """1,000 string properties (33 KB, under max_grammar_bytes) take ~12 s to compile on the CI
+    host: the decode node cancels the compile at grammar_compile_timeout_s and the request is a
+    400 naming it; the node keeps serving, and json_object answers are objects."""
+    import json
+    import time
+
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=60)
+    props = {f"field_{i}": {"type": "string"} for i in range(1000)}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "slow", "schema": {"type": "object", "properties": props}},
+    }
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(
+            model=cluster.model_name, messages=_messages(False, 7), max_tokens=8, response_format=fmt
+        )
+    elapsed_s = time.monotonic() - t0
+    assert "grammar_compile_timeout_s=3" in str(ei.value.message), ei.value.message
+    assert elapsed_s < GRAMMAR_TIMEOUT_S + 20, elapsed_s  # the worker's first start, then the limit
+    r = client.chat.completions.create(
+        model=cluster.model_name,
+        messages=_messages(False, 8),
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+        response_format={"type": "json_object"},
+    )
+    text = r.choices[0].message.content or ""
+    assert text.startswith("{"), text
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict), text

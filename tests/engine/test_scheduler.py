@@ -216,3 +216,27 @@ def test_abort_while_remote_kv_in_flight_frees_after_load_ends() -> None:
     assert s.kv.holds("d")  # the pull may still write: not freed yet
     s.finish_kv_load("d", ok=True, recompute_on_failure=False)
     assert not s.kv.holds("d") and s.kv.pool.num_used_blocks == 0
+
+
+def test_a_request_waiting_for_its_grammar_is_never_scheduled_until_ready() -> None:
+    s = make()
+    g, h, free = req("g", 5), req("h", 5, base=50), req("free", 5, base=100)
+    s.add_request(g, wait_for_grammar=True)
+    s.add_request(h, wait_for_grammar=True)
+    s.add_request(free)
+    assert s.has_unfinished() and s.num_unfinished == 3
+    for _ in range(2):
+        out = run_step(s)
+        assert {c.request.request_id for c in out.chunks} == {"free"}
+    assert g.status == h.status == RequestStatus.WAITING_FOR_GRAMMAR and not s.kv.holds("g")
+    assert s.finish_request("h", RequestStatus.FINISHED_ERROR) is h  # its compile failed
+    assert s.grammar_ready("h") is None and "h" not in s.requests
+    late = req("late", 5, base=200)
+    s.add_request(late)  # arrived after g, queued before g's grammar was ready
+    assert s.grammar_ready("g") is g and g.status == RequestStatus.WAITING
+    assert [r.request_id for r in s.waiting] == ["late", "g"]  # g queues as if it arrived now (TP lockstep)
+    out = run_step(s)
+    assert {"g", "late"} <= {c.request.request_id for c in out.chunks}
+    while s.has_unfinished():
+        run_step(s)
+    assert s.kv.pool.num_used_blocks == 0 and not s.waiting_for_grammar

@@ -179,11 +179,14 @@ def test_greedy_constrained_rows_keep_the_argmax_path_and_mask_only_their_rows(
         calls.append([1, 3])
         return fused(logits, bitmask, row_map)
 
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    regex = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, structured=("regex", "[ab]+"))
+    # The grammar compiled once (cached): the constrained rows then join the batch at once, in
+    # the order given, instead of after their compile.
+    llm.generate(["x"], [regex])
     monkeypatch.setattr(kernels, "apply_token_bitmask_", spy)
     monkeypatch.setattr(kernels, "masked_argmax_rows", spy_fused)
     monkeypatch.setattr(runner.sampler, "sample", lambda *a: pytest.fail("the sampler ran"))
-    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    regex = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, structured=("regex", "[ab]+"))
     outs = [r.outputs[0] for r in llm.generate(["x"] * 4, [free, regex, free, regex])]
     assert all(re.fullmatch("[ab]+", o.text) for o in outs[1::2])
     assert calls and all(c == [1, 3] for c in calls), calls
@@ -358,6 +361,8 @@ def test_a_fill_that_fails_mid_run_ends_every_request_once_and_holds_nothing(
         fill(states, bitmask)
 
     monkeypatch.setattr(structured, "fill_bitmask", failing)
+    # compiled ahead (cached): "g" joins the first step's batch instead of waiting for its compile
+    eng.grammar_service().submit("regex", "[a-c]{40,60}").result(timeout=60)
     for i in range(7):  # one of them finishes at each of the first steps
         eng.add_request(
             "Say", SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True), f"free-{i}"
