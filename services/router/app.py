@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
+from services.router.bodies import CheckedJSONRoute
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.errors import APIError, install_error_handlers
@@ -104,6 +105,7 @@ def create_app(
 
     # /openapi.json documents the request bodies, extras included (structured_outputs, top_k, ...).
     app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.router.route_class = CheckedJSONRoute  # every body: JSON of valid Unicode, or a 400 naming the field
     app.state.serving = ctx
     install_error_handlers(app)
 
