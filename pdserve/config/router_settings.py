@@ -32,6 +32,13 @@ class RouterConfig(_Frozen):
     max_body_bytes: int | None = Field(default=None, ge=1024)  # None: max(16 MiB, room for prompt_embeds)
     max_prompts_per_request: int = Field(default=256, ge=1)  # entries of a completions batch
     max_sequences_per_request: int = Field(default=256, ge=1)  # prompts x n
+    # Characters of one prompt (a completions entry; a chat's message text, and its rendered
+    # template), refused with a 400 before tokenizing. None: max_model_len x 32.
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    # Threads that tokenize, render chat templates and detokenize bodies over 2,048 characters,
+    # off the event loop; tokenize_timeout_s bounds one body's wait and work there (then a 503).
+    tokenizer_threads: int = Field(default=4, ge=1, le=64)
+    tokenize_timeout_s: float = Field(default=60.0, gt=0)
     # Per-leg deadlines: a frozen (SIGSTOPped) or dead peer is noticed by these, not by the lease.
     decode_first_token_timeout_s: float = Field(
         default=30.0, gt=0

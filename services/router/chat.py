@@ -14,9 +14,10 @@ from starlette.types import Receive
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from services.router.errors import APIError, bad_request
+from services.router.limits import check_prompt_chars
 from services.router.logprobs import chat_logprobs
 from services.router.multimodal import ImageItem, extract_images, has_image_parts, resolve_images
-from services.router.protocol import ChatCompletionRequest
+from services.router.protocol import ChatCompletionRequest, ChatMessage
 from services.router.serving import (
     Prompt,
     ServingContext,
@@ -35,8 +36,22 @@ from services.router.streams import until_disconnect
 from services.router.tools import ToolMode, tool_message, tool_mode
 
 
+def message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text content (string content and text parts)."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(p.text or "") for p in m.content)
+    return total
+
+
 def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[Prompt, list[ImageItem]]:
-    """The prompt's token ids (one image token per image part) and the image parts in order."""
+    """The prompt's token ids (one image token per image part) and the image parts in order.
+
+    Runs on ``ctx.offload``: decoding images, the template and tokenizing are all per-body work.
+    """
     images: list[ImageItem] = []
     raw = [m.model_dump(exclude_none=True) for m in body.messages]
     if has_image_parts(raw) and ctx.image_token_id is not None:
@@ -54,6 +69,7 @@ def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
     # Render to text, then tokenize without special tokens: the template already wrote them.
     tool_kw = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
     text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kw)
+    check_prompt_chars(len(text), ctx.max_prompt_chars, "messages")  # tool fields, long names, ...
     token_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     if not images and ctx.image_token_id is not None and ctx.image_token_id in token_ids:
         raise bad_request("message text must not contain the image placeholder token", "messages")
@@ -90,7 +106,8 @@ async def create_chat_completion(
     params = sampling_params(body, requested, num_top if body.logprobs else None)
     ctx.limits.check_sequences(1, body.n)
     mode, params = _with_tools(body, params, ctx.tool_call_parser)
-    prompt, images = render_chat_prompt(ctx, body)
+    check_prompt_chars(message_chars(body.messages), ctx.max_prompt_chars, "messages")
+    prompt, images = await ctx.offload.in_thread(render_chat_prompt, ctx, body)
     request_id = new_request_id("chatcmpl")
     prompt = await with_images(ctx, request_id, prompt, images)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)

@@ -14,7 +14,9 @@ from fastapi.params import Depends
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.router.chat import message_chars
 from services.router.errors import bad_request
+from services.router.limits import check_prompt_chars
 from services.router.protocol import ChatMessage
 from services.router.serving import ServingContext
 
@@ -44,10 +46,19 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        check_prompt_chars(message_chars(body.messages), ctx.max_prompt_chars, "messages")
+        return await ctx.offload.in_thread(_tokenize, ctx, body)
+    assert body.prompt is not None
+    check_prompt_chars(len(body.prompt), ctx.max_prompt_chars, "prompt")
+    return await ctx.offload.run(len(body.prompt), _tokenize, ctx, body)
+
+
+def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         if getattr(ctx.tokenizer, "chat_template", None) is None:
             raise bad_request("this model's tokenizer has no chat template; tokenize a prompt", "messages")
@@ -58,6 +69,7 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
             )
         except (TemplateError, ValueError, TypeError) as e:  # the template refused these messages
             raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
+        check_prompt_chars(len(text), ctx.max_prompt_chars, "messages")
         ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     else:
         assert body.prompt is not None
@@ -69,8 +81,12 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=list(ids))
 
 
-def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(body.model)
+    return await ctx.offload.run(len(body.tokens), _detokenize, ctx, body)
+
+
+def _detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
@@ -80,8 +96,8 @@ def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeRespon
 def install_tokenize_routes(app: FastAPI, ctx: ServingContext, guarded: list[Depends]) -> None:
     @app.post("/tokenize", dependencies=guarded)
     async def _tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenize(ctx, body)
+        return await tokenize(ctx, body)
 
     @app.post("/detokenize", dependencies=guarded)
     async def _detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize(ctx, body)
+        return await detokenize(ctx, body)
