@@ -65,7 +65,6 @@ def _valid_strategies(model: str) -> dict[str, Any]:
     text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=40)
     ids = st.lists(st.integers(1, 99), min_size=1, max_size=24)
     common: dict[str, Any] = {
-        "max_tokens": st.integers(1, 8),
         "temperature": st.sampled_from([0.0, 0.5, 1.0]),
         "top_p": st.floats(0.1, 1.0),
         "top_k": st.sampled_from([-1, 1, 5]),
@@ -78,9 +77,9 @@ def _valid_strategies(model: str) -> dict[str, Any]:
     }
 
     def body(required: dict[str, Any], extra: dict[str, Any]) -> Any:
-        return st.fixed_dictionaries({"model": st.just(model), **required}, optional={**common, **extra}).map(
-            _with_usage
-        )
+        # max_tokens always: a chat without it generates up to the end of the context
+        fixed = {"model": st.just(model), "max_tokens": st.integers(1, 8), **required}
+        return st.fixed_dictionaries(fixed, optional={**common, **extra}).map(_with_usage)
 
     prompt = st.one_of(
         text, ids, st.lists(text, min_size=1, max_size=3), st.lists(ids, min_size=1, max_size=3)

@@ -190,7 +190,8 @@ def test_lone_surrogate_is_a_400_naming_it(server: ServerThread) -> None:  # noq
 
 
 # Polls /health from its own process (so the router's GIL does not delay the probe's own code):
-# prints "ready" after its first answer, then each answer's latency until stdin closes.
+# prints "ready" after its first answer, then "<time.monotonic() at the answer> <latency>" per
+# answer until stdin closes (CLOCK_MONOTONIC: one clock for every process of the host).
 _PROBE = """
 import sys, threading, time, httpx
 done = threading.Event()
@@ -201,7 +202,8 @@ with httpx.Client(timeout=10) as c:
     while not done.is_set():
         t0 = time.monotonic()
         assert c.get(sys.argv[1]).status_code == 200
-        print(time.monotonic() - t0, flush=True)
+        t1 = time.monotonic()
+        print(t1, t1 - t0, flush=True)
         time.sleep(0.005)
 """
 
@@ -222,49 +224,60 @@ def _post_raw(port: int, path: str, raw: bytes) -> tuple[int, dict[str, Any]]:
 
 
 _15MB = "hello world " * (15_000_000 // 12)
+_BIG_BODIES = [  # (route, body, the param its 400 names)
+    ("/v1/completions", _cmpl(prompt=_15MB), "prompt"),
+    ("/v1/completions", _cmpl(prompt=["short", _15MB]), "prompt"),
+    ("/v1/chat/completions", _chat(_15MB), "messages"),
+    ("/tokenize", {"model": MODEL, "prompt": _15MB}, "prompt"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": _15MB}]}, "messages"),
+]
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "param"),
-    [
-        ("/v1/completions", _cmpl(prompt=_15MB), "prompt"),
-        ("/v1/completions", _cmpl(prompt=["short", _15MB]), "prompt"),
-        ("/v1/chat/completions", _chat(_15MB), "messages"),
-        ("/tokenize", {"model": MODEL, "prompt": _15MB}, "prompt"),
-        ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": _15MB}]}, "messages"),
-    ],
-    ids=["completion", "completion-batch", "chat", "tokenize", "tokenize-messages"],
-)
 def test_15mb_prompt_is_refused_fast_and_health_keeps_answering(
     server_factory: Callable[..., ServerThread],  # noqa: F811
-    path: str,
-    body: dict[str, Any],
-    param: str,
 ) -> None:
-    srv = server_factory(FakeBackend())
-    raw = json.dumps(body).encode()
+    """Under the 16 MiB body limit, so only the prompt-length cap stands before the tokenizer
+    (which took 19 s for such a prompt on the event loop, /health waiting all along)."""
+    fake = FakeBackend()
+    srv = server_factory(fake)
+    # Encoded up front: json.dumps of 15 MB holds this process's GIL, which the server thread shares.
+    raws = [json.dumps(body).encode() for _, body, _ in _BIG_BODIES]
+    assert all(len(raw) < 16 << 20 for raw in raws)  # under the default body limit
     probe = subprocess.Popen(
         [sys.executable, "-c", _PROBE, srv.url + "/health"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    took_s = {}
+    # The first 15 MB body of a process also pays for fresh memory (121 ms of event-loop lag once,
+    # 6-17 ms for the next ones, measured in-process on the 2-core host at load 11): not timed.
+    assert _post_raw(srv.port, _BIG_BODIES[0][0], raws[0])[0] == 400
     try:
         assert probe.stdout is not None and probe.stdout.readline().strip() == "ready"
-        time.sleep(0.05)
-        t0 = time.monotonic()
-        status, answer = _post_raw(srv.port, path, raw)
-        took_s = time.monotonic() - t0
-        time.sleep(0.05)
+        time.sleep(1.0)  # the probe's own latency on this host, with the router idle
+        start_s = time.monotonic()
+        for (path, _, param), raw in zip(_BIG_BODIES, raws, strict=True):
+            time.sleep(0.05)
+            t0 = time.monotonic()
+            status, answer = _post_raw(srv.port, path, raw)
+            took_s[path, param] = time.monotonic() - t0
+            assert status == 400 and answer["error"]["param"] == param, answer
+            assert answer["error"]["code"] == "context_length_exceeded", answer
+            assert "router.max_prompt_chars" in answer["error"]["message"]
+        end_s = time.monotonic()
         out, _ = probe.communicate("", timeout=10)
     finally:
         probe.kill()
-    latencies_s = sorted(float(x) for x in out.split())
-    assert status == 400 and answer["error"]["param"] == param, answer
-    assert answer["error"]["code"] == "context_length_exceeded", answer
-    assert "router.max_prompt_chars" in answer["error"]["message"]
-    assert took_s < 0.5, f"refused after {took_s:.3f} s"
-    assert len(latencies_s) >= 5 and latencies_s[-1] < 0.05, latencies_s[-5:]
+    samples = [tuple(map(float, line.split())) for line in out.splitlines()]
+    idle = [lat for t, lat in samples if t < start_s]
+    during = sorted(lat for t, lat in samples if start_s <= t - lat and t <= end_s + 0.05)
+    assert max(took_s.values()) < 0.5, took_s
+    # 50 ms, plus what the probe took with the router idle (a shared host's scheduling jitter:
+    # 26 ms at load 12, a few ms on an idle host), is the router's doing.
+    assert len(idle) >= 10 and len(during) >= 10, (len(idle), len(during))
+    assert during[-1] < 0.05 + max(idle), (during[-5:], max(idle))
+    assert not fake.requests
 
 
 def test_long_prompts_tokenize_off_the_event_loop(
