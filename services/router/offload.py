@@ -66,6 +66,3 @@ class TokenizerThreads:
                 "retry later or send a shorter prompt",
                 code="tokenize_timeout",
             ) from None
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -302,3 +302,28 @@ def test_long_prompts_tokenize_off_the_event_loop(
     assert all(c > MAX_MODEL_LEN for c in counts)
     names = {t.name for t in threading.enumerate()}
     assert any(n.startswith("pdserve-tokenize") for n in names), names
+
+
+def test_tokenizer_threads_time_out_with_a_503() -> None:
+    import asyncio
+
+    from services.router.errors import APIError
+    from services.router.offload import TokenizerThreads
+
+    pool = TokenizerThreads(num_threads=1, timeout_s=0.05, inline_max_chars=10)
+
+    async def main() -> None:
+        assert await pool.run(10, lambda: threading.current_thread().name) == threading.current_thread().name
+        assert (await pool.run(11, lambda: threading.current_thread().name)).startswith("pdserve-tokenize")
+        with pytest.raises(APIError) as e:
+            await pool.run(11, time.sleep, 0.3)
+        assert e.value.status == 503 and e.value.code == "tokenize_timeout"
+
+    asyncio.run(main())
+
+
+def test_bodies_the_fast_parser_refuses_fall_back_to_the_stdlib() -> None:
+    from services.router.bodies import parse_json_body
+
+    body = {"model": MODEL, "prompt": "héllo"}
+    assert parse_json_body(json.dumps(body).encode("utf-16")) == body  # json.loads detects UTF-16
