@@ -1,15 +1,16 @@
 """Schemathesis against the router's own OpenAPI schema (issue 13): no 5xx, no crash.
 
     PYTHONPATH=$PWD .venv/bin/python bench/fuzz.py [--cases 2000] [--target fake|cluster]
-                                                   [--out bench/results/fuzz.json]
+                                                   [--valid-share 0.2] [--out bench/results/fuzz.json]
 
 ``fake`` (default): the router app in-process (ASGI) with a fake backend, as the bounded CI run
 (tests/services/test_router_schemathesis.py) but with ``--cases`` cases spread over every
 operation: the HTTP layer alone (validation, error shapes, structured outputs, tokenize).
 ``cluster``: the real router, prefill and decode processes (tiny model) over HTTP; generated
-``max_tokens`` / ``max_completion_tokens`` are capped at 8 and ``n`` at 2 so a valid case costs
-milliseconds, not a long generation. Afterwards every node must still be SERVING, hold no KV
-block, and the router must answer a plain request.
+``max_tokens`` / ``max_completion_tokens`` are capped at 8 (a chat body with neither gets
+``max_tokens`` 8) and ``n`` at 2 so a valid case costs milliseconds, not a long generation.
+Afterwards every node must still be SERVING, hold no KV block, and the router must answer a
+plain request.
 
 In both, nine bodies in ten get the served model's name in ``model`` (random names stop at the
 404 of an unknown model). Schema-driven bodies are nearly all refused (a random ``prompt`` or
@@ -51,6 +52,8 @@ def _prepare(body: Any, model: str, cap: bool) -> None:
     if "model" in body and _n[0] % 10:
         body["model"] = model
     if cap:
+        if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = CAPS["max_tokens"]  # else chat generates to the end of the context
         for k, limit in CAPS.items():
             v = body.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v > limit:
