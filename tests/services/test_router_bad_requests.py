@@ -125,6 +125,10 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     ("/v1/completions", _cmpl(top_p=-0.5), 400, "top_p", None),
     ("/v1/completions", _cmpl(min_tokens=-3), 400, "min_tokens", None),
     ("/v1/completions", _cmpl(stop_token_ids=[-1]), 400, "stop_token_ids", None),
+    # Past the nodes' int32 wire fields (was a 500 from the protobuf conversion on a real cluster).
+    ("/v1/completions", _cmpl(stop_token_ids=[451, 2**79]), 400, "stop_token_ids.1", None),
+    ("/v1/chat/completions", _chat(stop_token_ids=[2**31]), 400, "stop_token_ids.0", None),
+    ("/v1/completions", _cmpl(top_k=2**40), 400, "top_k", None),
     ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400, "tokens", None),
     # Wrong types.
     ("/v1/completions", _cmpl(prompt=5), 400, "prompt", None),
