@@ -52,13 +52,13 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespon
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
         check_prompt_chars(message_chars(body.messages), ctx.max_prompt_chars, "messages")
-        return await ctx.offload.in_thread(_tokenize, ctx, body)
+        return await ctx.offload.in_thread(_tokenize_body, ctx, body)
     assert body.prompt is not None
     check_prompt_chars(len(body.prompt), ctx.max_prompt_chars, "prompt")
-    return await ctx.offload.run(len(body.prompt), _tokenize, ctx, body)
+    return await ctx.offload.run(len(body.prompt), _tokenize_body, ctx, body)
 
 
-def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+def _tokenize_body(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         if getattr(ctx.tokenizer, "chat_template", None) is None:
             raise bad_request("this model's tokenizer has no chat template; tokenize a prompt", "messages")
@@ -83,10 +83,10 @@ def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
 
 async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(body.model)
-    return await ctx.offload.run(len(body.tokens), _detokenize, ctx, body)
+    return await ctx.offload.run(len(body.tokens), _detokenize_body, ctx, body)
 
 
-def _detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
+def _detokenize_body(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", "tokens")
