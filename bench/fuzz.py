@@ -37,6 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2}
+# The fake target's context: the tiny model's 2,048 positions, as on the cluster (a valid chat of
+# five random-Unicode texts reached 149 tokens, over the 128 the router tests use).
+FAKE_MAX_MODEL_LEN = 2048
 VALID_OPS = ("valid POST /v1/completions", "valid POST /v1/chat/completions")
 
 
@@ -195,12 +198,12 @@ def fake_target(cases: int, num_valid: int) -> dict[str, Any]:
 
     from pdserve.models.make_model import make_tiny_model
     from services.router.app import create_app
-    from tests.services.test_router_api import HIDDEN, MAX_MODEL_LEN, MODEL, FakeBackend
+    from tests.services.test_router_api import HIDDEN, MODEL, FakeBackend
 
     model = make_tiny_model("qwen3", Path(tempfile.mkdtemp(prefix="pdserve-fuzz-")) / "model")
     backend = FakeBackend()
     app = create_app(
-        backend, AutoTokenizer.from_pretrained(model), [MODEL], MAX_MODEL_LEN, hidden_size=HIDDEN
+        backend, AutoTokenizer.from_pretrained(model), [MODEL], FAKE_MAX_MODEL_LEN, hidden_size=HIDDEN
     )
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     client = TestClient(app)
