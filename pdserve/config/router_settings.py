@@ -35,6 +35,13 @@ class RouterConfig(_Frozen):
     # A response_format / structured_outputs constraint (JSON schema text, regex, grammar) longer
     # than this is a 400 naming it, before anything parses it (nodes: max_grammar_bytes)
     max_grammar_bytes: int = Field(default=65536, ge=1)
+    # Characters of one prompt (a completions entry; a chat's message text, and its rendered
+    # template), refused with a 400 before tokenizing. None: max_model_len x 32.
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    # Threads that tokenize, render chat templates and detokenize bodies over 2,048 characters,
+    # off the event loop; tokenize_timeout_s bounds one body's wait and work there (then a 503).
+    tokenizer_threads: int = Field(default=4, ge=1, le=64)
+    tokenize_timeout_s: float = Field(default=60.0, gt=0)
     # Per-leg deadlines: a frozen (SIGSTOPped) or dead peer is noticed by these, not by the lease.
     decode_first_token_timeout_s: float = Field(
         default=30.0, gt=0

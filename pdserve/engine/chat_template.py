@@ -8,7 +8,7 @@ tokenized without adding special tokens again. Errors are :class:`InvalidRequest
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jinja2 import TemplateError
@@ -48,13 +48,15 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    check_text: Callable[[str], None] | None = None,
 ) -> tuple[str, list[int]]:
     """The rendered prompt text and its token ids.
 
     ``chat_template`` (Jinja text) replaces the tokenizer's own; ``chat_template_kwargs`` reach
     the template as extra variables (e.g. ``enable_thinking``); ``continue_final_message`` leaves
     the last (assistant) message open for the model to continue, and excludes
-    ``add_generation_prompt``.
+    ``add_generation_prompt``; ``check_text`` sees the rendered text before it is tokenized (the
+    router's character cap) and raises to refuse it.
     """
     if not messages:
         raise InvalidRequestError("messages: give at least one message", field="messages")
@@ -93,4 +95,6 @@ def render_chat(
         raise InvalidRequestError(
             f"messages: the chat template cannot render these messages: {e}", field="messages"
         ) from e
+    if check_text is not None:
+        check_text(text)
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -25,6 +25,7 @@ import pdserve
 from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
+from services.router.bodies import CheckedJSONRoute
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.errors import APIError, install_error_handlers
@@ -115,6 +116,7 @@ def create_app(
 
     # /openapi.json documents the request bodies, extras included (structured_outputs, top_k, ...).
     app = FastAPI(title="pdserve router", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.router.route_class = CheckedJSONRoute  # every body: JSON of valid Unicode, or a 400 naming the field
     app.state.serving = ctx
     install_error_handlers(app)
 

@@ -15,9 +15,10 @@ from pdserve.engine.chat_template import render_chat
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
 from services.router.errors import APIError, bad_request
+from services.router.limits import check_prompt_chars
 from services.router.logprobs import chat_logprobs
 from services.router.multimodal import ImageItem, extract_images, has_image_parts, resolve_images
-from services.router.protocol import ChatCompletionRequest
+from services.router.protocol import ChatCompletionRequest, ChatMessage
 from services.router.serving import (
     Prompt,
     ServingContext,
@@ -37,8 +38,22 @@ from services.router.structured import refuse_large
 from services.router.tools import ToolMode, tool_message, tool_mode
 
 
+def message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text content (string content and text parts)."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(p.text or "") for p in m.content)
+    return total
+
+
 def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[Prompt, list[ImageItem]]:
-    """The prompt's token ids (one image token per image part) and the image parts in order."""
+    """The prompt's token ids (one image token per image part) and the image parts in order.
+
+    Runs on ``ctx.offload``: decoding images, the template and tokenizing are all per-body work.
+    """
     images: list[ImageItem] = []
     raw = [m.model_dump(exclude_none=True) for m in body.messages]
     if has_image_parts(raw) and ctx.image_token_id is not None:
@@ -52,7 +67,13 @@ def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
     else:
         messages = [m.template_dict(j) for j, m in enumerate(body.messages)]
     tools = body.tools if body.tools and body.tool_choice != "none" else None
-    _, token_ids = render_chat(ctx.tokenizer, messages, tools=tools)
+    _, token_ids = render_chat(
+        ctx.tokenizer,
+        messages,
+        tools=tools,
+        # tool fields, long names, ...: the rendered text is held to the cap too
+        check_text=lambda text: check_prompt_chars(len(text), ctx.max_prompt_chars, "messages"),
+    )
     if not images and ctx.image_token_id is not None and ctx.image_token_id in token_ids:
         raise bad_request("message text must not contain the image placeholder token", "messages")
     check_token_ids(ctx, token_ids, "messages")
@@ -90,7 +111,8 @@ async def create_chat_completion(
     )
     ctx.limits.check_sequences(1, body.n)
     mode, params = _with_tools(body, params, ctx.tool_call_parser, ctx.max_grammar_bytes)
-    prompt, images = render_chat_prompt(ctx, body)
+    check_prompt_chars(message_chars(body.messages), ctx.max_prompt_chars, "messages")
+    prompt, images = await ctx.offload.in_thread(render_chat_prompt, ctx, body)
     request_id = new_request_id("chatcmpl")
     prompt = await with_images(ctx, request_id, prompt, images)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)

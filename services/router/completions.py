@@ -12,6 +12,7 @@ from starlette.types import Receive
 
 from pdserve.engine.outputs import GenerationDelta
 from services.router.errors import bad_request
+from services.router.limits import check_prompt_chars
 from services.router.logprobs import completion_logprobs, echo_logprobs, merge_logprobs
 from services.router.prompt_embeds import decode_prompt_embeds
 from services.router.protocol import CompletionRequest
@@ -32,8 +33,12 @@ from services.router.serving import (
 from services.router.streams import until_disconnect
 
 
-def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
-    """Tokenize / decode the prompt field(s): one Prompt per batch entry."""
+async def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
+    """Tokenize / decode the prompt field(s): one Prompt per batch entry.
+
+    Every bound that needs no tokenizing is checked first, on the event loop, in O(entries);
+    the tokenizing (or decoding of prompt_embeds) runs on ``ctx.offload`` once the input is large.
+    """
     prompt = body.prompt
     if body.prompt_embeds is not None:
         if prompt not in (None, "", []):
@@ -43,18 +48,7 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
             raise bad_request("prompt_embeds is an empty list", "prompt_embeds")
         ctx.limits.check_prompts(len(encoded))
         ctx.limits.check_sequences(len(encoded), body.n)
-        return [
-            Prompt(
-                [],
-                decode_prompt_embeds(
-                    e,
-                    hidden_size=ctx.hidden_size,
-                    max_bytes=ctx.max_prompt_embeds_bytes,
-                    param="prompt_embeds",
-                ),
-            )
-            for e in encoded
-        ]
+        return await ctx.offload.run(sum(len(e) for e in encoded), _decode_embeds, ctx, encoded)
     if prompt is None or prompt == "" or prompt == []:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(prompt, str):
@@ -65,6 +59,15 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
         batch = prompt  # type: ignore[assignment]
     ctx.limits.check_prompts(len(batch))  # before tokenizing a batch nobody will run
     ctx.limits.check_sequences(len(batch), body.n)
+    for entry in batch:
+        if isinstance(entry, str):
+            check_prompt_chars(len(entry), ctx.max_prompt_chars, "prompt")
+        elif len(entry) > ctx.max_model_len:
+            resolve_max_tokens(ctx, len(entry), None, "prompt")  # raises context_length_exceeded
+    return await ctx.offload.run(sum(len(e) for e in batch), _tokenize_batch, ctx, batch)
+
+
+def _tokenize_batch(ctx: ServingContext, batch: list[str] | list[list[int]]) -> list[Prompt]:
     prompts = []
     for entry in batch:
         if isinstance(entry, str):
@@ -74,6 +77,18 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prompt]:
         check_token_ids(ctx, token_ids, "prompt")
         prompts.append(Prompt(token_ids))
     return prompts
+
+
+def _decode_embeds(ctx: ServingContext, encoded: list[str]) -> list[Prompt]:
+    return [
+        Prompt(
+            [],
+            decode_prompt_embeds(
+                e, hidden_size=ctx.hidden_size, max_bytes=ctx.max_prompt_embeds_bytes, param="prompt_embeds"
+            ),
+        )
+        for e in encoded
+    ]
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, receive: Receive) -> Response:
@@ -89,7 +104,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     )
     if body.echo and body.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-    prompts = _prompts(ctx, body)
+    prompts = await _prompts(ctx, body)
     max_tokens = [resolve_max_tokens(ctx, p.num_tokens, engine_max_tokens, "max_tokens") for p in prompts]
     await ctx.backend.check_capacity()
 
@@ -97,7 +112,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     reqs = fan_out(request_id, prompts, params, max_tokens)
     n = len(reqs) // len(prompts)
     num_prompt_tokens = sum(p.num_tokens for p in prompts)
-    echo = _echo_texts(ctx, body, prompts, len(reqs))
+    echo = await ctx.offload.run(
+        num_prompt_tokens if body.echo else 0, _echo_texts, ctx, body, prompts, len(reqs)
+    )
     header: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",

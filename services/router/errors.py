@@ -86,12 +86,21 @@ def to_api_error(exc: Exception) -> APIError:
     raise TypeError(f"not a client-facing error: {exc!r}")
 
 
+# pydantic names the member of a union a value failed in its loc ("prompt", "list[int]", 0):
+# no field of the request, so param leaves it out.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "dict", "list", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":

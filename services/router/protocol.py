@@ -7,13 +7,18 @@ schema and rejected with a 400 naming them (see ``reject_unsupported``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.chat_template import template_message
 from pdserve.errors import InvalidRequestError
 from services.router.errors import APIError
+
+# Fields that reach the nodes as int32 (node.proto Sampling) and that SamplingParams bounds only
+# from below: a larger value failed in the protobuf conversion, a 500.
+_INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Field(le=_INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -38,11 +43,11 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     # Extras (vLLM's names), sent through the openai client's extra_body.
     ignore_eos: bool = False
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     # Structured outputs: OpenAI's response_format and vLLM's extra
     # {"json": schema | "regex": str | "choice": [str] | "grammar": EBNF} (services/router/structured.py).
     response_format: dict[str, Any] | None = None

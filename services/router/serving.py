@@ -26,6 +26,7 @@ from services.router.errors import APIError, bad_request, to_api_error
 from services.router.limits import RequestLimits
 from services.router.logprobs import TokenTexts
 from services.router.metrics import RouterMetrics
+from services.router.offload import TokenizerThreads
 from services.router.protocol import SamplingFields
 from services.router.streams import SSEResponse, run_sequences, sse_event, until_disconnect
 from services.router.structured import structured_of
@@ -67,9 +68,15 @@ class ServingContext:
     token_texts: TokenTexts = field(init=False)
     # The router makes the text of sequences without stop strings (streams.detokenize_here).
     detokenizer: IncrementalDetokenizer | None = field(init=False)
+    # Tokenizing and chat templates of large bodies run here, off the event loop (offload.py).
+    offload: TokenizerThreads = field(init=False)
+    max_prompt_chars: int = field(init=False)  # limits.max_prompt_chars, resolved
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_texts", TokenTexts(self.tokenizer))
+        lim = self.limits
+        object.__setattr__(self, "offload", TokenizerThreads(lim.tokenizer_threads, lim.tokenize_timeout_s))
+        object.__setattr__(self, "max_prompt_chars", lim.prompt_chars_limit(self.max_model_len))
         detok = None
         if self.detokenize_in_router and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer)
