@@ -11,12 +11,13 @@ long prefill, an operator profile of each, and this CPU's roofline, in one run.
   the process's CPU time per step (``time.thread_time``: on a shared host it leaves out the time
   other processes held the core; with one torch thread it is the step's cost).
 - Prefill: one request of ``--prefill-len`` tokens, ``max_tokens=1``, one step.
-- ``--ab``: the same engine, same requests, with its ``Linear`` layers' packed bf16 weights
-  detached (``old``: the route before ``kernels.cpu_gemm``) and attached (``new``), alternating
-  per repetition (prefills always run ``new``); the table gives the median of the per-repetition
-  ratios.
+- ``--ab``: the same engine and requests on the routes before the packed GEMM (``old``: the
+  ``Linear`` layers' packed bf16 weights detached, the native decode attention's cap as before)
+  and on the current ones (``new``), alternating per repetition (the decode cases' prefills run
+  ``new``); the table gives the median of the per-repetition ratios.
 - ``--profile``: ``torch.profiler`` over a few steps of each case; the top operators by self
-  CPU time go to the JSON and the log.
+  CPU time go to the JSON and the log, first the share outside torch operators (the native
+  kernels, which the profiler does not see, and Python).
 - Roofline: copy bandwidth (a 256 MiB tensor copied: read + write bytes / time), fp32 and bf16
   ``torch.mm`` of 2048^3 and ``kernels.cpu_gemm`` at 512 x 576 x 3072, all on the torch threads.
 
@@ -60,18 +61,28 @@ def make_engine(model_dir: Path, dtype: str, threads: int, kv_bytes: int, max_se
 
 
 class Routes:
-    """Switches an engine's Linear layers between the packed bf16 weights (``new``) and the
-    route before ``kernels.cpu_gemm`` (``old``: the packed copies detached) between steps."""
+    """Switches an engine between its CPU bf16 routes (``new``) and the ones before the packed
+    GEMM (``old``: the Linear layers' packed copies detached, the native attention's decode cap
+    back at MAX_ATTENTION_SCORES) between steps."""
 
     def __init__(self, engine) -> None:
         from pdserve.models.linear import Linear
 
         self.layers = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
         self.packed = [m.weight_packed for m in self.layers]
+        from pdserve.kernels import cpu_native
+
+        self.decode_cap = cpu_native.MAX_DECODE_SCORES_NO_BF16_HW
 
     def set(self, name: str) -> None:
+        from pdserve.kernels import cpu_native
+
         for m, p in zip(self.layers, self.packed, strict=True):
             m.weight_packed = p if name == "new" else None
+        # the native decode attention's cap on such a host (score_cap): the old one for "old"
+        cpu_native.MAX_DECODE_SCORES_NO_BF16_HW = (
+            self.decode_cap if name == "new" else cpu_native.MAX_ATTENTION_SCORES
+        )
 
 
 def prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -124,11 +135,21 @@ def profile_ops(fn, top: int = 12) -> list[dict]:
     """Top operators by self CPU time while ``fn`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
+    c0 = time.thread_time()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
+    cpu_us = 1e6 * (time.thread_time() - c0)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    return [
+    in_ops = sum(e.self_cpu_time_total for e in events)
+    total = max(cpu_us, in_ops, 1.0)
+    outside = {
+        "op": "(outside torch ops: native kernels, Python, profiler)",
+        "calls": 1,
+        "self_ms": round((total - in_ops) / 1000, 2),
+        "self_pct": round(100 * (total - in_ops) / total, 1),
+        "us_per_call": round(total - in_ops, 1),
+    }
+    return [outside] + [
         {
             "op": e.key,
             "calls": e.count,
