@@ -27,26 +27,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_gemm.h"
+
 typedef uint16_t bf16;
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
 #define MAX_HEADS_PER_KV 64
 
-static inline float bf2f(bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+static inline float bf2f(bf16 v) { return pd_bf2f(v); }
 
-static inline bf16 f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0; /* NaN, as c10 */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
+static inline bf16 f2bf(float f) { return pd_f2bf(f); }
 
 /* sum of squares of n bf16 values, LANES partial sums (vectorisable without reassociation) */
 static float sum_sq(const bf16 *x, long n) {
@@ -301,7 +292,7 @@ static int pd_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride
 
 /* ------------------------------------------------------------------------- the Python module */
 
-#define ABI_VERSION 5
+#define ABI_VERSION 6
 
 /* args[i] as a C long / pointer / float; *bad set on a wrong type (Python's error is set) */
 static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {
@@ -421,6 +412,41 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
+static PyObject *py_gemm_pack(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (!nargs_ok("gemm_pack", n, 4)) return NULL;
+    int bad = 0;
+    const bf16 *w = arg_p(args, 0, &bad);
+    long n_out = arg_l(args, 1, &bad), n_in = arg_l(args, 2, &bad);
+    bf16 *packed = arg_p(args, 3, &bad);
+    if (bad) return NULL;
+    pd_gemm_pack(w, n_out, n_in, packed);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (!nargs_ok("gemm", n, 9)) return NULL;
+    int bad = 0;
+    const bf16 *x = arg_p(args, 0, &bad);
+    long xs = arg_l(args, 1, &bad), rows = arg_l(args, 2, &bad), n_in = arg_l(args, 3, &bad);
+    const bf16 *packed = arg_p(args, 4, &bad);
+    long n_out = arg_l(args, 5, &bad);
+    const float *bias = args[6] == Py_None ? NULL : arg_p(args, 6, &bad);
+    bf16 *out = arg_p(args, 7, &bad);
+    long os = arg_l(args, 8, &bad);
+    if (bad) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pd_gemm_bf16w(x, xs, rows, n_in, packed, n_out, bias, out, os);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gemm_simd(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (!nargs_ok("gemm_simd", n, 0)) return NULL;
+    return PyLong_FromLong(pd_gemm_simd());
+}
+
 static PyObject *py_apply_bitmask(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (!nargs_ok("apply_bitmask", n, 9)) return NULL;
     int bad = 0;
@@ -444,6 +470,9 @@ static PyObject *py_apply_bitmask(PyObject *self, PyObject *const *args, Py_ssiz
 static PyMethodDef methods[] = {
     {"apply_bitmask", (PyCFunction)(void (*)(void))py_apply_bitmask, METH_FASTCALL, NULL},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL, NULL},
+    {"gemm_pack", (PyCFunction)(void (*)(void))py_gemm_pack, METH_FASTCALL, NULL},
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, NULL},
+    {"gemm_simd", (PyCFunction)(void (*)(void))py_gemm_simd, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL, NULL},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},

@@ -31,6 +31,7 @@ either (models/linear.py); fp32, the path the token-identity tests hold, does no
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -55,6 +56,11 @@ MAX_SILU_ELEMENTS = 512
 MAX_HEAD_DIM = 512  # the C side's stack buffers
 MAX_HEADS_PER_KV = 64  # attention: query heads sharing one KV head (likewise)
 MAX_ATTENTION_SCORES = 1 << 15  # attention: (query, key) pairs x heads of one call
+# ... of a pure decode call on a CPU without bf16 GEMM hardware, where the torch twin's bf16 bmm is
+# a generic loop: at 64 requests x 9 heads x ~150 keys its bmm took ~18 ms a call (SmolLM2-135M,
+# docs/benchmarks.md, "CPU engine on SmolLM2-135M"). Prefill chunks keep the cap above (the
+# twin's flash attention beats this kernel there).
+MAX_DECODE_SCORES_NO_BF16_HW = 1 << 22
 MAX_LINEAR_ROWS = 4  # the small-layer GEMM (models/linear.py's fp32 route): rows of one call
 
 _lock = threading.Lock()
@@ -101,6 +107,18 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     library()
     return _load_error if _lib is None else None
+
+
+@functools.cache
+def bf16_gemm_hardware() -> bool:
+    """Whether torch runs bf16 GEMMs on hardware support here (oneDNN: AVX512-BF16, AMX or
+    AVX-NE-CONVERT); without it torch's bf16 mm / bmm are generic loops."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def score_cap(decode: bool) -> int:
+    """The most (query, key) pairs x heads one ``attention`` call takes."""
+    return MAX_DECODE_SCORES_NO_BF16_HW if decode and not bf16_gemm_hardware() else MAX_ATTENTION_SCORES
 
 
 def _reset_for_tests() -> None:
@@ -383,8 +401,8 @@ def attention(
     already stored): q [T, H, D] -> [T, H, D], request b's tokens at rows query_start_loc[b] ..
     query_start_loc[b + 1] - 1, the last of its seq_lens[b] positions (prefill chunks, decode
     rows, mixed). None when not for the native kernel: ``scores`` (``attention_scores``) over
-    ``MAX_ATTENTION_SCORES``, a layout it does not read, ... The caller has checked the lengths,
-    starts and block ids (``kv_indices_ok``): the C side trusts them."""
+    ``score_cap`` (decode: one query per request), a layout it does not read, ... The caller
+    has checked the lengths, starts and block ids (``kv_indices_ok``): the C side trusts them."""
     lib = _lib if _loaded else library()
     if lib is None or q.dtype is not _BF16 or q.requires_grad or not q.is_cpu:
         return None
@@ -396,7 +414,7 @@ def attention(
     if (
         tokens == 0
         or d > MAX_HEAD_DIM
-        or scores > MAX_ATTENTION_SCORES
+        or scores > score_cap(tokens == batch)
         or nh % nkv
         or nh // nkv > MAX_HEADS_PER_KV
         or not q.is_contiguous()

@@ -26,7 +26,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-ABI_VERSION = 5  # the C side's ABI_VERSION: a module of another is not loaded
+# Compiled with SOURCE into the one module (its header too: all of them name the cached build).
+EXTRA_SOURCES = (Path(__file__).with_name("cpu_gemm.c"),)
+HEADERS = (Path(__file__).with_name("cpu_gemm.h"),)
+ABI_VERSION = 6  # the C side's ABI_VERSION: a module of another is not loaded
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 _BUILD_TIMEOUT_S = 120
 
@@ -66,7 +69,9 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     include = sysconfig.get_paths()["include"]
     try:
         proc = subprocess.run(
-            [cc, *flags, f"-I{include}", "-o", tmp, str(SOURCE), "-lm"],
+            [cc, *flags, f"-I{include}", f"-I{SOURCE.parent}", "-o", tmp, str(SOURCE)]
+            + [str(p) for p in EXTRA_SOURCES]
+            + ["-lm"],
             capture_output=True,
             text=True,
             timeout=_BUILD_TIMEOUT_S,
@@ -90,7 +95,8 @@ def _module_path(flags: list[str]) -> Path:
     """Where the module built with ``flags`` lives in the cache: named by the source, the flags,
     this Python's headers and, for ``-march=native``, the CPU."""
     include = sysconfig.get_paths()["include"]
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), include.encode()]
+    sources = [p.read_bytes() for p in (SOURCE, *EXTRA_SOURCES, *HEADERS)]
+    parts = [*sources, " ".join(flags).encode(), include.encode()]
     if "-march=native" in flags:
         parts.append(_cpu_id().encode())
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]

@@ -1,4 +1,12 @@
-"""``Linear``: ``nn.Linear`` with a CPU route for tiny half-precision GEMMs.
+"""``Linear``: ``nn.Linear`` with CPU routes for half-precision GEMMs.
+
+On a CPU without bf16 GEMM hardware (AVX2 only: no AVX512-BF16, AMX or AVX-NE-CONVERT), torch's
+bf16 ``F.linear`` is a generic loop at ~8-10 GFLOP/s of one core's time. ``prepare_small_gemms``
+then gives every bf16 ``Linear`` a packed copy of its weight (``kernels.cpu_gemm``: same bytes as
+the weight), and while torch runs one intra-op thread every call goes through that kernel:
+~60-85 GFLOP/s at 4-512 rows, and at one row it reads the bf16 weight once (docs/benchmarks.md,
+"CPU engine on SmolLM2-135M"). With more threads, on CPUs with bf16 hardware and for fp16 the
+routes below stay.
 
 On the CPU a bf16 (or fp16) ``F.linear`` goes through oneDNN, whose per-call cost dwarfs the
 arithmetic of a small layer: 1 x 128 x 384 takes ~20 us in bf16 and ~7 us in fp32 on the
@@ -25,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_gemm, cpu_native
 from pdserve.kernels.backend import HALF_DTYPES, wants_native
 
 SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
@@ -40,8 +48,14 @@ class Linear(nn.Linear):
     weight_fp32_t: torch.Tensor | None = None
     weight_fp32: torch.Tensor | None = None
     bias_fp32: torch.Tensor | None = None
+    # The packed bf16 copy kernels.cpu_gemm reads (CPUs without bf16 GEMM hardware).
+    weight_packed: cpu_gemm.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_packed is not None and wants_native(x):  # None when x is not for it
+            y = cpu_gemm.linear(x, self.weight_packed, self.bias_fp32)
+            if y is not None:
+                return y
         w = self.weight_fp32
         if w is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             if wants_native(x):  # a few bf16 rows: one native call (kernels.cpu_native.linear)
@@ -62,14 +76,29 @@ def small_gemm_eligible(weight: torch.Tensor) -> bool:
     )
 
 
+def packed_gemm_eligible(weight: torch.Tensor) -> bool:
+    """Whether a layer with this weight gets the packed copy of ``kernels.cpu_gemm``: a CPU bf16
+    weight on a CPU without bf16 GEMM hardware."""
+    return weight.device.type == "cpu" and weight.dtype is torch.bfloat16 and not cpu_gemm.bf16_gemm_native()
+
+
 def prepare_small_gemms(model: nn.Module) -> int:
-    """Give every eligible ``Linear`` of ``model`` its fp32 copy (call once the weights are
-    loaded; a later change to a weight is not seen). Returns how many layers got one."""
+    """Give every eligible ``Linear`` of ``model`` its fp32 copy (small layers) and its packed
+    bf16 copy (``packed_gemm_eligible``); call once the weights are loaded (a later change to a
+    weight is not seen). Returns how many layers got either."""
     n = 0
     for m in model.modules():
-        if isinstance(m, Linear) and small_gemm_eligible(m.weight):
+        if not isinstance(m, Linear):
+            continue
+        got = False
+        if small_gemm_eligible(m.weight):
             m.weight_fp32_t = m.weight.detach().float().t().contiguous()
             m.weight_fp32 = m.weight_fp32_t.t()
+            got = True
+        if packed_gemm_eligible(m.weight):
+            m.weight_packed = cpu_gemm.pack(m.weight)
+            got = got or m.weight_packed is not None
+        if got:
             m.bias_fp32 = None if m.bias is None else m.bias.detach().float()
             n += 1
     return n

@@ -235,7 +235,8 @@ def test_cases_not_for_the_native_kernels_get_none() -> None:
     cache1 = torch.zeros(10, 2, BLOCK, 1, HEAD_DIM, dtype=BF16)
     args = (cache1, meta.block_tables, meta.query_start_loc, meta.seq_lens, 40, 0.1)
     assert cpu_native.attention(one, *args, cpu_native.attention_scores([1], [40], 2)) is not None
-    assert cpu_native.attention(one, *args, cpu_native.MAX_ATTENTION_SCORES + 1) is None  # over the cap
+    over = cpu_native.score_cap(decode=True) + 1
+    assert cpu_native.attention(one, *args, over) is None  # over the cap
 
 
 def test_indices_that_leave_the_buffers_fail_the_step_check() -> None:
