@@ -7,12 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
-ver() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+ver() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
 pkgs=()
 for p in fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv uvicorn \
   annotated-types typing-inspection grpcio grpcio-health-checking protobuf redis xgrammar \
   apache-tvm-ffi py-spy opentelemetry-api typing-extensions; do
-  pkgs+=("$p==$(ver "$p")")
+  if v=$(ver "$p"); then
+    pkgs+=("$p==$v")
+  else
+    echo "device_wheels: $p is not installed in .venv: left out" >&2  # py-spy: the bench's profiles only
+  fi
 done
 [ "${1:-}" = "--mooncake" ] && pkgs+=("mooncake-transfer-engine-cuda13==0.3.14")
 rm -rf .whl && mkdir -p .whl
