@@ -1,4 +1,4 @@
-"""Chaos matrix of the request lifecycle (issue 13): scenario x target x phase -> outcome.
+"""Chaos matrix of the request lifecycle: scenario x target x phase -> outcome.
 
     PYTHONPATH=$PWD .venv/bin/python bench/chaos.py [--quick] [--out bench/results/chaos.json]
                                                     [--markdown docs/reliability.md]

@@ -1,4 +1,4 @@
-"""Schemathesis against the router's own OpenAPI schema (issue 13): no 5xx, no crash.
+"""Schemathesis against the router's own OpenAPI schema: no 5xx, no crash.
 
     PYTHONPATH=$PWD .venv/bin/python bench/fuzz.py [--cases 2000] [--target fake|cluster]
                                                    [--valid-share 0.2] [--out bench/results/fuzz.json]

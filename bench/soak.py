@@ -1,4 +1,4 @@
-"""Soak: many concurrent streams through router -> prefill -> decode for minutes (issue 13).
+"""Soak: many concurrent streams through router -> prefill -> decode for minutes.
 
     PYTHONPATH=$PWD .venv/bin/python bench/soak.py [--streams 256] [--seconds 300]
                                                    [--warmup-s 30] [--out bench/results/soak.json]

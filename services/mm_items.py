@@ -9,7 +9,7 @@
       -> encoder.PushEmbeddings (Mooncake write)
       -> complete (READY -> TAKEN -> copy) -> release
 
-The fetcher is the consumer half of the embedding-cache connector (DESIGN §7) on the node's first
+The fetcher is the consumer half of the embedding-cache connector (docs/design.md §7) on the node's first
 stage; every exit path releases its reservation (a push that may still be writing is released
 once its lease passed, never earlier).
 """

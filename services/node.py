@@ -65,7 +65,7 @@ class NodeOptions:
     advertise_address: str | None = None  # host:port the router dials (k8s: pod IP); None: host:grpc_port
     stages: int = 1  # pipeline stages behind this node's address (registered, for the router)
     drain_timeout_s: float = 30.0
-    # Images (issue 14): the derived flags the node acts on, and its embedding-cache consumer half
+    # Images: the derived flags the node acts on, and its embedding-cache consumer half
     # (prefill of a multimodal model with an encoder: fetches embeddings from encoders; index in
     # Redis at redis_url).
     mm_policy: MmPolicy | None = None  # None: a text-only node (every image item is refused)
@@ -378,7 +378,7 @@ class NodeBase:
         self.loop.call_later(ENGINE_DEATH_LINGER_S, self._stop_event.set)
 
     async def _watch_stages(self, runner: PipelineRunner, health_servicer: Any) -> None:
-        """A node is healthy only while every stage process is (DESIGN §7): a dead stage turns
+        """A node is healthy only while every stage process is (docs/design.md §7): a dead stage turns
         health NOT_SERVING, fails every in-flight request with the reason, and stops the node
         with exit code 1 (a prefill's held KV is then freed by the peer's lease on decode)."""
         while True:
@@ -572,7 +572,7 @@ class _NodeCollector:
                 "shared token, too many waiting for their hello",
                 n.frontend.refused_total,
             )
-        # Per pipeline stage (issue 11). One block table per node: used / held / stranded are the
+        # Per pipeline stage. One block table per node: used / held / stranded are the
         # node's numbers on every stage; bytes and failures are each stage endpoint's own.
         slabels = [*labels, "stage"]
         used, held, stranded = pool.num_used_blocks, n.held_transfer_blocks(), n.stranded_kv_blocks()

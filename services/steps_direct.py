@@ -6,7 +6,7 @@ process``, services/steps_frontend.py) it is a Unix socket to that process. Plai
 through the node's event loop: after a step the engine thread builds the stream's ``StepBatch``,
 serializes it and hands the frame to the socket (non-blocking). The event loop is not woken per
 step, so it does not take the GIL from the engine thread once per step (the stall that cost the
-served path 20-30% at low concurrency on CPU, docs/benchmarks.md, sixth session).
+served path 20-30% at low concurrency on CPU, docs/benchmarks.md, "The served path on CPU").
 
 What still goes through the event loop: admission and refusals (``StepEnd``), error deltas
 (overload, a failed KV load: their handling is the node's), and the finishing delta's

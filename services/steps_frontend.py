@@ -1,6 +1,6 @@
 """The node's front end in its own process: the router's Steps streams, off the engine's GIL.
 
-A decode or colocated node with ``frontend_port`` set runs this as a child process (DESIGN §7:
+A decode or colocated node with ``frontend_port`` set runs this as a child process (docs/design.md §7:
 "whether the front end and the engine core share a process is a measured choice"):
 
     router --gRPC Steps (HTTP/2)--> front end (this process, frontend_port)

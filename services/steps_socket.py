@@ -14,7 +14,8 @@ deltas to the socket itself** (services/steps_direct.py), so neither the event l
 HTTP/2 work sits between a step and the router. ``frontend: socket`` drops the front-end
 process and gRPC's per-message work on both ends of the hot stream: on the 2-core VM the time
 to first token at one stream fell from 6.2 to 4.1 ms in a hop probe and its p50 from 6.1 to
-5.1 ms through bench/served.py (docs/benchmarks.md, fifteenth session). Everything else between router and node stays gRPC (GetLoad, Abort, Decode, PushKV).
+5.1 ms through bench/served.py (docs/benchmarks.md, "The Steps socket"). Everything else between router
+and node stays gRPC (GetLoad, Abort, Decode, PushKV).
 
 The TCP port speaks, per connection (one connection = one Steps stream):
 

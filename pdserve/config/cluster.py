@@ -149,7 +149,7 @@ class ClusterConfig(_Frozen):
         return min([5.0] + [lease / 3 for lease in leases])
 
     def _check_keepalive(self) -> None:
-        """Decode's KeepAlive must come more often than any prefill lease runs out (issue 13)."""
+        """Decode's KeepAlive must come more often than any prefill lease runs out."""
         leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
         for n in self.nodes:
             if (
@@ -164,7 +164,7 @@ class ClusterConfig(_Frozen):
                 )
 
     def _check_encoders(self) -> None:
-        """The embedding-cache index lives in Redis (DESIGN §3): an encoder needs redis_url."""
+        """The embedding-cache index lives in Redis (docs/design.md §3): an encoder needs redis_url."""
         if self.encoder_nodes and not self.redis_url:
             names = [n.name for n in self.encoder_nodes]
             raise ConfigError(
@@ -195,7 +195,7 @@ class ClusterConfig(_Frozen):
                     f"model {model!r} is served by no decode-capable node (only "
                     f"{[n.name for n in users]}): add a decode or colocated node with this model"
                 )
-            # P and D compare block_size at the KV handshake (DESIGN §3); fail now, not per request.
+            # P and D compare block_size at the KV handshake (docs/design.md §3); fail now, not per request.
             kv_nodes = [n for n in users if n.role != "encoder"]
             if len({n.block_size for n in kv_nodes}) > 1:
                 sizes = {n.name: n.block_size for n in kv_nodes}

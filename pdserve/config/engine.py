@@ -37,7 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
-    # Overload (issue 12): a request arriving while this many wait (admitted, never scheduled)
+    # Overload: a request arriving while this many wait (admitted, never scheduled)
     # is refused (CapacityError -> RESOURCE_EXHAUSTED -> the router's 503); one waiting longer
     # than max_queue_wait_s without being scheduled is dropped the same way. None: unbounded.
     max_queue_len: int | None = None
@@ -117,7 +117,7 @@ class EngineConfig:
     # the host's usable cores (at least one), split between the engine's processes (TP ranks,
     # pipeline stages), leaving the rest to the node's other processes (front end, router,
     # clients): on a 2-core host one thread made the tiny model's engine 10-15% faster than two
-    # (docs/benchmarks.md, eleventh session); on other devices torch's default. A number: that
+    # (docs/benchmarks.md, "CPU threads"); on other devices torch's default. A number: that
     # many threads in each of the engine's processes, on any device.
     cpu_threads: int | None = None
 

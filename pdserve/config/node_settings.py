@@ -20,7 +20,7 @@ Role = Literal["prefill", "decode", "encoder", "colocated"]
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 EcRole = Literal["ec_producer", "ec_consumer"]
 
-# The KV role each service type holds (DESIGN §1). An explicit kv_role must equal it: a prefill
+# The KV role each service type holds (docs/design.md §1). An explicit kv_role must equal it: a prefill
 # node that consumes KV is a contradiction, not a preference.
 KV_ROLE_OF_ROLE: dict[str, KvRole | None] = {
     "prefill": "kv_producer",
@@ -31,7 +31,7 @@ KV_ROLE_OF_ROLE: dict[str, KvRole | None] = {
 DECODE_CAPABLE_ROLES = ("decode", "colocated")
 # Token budget of one step when the file sets none. A prefill node only turns prompts into KV:
 # large steps keep the tensor cores busy (H200, Llama-1B shape, 2k-token prompts: 0.545 of the
-# bf16 peak at 8,192-16,384 tokens against 0.337 at 2,048, docs/benchmarks.md issue 17). Every
+# bf16 peak at 8,192-16,384 tokens against 0.337 at 2,048, docs/benchmarks.md, "Prefill on the H200"). Every
 # other role keeps 2,048, which bounds the inter-token latency of the decodes sharing a step.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 PREFILL_MAX_NUM_BATCHED_TOKENS = 16384
@@ -83,7 +83,7 @@ class NodeConfig(_Frozen):
     # PREFILL_MAX_NUM_BATCHED_TOKENS, every other role DEFAULT_MAX_NUM_BATCHED_TOKENS); a value
     # written in the file is kept.
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    # Overload (issue 12): requests that do not fit wait in the queue; past max_queue_len waiting
+    # Overload: requests that do not fit wait in the queue; past max_queue_len waiting
     # (admitted, never scheduled) a new one is refused, and one waiting longer than
     # max_queue_wait_s is dropped: both reach the client as the router's 503 (OpenAI error body),
     # holding nothing on any node. None: unbounded.
@@ -111,7 +111,7 @@ class NodeConfig(_Frozen):
     # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).
     drain_timeout_s: float = Field(default=30.0, gt=0)
-    # Embedding cache (issue 14). Encoder: its registered buffer of embeddings and their lease in
+    # Embedding cache. Encoder: its registered buffer of embeddings and their lease in
     # the Redis index; EC consumers (prefill): the buffer pushes land in, the reservation lease and
     # how long one fetch from an encoder may take.
     ec_buffer_bytes: int = Field(default=64 << 20, ge=1 << 16)

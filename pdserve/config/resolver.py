@@ -1,6 +1,6 @@
 """Derived settings: the one place that turns a node's roles into the settings that follow.
 
-DESIGN §1: derived settings are derived, never hand-set. :func:`resolve_node_settings`
+docs/design.md §1: derived settings are derived, never hand-set. :func:`resolve_node_settings`
 assigns them unconditionally; where that replaces a value written in the file it logs a
 warning naming the node, the field, the hand-set value and the derived one.
 

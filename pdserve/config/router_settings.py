@@ -28,7 +28,7 @@ class RouterConfig(_Frozen):
     # the next prefill node, then prefills on the decode node. Catches a wedged prefill engine
     # that still answers gRPC keepalive pings (a frozen process is noticed sooner, by keepalive).
     prefill_timeout_s: float = Field(default=30.0, gt=0)
-    # Request lifecycle under failure (issue 13). Bounded input: past these a request is a 400/413.
+    # Request lifecycle under failure. Bounded input: past these a request is a 400/413.
     max_body_bytes: int | None = Field(default=None, ge=1024)  # None: max(16 MiB, room for prompt_embeds)
     max_prompts_per_request: int = Field(default=256, ge=1)  # entries of a completions batch
     max_sequences_per_request: int = Field(default=256, ge=1)  # prompts x n
@@ -59,8 +59,8 @@ class RouterConfig(_Frozen):
     # only, so their engine threads skip it) or "node". Stop strings are always matched on the
     # node, which makes their text.
     detokenize: Literal["router", "node"] = "router"
-    encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call (issue 14)
-    # How decode legs reach a node (issue 12): multiplexed = one Steps stream per node carrying
+    encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call
+    # How decode legs reach a node: multiplexed = one Steps stream per node carrying
     # batched deltas of every leg; per_request = one Decode stream per leg (a message per token).
     decode_stream: Literal["multiplexed", "per_request"] = "multiplexed"
     # Non-streaming requests on the multiplexed stream: the node holds their tokens and sends them
@@ -72,7 +72,7 @@ class RouterConfig(_Frozen):
     # at most every this many ms, and the finish at once; 0 = every engine step. A stream whose
     # tokens come slower than this (most GPU serving) is not touched; a faster one (a small model,
     # a CPU host) gets them in groups, at 100 events/s at most by default, and its node, router
-    # and client spend that much less per token (docs/benchmarks.md, thirteenth session).
+    # and client spend that much less per token (docs/benchmarks.md, "Streamed tokens grouped").
     stream_flush_ms: int = Field(default=10, ge=0, le=60_000)
     # When a P/D request's decode leg opens (multiplexed only): with_prefill = together with the
     # prefill leg, so decode allocates and asks for the KV while the prompt is prefilled and the
@@ -80,7 +80,7 @@ class RouterConfig(_Frozen):
     # the other). A failed early pull is re-driven by the router as a failed pull is under
     # kv_load_failure_policy reprefill.
     pd_decode_leg: Literal["with_prefill", "after_prefill"] = "with_prefill"
-    # Router worker processes sharing the HTTP port (issue 12): each runs its own event loop,
+    # Router worker processes sharing the HTTP port: each runs its own event loop,
     # node connections and registry view; /metrics adds them up. 1 = the router is one process.
     workers: int = Field(default=1, ge=1, le=64)
 

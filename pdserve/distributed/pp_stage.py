@@ -17,7 +17,7 @@ own pickled dataclasses (SchedulerOutput, RunnerOutput) between processes of one
 A stage that dies or fails raises ``PipelineStageError`` at the next call: the engine fails its
 requests and the node turns NOT_SERVING (``services.node``).
 
-KV transfer (prefill / decode nodes, issue 11): ``start_kv_endpoints`` makes every stage process
+KV transfer (prefill / decode nodes): ``start_kv_endpoints`` makes every stage process
 open its own transfer engine (Mooncake) and register its own KV cache there; it answers with its
 session address and regions (``StageEndpoint``). Decode stages then only receive (peers write
 into their registered memory). Prefill stages write on command: a second pipe per stage (the

@@ -4,7 +4,7 @@ Every engine mutation happens on the engine thread: callers post commands (add, 
 function of the engine) and receive deltas on per-request asyncio queues. The thread steps
 while there is work and sleeps on its command queue when idle.
 
-The thread must not die silently (DESIGN §7): a command whose caller was cancelled is a no-op,
+The thread must not die silently (docs/design.md §7): a command whose caller was cancelled is a no-op,
 a command that raises is logged and the loop goes on, and if the loop itself fails every stream
 ends with an error delta at once, every later call raises ``EngineDeadError``, and ``on_death``
 tells the node (which turns NOT_SERVING and exits non-zero).
@@ -282,7 +282,7 @@ class EngineLoop:
         """Admit a request whose deltas go to ``on_delta`` (on the event loop, in order, the last
         one with a finish_reason); returns once it is admitted, raises if refused.
 
-        The per-request consumer without a task or a queue (issue 12): a Steps stream calls this
+        The per-request consumer without a task or a queue: a Steps stream calls this
         for all its requests, so a step costs the event loop one callback per request. The caller
         must :meth:`release` the request: after its finishing delta, or with ``abort=True``
         when it gives up on it."""

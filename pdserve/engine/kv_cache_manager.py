@@ -2,7 +2,7 @@
 
 Ints and ids only (no torch).
 
-Deferred frees (DESIGN §4): a block that an in-flight step or KV transfer may still write is
+Deferred frees (docs/design.md §4): a block that an in-flight step or KV transfer may still write is
 freed only after the fence (the highest step sequence number known to have completed) passed
 the last step that wrote it, and when no transfer into it is in flight.
 

@@ -1,6 +1,6 @@
 """A request as the scheduler sees it: ints and ids only (no torch).
 
-One counter model (DESIGN §4): ``num_computed_tokens`` chases ``num_tokens``. There is no
+One counter model (docs/design.md §4): ``num_computed_tokens`` chases ``num_tokens``. There is no
 prefill/decode flag; a request whose prompt is not fully computed simply has a larger gap.
 Remote KV (disaggregated decode) counts as externally computed tokens.
 """

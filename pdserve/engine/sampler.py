@@ -269,8 +269,8 @@ def draw_(q: torch.Tensor, generator: torch.Generator | None) -> None:
     """One step's race draws for ``q``'s rows from ``generator`` (None: torch's default): Exp(1)
     values on a GPU; on the CPU uniform [0, 1) values that ``_sample`` turns into Exp(1) with
     one vectorised -log(1 - u), because torch's CPU ``exponential_`` is a scalar loop ~6x the
-    cost of ``uniform_`` (16 x 4,096 draws: ~1.26 ms against ~0.2; docs/benchmarks.md, eleventh
-    session). A seeded request's stream position is the number of draws, so a node that
+    cost of ``uniform_`` (16 x 4,096 draws: ~1.26 ms against ~0.2; docs/benchmarks.md,
+    "The CPU decode step"). A seeded request's stream position is the number of draws, so a node that
     continues another's request (P/D, recompute) skips its earlier draws with this same call
     (``ModelRunner._generator``)."""
     if q.device.type == "cpu":

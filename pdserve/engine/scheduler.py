@@ -7,7 +7,7 @@ within the token budget), then waiting ones are admitted in policy order. When a
 request cannot get a block, the lowest-ranked running request is preempted (its blocks freed,
 its counter reset to 0) — unless its blocks cannot be freed *now* (an in-flight step or
 transfer may still write them): then scheduling stops for this step before touching any
-state (DESIGN §4: zero progress, zero side effects).
+state (docs/design.md §4: zero progress, zero side effects).
 
 ``schedule()`` advances each scheduled request's ``num_computed_tokens`` at once, and counts
 a token it will sample as a placeholder, so the next step can be scheduled while this one

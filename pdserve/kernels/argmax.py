@@ -5,7 +5,7 @@
 The twin is torch's argmax (the reference, and the path on devices without Triton). On CPU
 tensors numpy's argmax runs instead: torch's CPU argmax is not vectorized, ~10x slower in fp32
 and ~30x in bf16 (16 x 4,096 logits: 60 / 240 us against 5 / 14 us with the bf16 -> fp32 cast,
-which is exact; docs/benchmarks.md, eleventh session). Same answer: the first maximum, the first
+which is exact; docs/benchmarks.md, "The CPU decode step"). Same answer: the first maximum, the first
 NaN in a row holding one. The Triton kernel
 (``triton_argmax``) spreads each row over many programs; torch gives a row to one block, about
 40 us for a 128k vocabulary on an H200 at batch 1 and 64. Which one runs follows the backend

@@ -105,7 +105,7 @@ def _mask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor |
     ``rows`` names the constrained rows, every row (+inf in the others), so there is no gather
     or scatter of logits rows. 16 x 4,096 logits in ~25-35 us, where unpacking the bits and a
     boolean ``where`` took ~80-250, and the gather / tail fill / scatter around it as much again
-    (docs/benchmarks.md, eleventh session). False when this case is not one it takes.
+    (docs/benchmarks.md, "The CPU decode step"). False when this case is not one it takes.
 
     A NaN logit of a banned token stays NaN here (minimum propagates NaN; ``masked_fill_``
     makes it -inf). NaN logits are a broken model either way."""

@@ -4,7 +4,7 @@ first use with the host's C compiler (and Python's headers) and imported from a 
 Why: a CPU decode step of a small model is bound by the count of torch ops, each ~1-2 us of
 dispatch, not by arithmetic. On the tiny bench Llama (hidden 128, 4 layers) at one request a
 step spent ~31 us per fused add + RMS norm, ~60 us per layer on rotary + KV store and ~75 us per
-layer on attention (docs/benchmarks.md, twelfth session). Each function here is one call for one
+layer on attention (docs/benchmarks.md, "The CPU decode step"). Each function here is one call for one
 of those: ~3-5 us with the Python around it (an output tensor's allocation is ~1 us of that; a
 call through ctypes was ~2 us on its own, so the functions take addresses as Python ints through
 CPython's fast-call protocol instead).

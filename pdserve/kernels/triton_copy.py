@@ -1,7 +1,7 @@
 """One launch for many device-to-device copies (cuda_ipc scattered blocks).
 
 ``cudaMemcpyAsync`` per descriptor costs ~7-10 us of host time each (measured on the H200,
-docs/benchmarks.md, "Issue 17, continued"): 125 scattered blocks of a 2k-token prompt ran at
+docs/benchmarks.md, "cuda_ipc KV transport"): 125 scattered blocks of a 2k-token prompt ran at
 0.03 of the copy rate. This kernel takes the whole descriptor list as one int64 tensor
 ``[n, 3]`` = (src address, dst address, bytes) and copies every descriptor in one launch.
 

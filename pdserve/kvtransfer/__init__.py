@@ -1,4 +1,4 @@
-"""KV transfer between prefill and decode (DESIGN section 3).
+"""KV transfer between prefill and decode (docs/design.md §3).
 
 regions       Region, alignment by (layer_name, occurrence), descriptors, batches  (pure Python)
 backend       TransferBackend seam: MooncakeBackend (real), LoopbackBackend (unit tests)

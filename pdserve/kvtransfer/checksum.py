@@ -1,4 +1,4 @@
-"""Optional per-transfer checksum (DESIGN §3 "Transfers carry a checksum when enabled").
+"""Optional per-transfer checksum (docs/design.md §3 "Transfers carry a checksum when enabled").
 
 Prefill digests the KV blocks it is about to push (whole blocks: a push copies whole blocks),
 decode digests the blocks it received; a mismatch fails the pull and ``kv_load_failure_policy``

@@ -164,8 +164,8 @@ class KVProducer:
     def admit(self, transfer_id: str) -> None:
         """A prefill for ``transfer_id`` was admitted: a push may wait for it. Refuses a
         transfer_id already admitted or held: a second request with it would collide with the
-        first one's hold (and used to fail every request on the node when the tracker refused
-        the hold on the engine thread). Early pulls waiting for a
+        first one's hold (refused here, before the engine thread, where a refused hold would fail
+        every request on the node). Early pulls waiting for a
         transfer_id no prefill admitted yet (``wait_held``) do not make it a duplicate."""
         with self._lock:
             t = self._transfers.get(transfer_id)
@@ -332,7 +332,7 @@ class KVProducer:
     ) -> PushResult:
         """Write the held KV into the puller's blocks. Validation errors raise before anything is
         written (InvalidRequestError, RegionMismatchError, BlockIdError, UnknownTransferError);
-        a failed write returns ok=False and counts as a report (DESIGN §3). ``consumer`` is the
+        a failed write returns ok=False and counts as a report (docs/design.md §3). ``consumer`` is the
         asking (decode pp_rank, tp_rank): counted once however often it asks. A puller that
         shares no layer with this stage moves no bytes and still counts."""
         entry = self.tracker.get(transfer_id)

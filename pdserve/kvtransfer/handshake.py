@@ -1,4 +1,4 @@
-"""Compatibility check between KV peers (DESIGN section 3, Integrity).
+"""Compatibility check between KV peers (docs/design.md §3, Integrity).
 
 Both sides send a ``HandshakeInfo``: the fields that decide whether one side's KV bytes mean the
 same thing on the other, their hash, and an epoch that changes on every process start. The

@@ -1,4 +1,4 @@
-"""``kv_load_failure_policy`` (DESIGN §2): what decode does when a KV pull fails.
+"""``kv_load_failure_policy`` (docs/design.md §2): what decode does when a KV pull fails.
 
     fail       the request ends with an error (the client gets a clean error)
     recompute  decode prefills the prompt itself (no transfer)

@@ -1,5 +1,5 @@
 """Typed KV-transfer metadata: what travels from the services through the engine to the
-scheduler and back out (DESIGN §7), instead of a dict read by key in several files.
+scheduler and back out (docs/design.md §7), instead of a dict read by key in several files.
 
     prefill node: RemoteDecodeParams  - this request's KV is consumed by a decode node: hold it
     decode node:  RemotePrefillParams - this request's prompt KV comes from a prefill node: pull it

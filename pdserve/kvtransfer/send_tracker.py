@@ -1,4 +1,4 @@
-"""Prefill-side completion counting (DESIGN section 3): when may P free a request's KV blocks?
+"""Prefill-side completion counting (docs/design.md §3): when may P free a request's KV blocks?
 
 After prefill, P holds a request's blocks under a lease until every expected consumer has
 reported. A consumer is one (D stage, D TP rank) pull, so a P stage expects

@@ -1,4 +1,4 @@
-"""Who asks whom, and how many pulls a prefill stage waits for (DESIGN section 3).
+"""Who asks whom, and how many pulls a prefill stage waits for (docs/design.md §3).
 
 One place computes the stage topology of a prefill -> decode transfer, so the router (which
 tells the prefill node ``need_send``), the prefill stages (which count reports) and the decode

@@ -430,7 +430,7 @@ def _one_request_attention(
     take SDPA anyway (fewer KV heads than ``EAGER_BF16_MIN_ROWS``) or a fresh prompt: its keys
     cut to its length instead of masked, a fresh prompt as one causal call, so none of the
     general path's padding and mask building (a 48-token prompt of the tiny bench model: ~150 µs
-    a layer less; docs/benchmarks.md, tenth session). Returns None for any other step (a chunk
+    a layer less; docs/benchmarks.md, "The CPU decode step"). Returns None for any other step (a chunk
     after cached context): the general path takes it. The same attention as the general path,
     but not always the same bits: SDPA's kernel splits a shorter key run differently (the bench
     model's greedy tokens part at token 74 of 128). fp32 keeps the general path, the one the
@@ -475,7 +475,7 @@ def _decode_attention(
     q_grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and batch * num_kv_heads >= EAGER_BF16_MIN_ROWS:
         # transformers' eager attention (bf16 matmuls, fp32 softmax): on the CPU, SDPA's bf16 kernels
-        # cost 2.7x this at 16 single-query rows and 5x at 64 (docs/benchmarks.md, fifth session)
+        # cost 2.7x this at 16 single-query rows and 5x at 64 (docs/benchmarks.md, "The CPU decode step")
         scores = torch.matmul(q_grouped, key.transpose(-1, -2)).float()  # [B, Hkv, G, S]
         scores.masked_fill_(~key_valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.mul_(scale), dim=-1).to(q.dtype)

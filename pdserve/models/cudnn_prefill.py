@@ -1,6 +1,6 @@
 """Prefill attention of fresh prompts through cuDNN's fused attention (CUDA, fp16 / bf16).
 
-Measured on the H200 (docs/benchmarks.md, "Issue 17, third session", 8 causal prompts of 2,000
+Measured on the H200 (docs/benchmarks.md, "Prefill attention on the H200", 8 causal prompts of 2,000
 tokens, Llama-1B shape, one layer): torch SDPA with the cuDNN backend on dense [B, H, S, D]
 views 0.386 ms (340 TFLOP/s) against the paged Triton kernel's 0.614 ms (214) and FA2 varlen's
 0.671 ms (196). cuDNN's *varlen* entry (``aten._cudnn_attention_forward`` with cumulative

@@ -1,6 +1,6 @@
 """Prefill attention through torch's varlen FlashAttention-2 kernel (CUDA, fp16 / bf16).
 
-Measured on the H200 (docs/benchmarks.md, 2026-12-02 "Prefill" section), Llama-1B shape, 32
+Measured on the H200 (docs/benchmarks.md, "Prefill on the H200"), Llama-1B shape, 32
 prompts of 2,000 tokens: at the default token budget of 2,048 (every step one chunk of a long
 prompt, few query tiles of very unequal work) the whole prefill ran at 0.46 of the bf16 peak
 with this path against 0.32 with the paged Triton kernel; at 16,384 tokens per step the Triton

@@ -16,9 +16,9 @@ copy (at most 256 KiB each), and calls of up to ``SMALL_GEMM_MAX_ROWS`` rows com
 from it and round once to the input's dtype. Larger layers, larger calls, fp32 models and every
 other device keep the plain path: there the fp32 route is slower (at one row 128 x 384 takes
 20 -> 9 us, 1,024 x 3,072 330 -> 407 us: memory-bound; at 64 rows 128 x 384 48 -> 79 us) and
-its copy costs memory (docs/benchmarks.md, tenth session). A bf16 call of up to
+its copy costs memory (docs/benchmarks.md, "The CPU decode step"). A bf16 call of up to
 ``cpu_native.MAX_LINEAR_ROWS`` rows goes one step further: one native call reads the transposed
-fp32 copy and rounds once (~4 against ~10 us for 1 x 128 x 384; twelfth session).
+fp32 copy and rounds once (~4 against ~10 us for 1 x 128 x 384).
 
 Numerics: the products of bf16 values are exact in fp32 and the sum is fp32, as in oneDNN's
 bf16 kernel; only the order of the additions differs, so a result can differ from the oneDNN

@@ -1,4 +1,4 @@
-"""Malformed gRPC requests are INVALID_ARGUMENT, not UNKNOWN (issue 13, fuzz).
+"""Malformed gRPC requests are INVALID_ARGUMENT, not UNKNOWN (fuzz).
 
 gRPC answers a request whose bytes do not parse with ``UNKNOWN: Unexpected DecodeError``; to a
 caller that reads like a node fault (a router's breaker would count it). This interceptor parses

@@ -1,4 +1,4 @@
-"""Decode keeps prefill's leases alive while its requests wait in the queue (DESIGN §2).
+"""Decode keeps prefill's leases alive while its requests wait in the queue (docs/design.md §2).
 
 Prefill holds a request's KV under a lease (``kv_lease_s``) that a pull extends. Under load a
 request can wait on decode longer than the lease before its pull starts (128 streams: 133 of

@@ -200,7 +200,7 @@ class DecodeNode(NodeBase):
         t_start = time.monotonic() if t_handed is None else t_handed
         try:
             peer = self._peers.get(addr) or await self.ensure_handshake(addr)
-            # One PushKV per decode stage, into that stage's regions and session (issue 11); the
+            # One PushKV per decode stage, into that stage's regions and session; the
             # prefill node fans each out to its stages (kvtransfer.topology). The request runs only
             # when every stage has its KV; all pulls end before the blocks can be reused.
             reqs = [self._push_request(spec, peer, st) for st in self.stages]

@@ -1,4 +1,4 @@
-"""A circuit breaker per node (issue 13): a failing node leaves the rotation, a probe brings it back.
+"""A circuit breaker per node: a failing node leaves the rotation, a probe brings it back.
 
     CLOSED --(failures in a row >= threshold)--> OPEN --(open_s passed)--> HALF_OPEN
     HALF_OPEN: one request (the probe) goes to the node; success -> CLOSED, failure -> OPEN again

@@ -1,4 +1,4 @@
-"""Bounds on one HTTP request (issue 13): how many prompts, how many sequences, how many bytes.
+"""Bounds on one HTTP request: how many prompts, how many sequences, how many bytes.
 
 A request past a bound is refused with a 400 (413 for the body) in OpenAI's shape before any
 tokenizing or node work, so one request cannot occupy a node's queue (a completions ``prompt``

@@ -79,7 +79,7 @@ class RouterPolicy:
     inter_token_timeout_s: float = 15.0  # between two deltas of a decode stream
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
-    # multiplexed: every decode leg on a node shares one Steps stream (batched deltas, issue 12);
+    # multiplexed: every decode leg on a node shares one Steps stream (batched deltas);
     # per_request: one Decode stream per leg (one message per token).
     decode_stream: str = "multiplexed"
     nonstream_flush_ms: int = 100  # multiplexed, BackendRequest.streamed false: node-side batching

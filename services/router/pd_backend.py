@@ -1,4 +1,4 @@
-"""The router's real backend: runs the request lifecycle over prefill and decode nodes (DESIGN §2).
+"""The router's real backend: runs the request lifecycle over prefill and decode nodes (docs/design.md §2).
 
     ACCEPTED -> DISPATCHED(P, D, transfer_id) -> STREAMING -> DONE | FAILED | CANCELLED
 

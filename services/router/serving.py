@@ -52,7 +52,7 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_call_parser: str = "hermes"  # checked by create_app (tool_parsers.check_parser)
     detokenize_in_router: bool = True  # router.detokenize: "router" (streams.detokenize_here)
-    # Images (issue 14): the model's image placeholder token (None: a text-only model, image
+    # Images: the model's image placeholder token (None: a text-only model, image
     # parts are a 400) and the encoder nodes image_url parts go to (None: none in the cluster).
     image_token_id: int | None = None
     encoders: Any | None = None  # services.router.encoders.EncoderPool

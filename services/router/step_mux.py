@@ -1,4 +1,4 @@
-"""One multiplexed ``Steps`` stream per decode-capable node (issue 12).
+"""One multiplexed ``Steps`` stream per decode-capable node.
 
 Every decode leg the router has on a node shares one bidirectional gRPC stream: a leg's start
 and its abort are commands on it, and each batch the node sends holds one merged delta per

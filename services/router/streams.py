@@ -57,7 +57,7 @@ class _SequenceTimer:
 def detokenize_here(detok: IncrementalDetokenizer | None, req: BackendRequest) -> DetokState | None:
     """Take ``req``'s detokenization off the node (its engine thread, where every microsecond
     of host work per token is a step's): the node sends token ids only and the router makes the
-    text (DESIGN §7). Not with stop strings: they are matched where the tokens are made, so the
+    text (docs/design.md §7). Not with stop strings: they are matched where the tokens are made, so the
     node can stop at once. Returns the sequence's state, or None (the node detokenizes)."""
     sp = req.sampling_params
     if detok is None or sp.stop or not sp.detokenize:

@@ -1,4 +1,4 @@
-"""router.nonstream_flush_ms / stream_flush_ms: acted on (Steps stream) or refused at start (issue 12)."""
+"""router.nonstream_flush_ms / stream_flush_ms: acted on (Steps stream) or refused at start."""
 
 import pytest
 

@@ -1,6 +1,6 @@
-"""CI subset of the chaos matrix (bench/chaos.py) for what the matrix added in issue 13's second
-round: the prefill leg's deadline, faults during the KV transfer, an engine death inside a real
-node process, and clients through the real router over HTTP (official openai client).
+"""CI subset of the chaos matrix (bench/chaos.py): the prefill leg's deadline, faults during the
+KV transfer, an engine death inside a real node process, and clients through the real router over
+HTTP (official openai client).
 
 Nodes run with test-only fault settings (``faults`` in the cluster config, acted on by the node):
 both prefill nodes wait 1 s in every PushKV before the KV write (a transfer window a fault can

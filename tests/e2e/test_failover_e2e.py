@@ -1,4 +1,4 @@
-"""Failover with real node processes (issue 13): reprefill, leases kept by a queue, frozen peers,
+"""Failover with real node processes: reprefill, leases kept by a queue, frozen peers,
 the circuit breaker, readiness and restarts. Two prefill nodes, one decode node (reprefill policy).
 
 The router's lifecycle runs in-process (``tests/e2e/faults.PhasedBackend`` = ``PDBackend`` plus

@@ -1,4 +1,4 @@
-"""Request lifecycle under failure with real router, prefill and decode processes (issue 13).
+"""Request lifecycle under failure with real router, prefill and decode processes.
 
 The lease is long (60 s) on purpose: every release asserted here must come from an abort, not
 from a lease running out.

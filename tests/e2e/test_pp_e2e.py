@@ -1,4 +1,4 @@
-"""Prefill and decode nodes with pipeline parallelism (issue 11), as real processes: the router,
+"""Prefill and decode nodes with pipeline parallelism, as real processes: the router,
 a prefill node of P stages and a decode node of D stage processes, each stage with its own
 Mooncake TE endpoint (TCP, loopback), driven by the official ``openai`` client.
 

@@ -1,4 +1,4 @@
-"""The served path (issue 12): router -> multiplexed Steps stream -> node -> engine thread.
+"""The served path: router -> multiplexed Steps stream -> node -> engine thread.
 
 Token streams through the router equal the in-process engine's for a batch of concurrent
 requests (greedy and seeded, streamed and not), whatever number of tokens each message
@@ -41,7 +41,7 @@ def _own_ports():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, _own_ports):
-    # Two router workers on one port: every request below crosses one of them (issue 12). decode-0
+    # Two router workers on one port: every request below crosses one of them. decode-0
     # serves its Steps streams itself (frontend: inline), so this module keeps that path tested;
     # the front-end process, every other cluster's default, has tests/e2e/test_steps_frontend_e2e.py.
     cfg = make_cluster_config(

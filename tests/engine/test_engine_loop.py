@@ -1,4 +1,4 @@
-"""The engine thread cannot die silently (issue 13): cancelled callers, failing commands, death."""
+"""The engine thread cannot die silently: cancelled callers, failing commands, death."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_engine_thread_death_fails_streams_and_later_calls(tiny_models, make_llm
             llm.engine.step = broken_step  # type: ignore[method-assign]
             llm.engine.fail_all = broken_fail_all  # type: ignore[method-assign]
             deltas = []
-            async with asyncio.timeout(5):  # it used to hang here forever
+            async with asyncio.timeout(5):  # a dead engine thread must not hang its callers
                 async for d in el.generate([1, 2, 3, 4], GREEDY, "victim"):
                     deltas.append(d)
             assert deltas[-1].finish_reason == "error" and "engine thread" in (deltas[-1].error or "")

@@ -1,4 +1,4 @@
-"""Overload (issue 12): the engine's queue limit and queue wait, and merged deltas."""
+"""Overload: the engine's queue limit and queue wait, and merged deltas."""
 
 from __future__ import annotations
 

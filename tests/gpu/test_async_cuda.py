@@ -105,8 +105,8 @@ def test_a_hung_step_fails_after_step_timeout() -> None:
 
 def test_rows_computed_ahead_on_cuda(tiny_models, make_llm) -> None:
     """The CPU test of late stops (tests/engine/test_async_scheduling.py), on CUDA with graphs and
-    a bounded KV budget. (Its first CUDA run, with the KV cache at 90% of free memory per engine
-    and no step deadline, did not finish: docs/benchmarks.md, section 0.)"""
+    a bounded KV budget. (With the KV cache at 90% of free memory per engine and no step
+    deadline, the run does not finish: docs/benchmarks.md, "GPU tests".)"""
     from tests.engine.test_async_scheduling import rows_computed
 
     scheduled = rows_computed(make_llm, tiny_models["llama"], device="cuda", kv_cache_memory_bytes=KV_BYTES)

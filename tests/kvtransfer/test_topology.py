@@ -1,4 +1,4 @@
-"""Stage topology of a P -> D transfer, and completion counting across PP sizes (DESIGN §3)."""
+"""Stage topology of a P -> D transfer, and completion counting across PP sizes (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -103,8 +103,8 @@ async def test_a_node_that_stops_heartbeating_leaves_rotation_within_one_ttl(
     assert gone_after_s <= ttl_s + interval_s + 0.5
     await asyncio.sleep(ttl_s * 1.5)  # the living node's heartbeats keep it in
     assert [h.name for h in backend.decode] == ["decode-0"]
-    # live.stop() used to hang here in most runs: the cancel landed in redis-py's wait_for and was
-    # lost, so the heartbeat loop went on (RedisRegistry now raises the lost cancel).
+    # live.stop() must return: a cancel that lands in redis-py's wait_for is lost there, so
+    # RedisRegistry raises the lost cancel itself and the heartbeat loop ends.
     await live.stop()
     await dying.registry.close()  # dead: no deregistration, but its connection is ours to close
     await disc.close()
@@ -139,7 +139,7 @@ async def test_a_cancel_lost_inside_redis_py_still_ends_the_heartbeat_loop(
 
 async def test_a_cancelled_stop_still_closes_the_connection_and_keeps_the_cancel() -> None:
     """stop()'s caller cancelled while it waits for the heartbeat loop: the cancel reaches the
-    caller (it used to be swallowed there), and the registry connection is closed anyway."""
+    caller (it is not swallowed there), and the registry connection is closed anyway."""
     calls: list[str] = []
 
     class Registry(NodeRegistry):

@@ -1,4 +1,4 @@
-"""A node is healthy only while its engine thread is (DESIGN §7, issue 13): in-process node, real gRPC."""
+"""A node is healthy only while its engine thread is (docs/design.md §7): in-process node, real gRPC."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bounded input at the router (issue 13): prompt count, prompts x n, body size -> OpenAI-shaped 4xx."""
+"""Bounded input at the router: prompt count, prompts x n, body size -> OpenAI-shaped 4xx."""
 
 from __future__ import annotations
 
