@@ -3,6 +3,8 @@
 - ``resident_bytes``: how much of the CPU KV cache's mapping is in RAM
   (``pdserve:kv_cache_resident_bytes``), so a node's RSS can be split into the KV cache, which
   grows on first use up to its size, and the rest, which must stay flat under load.
+- ``configure_malloc``: glibc malloc arenas capped for node processes (MALLOC_ARENA_MAX,
+  default 2).
 - ``PDSERVE_TRACEMALLOC_EVERY_S=N`` (debugging only, off by default; tracing slows the node):
   ``tracemalloc`` starts with the node and every N seconds the log gets the 15 source lines
   whose live Python allocations grew most since the first report, and the traced total.
@@ -17,6 +19,7 @@ import logging
 import mmap
 import os
 import tracemalloc
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -31,6 +34,31 @@ def _libc() -> ctypes.CDLL:
     name = ctypes.util.find_library("c")
     assert name is not None, "no C library found"
     return ctypes.CDLL(name, use_errno=True)
+
+
+M_ARENA_MAX = -8  # glibc's malloc.h
+ARENA_MAX_DEFAULT = 2
+
+
+def configure_malloc(environ: Mapping[str, str]) -> int | None:
+    """Cap glibc's malloc arenas for a node process (``pdserve serve``): MALLOC_ARENA_MAX from
+    the environment if set (glibc applied it already; returned as is), else
+    ARENA_MAX_DEFAULT through ``mallopt``. Without a cap glibc gives threads that contend for
+    the heap arenas of their own (up to 8 per core) whose freed memory is rarely returned: the
+    prefill node's RSS outside its KV cache climbed under load (docs/reliability.md, "Soak").
+    None where the C library has no mallopt (not glibc)."""
+    raw = environ.get("MALLOC_ARENA_MAX", "")
+    if raw:
+        if not raw.isdigit():
+            raise ConfigError(f"MALLOC_ARENA_MAX={raw!r} must be a whole number of arenas (glibc's setting)")
+        return int(raw)
+    libc = _libc()
+    if not hasattr(libc, "mallopt"):
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    if libc.mallopt(M_ARENA_MAX, ARENA_MAX_DEFAULT) != 1:
+        raise OSError(f"mallopt(M_ARENA_MAX, {ARENA_MAX_DEFAULT}) failed")
+    return ARENA_MAX_DEFAULT
 
 
 def resident_bytes(addr: int, nbytes: int) -> int:
