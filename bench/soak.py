@@ -1,7 +1,7 @@
 """Soak: many concurrent streams through router -> prefill -> decode for minutes.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/soak.py [--streams 256] [--seconds 300]
-                                                   [--warmup-s 30] [--out bench/results/soak.json]
+    PYTHONPATH=$PWD .venv/bin/python bench/soak.py [--streams 256] [--seconds 300] [--warmup-s 30]
+                                                   [--window-s 60] [--out bench/results/soak.json]
 
 Real processes (the local cluster of ``pdserve up``: router, prefill-0, decode-0; tiny random
 Llama). ``--streams`` clients loop for ``--seconds``, each sending streaming completions with
@@ -12,12 +12,19 @@ the official ``openai`` client: prompts mixed short (local path, < 32 tokens) an
 - KV leases that expired on prefill (``KV lease expired`` in its log: a request still alive lost
   its KV) and decode's failed pulls / keep-alive answers "unknown";
 - free KV blocks at the start and after the run (must be equal: nothing held);
-- RSS of each node process after the warm-up and at the end (growth must stay < 5 %), and a
-  timeline of it every ``--rss-every-s`` seconds (a trend, not only two points);
+- memory of each process at the start and end of every ``--window-s`` window after the warm-up
+  and a timeline every ``--rss-every-s`` seconds: RSS, and for prefill and decode its split into
+  the CPU KV cache's resident pages (``pdserve:kv_cache_resident_bytes``: a block's pages become
+  resident on its first use and never-used blocks are handed out first, so this part grows up
+  to the cache's size under load, a bound, not a leak) and the rest, whose growth from the end
+  of the warm-up to the end must stay < 5 %;
+- per-request maps left on prefill and decode once the load ended
+  (``pdserve:request_state_entries``, must all be 0);
 - the router's failed legs by role and gRPC status, and requests by path (a prefill leg past
   ``router.prefill_timeout_s`` shows as a DEADLINE_EXCEEDED prefill leg and a local_fallback).
 
-Pass/fail is the exit status (0: every criterion met).
+The last line says PASS or FAIL with the figures; the exit status says the same (0: every
+criterion met).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import sys
@@ -92,53 +100,115 @@ async def client_loop(rc: Any, seed: int, stop_at: float, stats: dict[str, Any])
         await c.close()
 
 
+def memory_mib(rc: Any, pids: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per process: RSS, and for engine nodes the CPU KV cache's resident part and the rest.
+    The KV cache's pages become resident on a block's first use (never-used blocks are handed
+    out first), so that part grows up to the cache's size under load; the rest must stay flat."""
+    out = {}
+    for name, pid in pids.items():
+        rss = rss_mib(pid)
+        kv = node_metric(rc, name, "pdserve:kv_cache_resident_bytes") / 2**20 if name != "router" else 0.0
+        out[name] = {"rss": round(rss, 1), "kv": round(kv, 1), "rest": round(rss - kv, 1)}
+    return out
+
+
+def growth_pct(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]], key: str) -> dict[str, float]:
+    return {n: round(100 * (b[n][key] / a[n][key] - 1), 2) for n in a}
+
+
+def request_state_left(rc: Any, names: list[str]) -> dict[str, dict[str, float]]:
+    """Non-zero ``pdserve:request_state_entries`` per node (every per-request map; {} when idle)."""
+    left: dict[str, dict[str, float]] = {}
+    for name in names:
+        n = rc.node(name)
+        text = httpx.get(f"http://{n.metrics_address}/metrics", timeout=5).text
+        for ln in text.splitlines():
+            if ln.startswith("pdserve:request_state_entries{") and float(ln.split()[-1]) != 0:
+                left.setdefault(name, {})[ln.split('map="')[1].split('"')[0]] = float(ln.split()[-1])
+    return left
+
+
 async def run(args: argparse.Namespace, rc: Any) -> dict[str, Any]:
     pids = {c.name: c.proc.pid for c in rc.children}
-    free0 = {n: rc.load(n).num_blocks_total - rc.load(n).num_blocks_used for n in ("prefill-0", "decode-0")}
+    nodes = ["prefill-0", "decode-0"]
+    free0 = {n: rc.load(n).num_blocks_total - rc.load(n).num_blocks_used for n in nodes}
     fail0 = node_metric(rc, "decode-0", "pdserve:kv_transfer_failures_total")
     unk0 = node_metric(rc, "decode-0", "pdserve:kv_keepalive_unknown_total")
     stats: dict[str, Any] = {"requests": 0, "errors": 0, "tokens": 0, "error_samples": []}
     t0 = time.monotonic()
     stop_at = t0 + args.seconds
+    load: list[float] = []
     tasks = [asyncio.ensure_future(client_loop(rc, i, stop_at, stats)) for i in range(args.streams)]
-    timeline: list[dict[str, float]] = []
+    timeline: list[dict[str, Any]] = []
 
-    async def sample_rss() -> None:
+    async def sample() -> None:
         while time.monotonic() < stop_at:
-            timeline.append(
-                {"t": round(time.monotonic() - t0), **{n: round(rss_mib(p), 1) for n, p in pids.items()}}
-            )
+            mem = await asyncio.to_thread(memory_mib, rc, pids)
+            timeline.append({"t": round(time.monotonic() - t0), **mem})
+            load.append(os.getloadavg()[0])
             await asyncio.sleep(args.rss_every_s)
 
-    sampler = asyncio.ensure_future(sample_rss())
-    await asyncio.sleep(min(args.warmup_s, args.seconds / 2))
-    rss_warm = {n: rss_mib(p) for n, p in pids.items()}
-    log(f"warm: {stats['requests']} requests, RSS {rss_warm}")
+    sampler = asyncio.ensure_future(sample())
+    warm_s = min(args.warmup_s, args.seconds / 2)
+    await asyncio.sleep(warm_s)
+    # windows of --window-s after the warm-up: memory at the start and end of each
+    windows: list[dict[str, Any]] = []
+    w_start = await asyncio.to_thread(memory_mib, rc, pids)
+    log(f"warm: {stats['requests']} requests, memory {w_start}")
+    t_w = time.monotonic()
+    while t_w < stop_at - args.window_s / 2:
+        t_next = t_w + args.window_s if t_w + 1.5 * args.window_s < stop_at else stop_at - 0.5
+        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+        w_end = await asyncio.to_thread(memory_mib, rc, pids)
+        windows.append(
+            {
+                "from_s": round(t_w - t0),
+                "to_s": round(time.monotonic() - t0),
+                "requests_so_far": stats["requests"],
+                "start_mib": w_start,
+                "end_mib": w_end,
+                "rest_growth_pct": growth_pct(w_start, w_end, "rest"),
+            }
+        )
+        log(f"window {windows[-1]['from_s']}-{windows[-1]['to_s']} s: {windows[-1]['rest_growth_pct']}")
+        w_start, t_w = w_end, time.monotonic()
     await asyncio.gather(*tasks)
     took = time.monotonic() - t0
     sampler.cancel()
-    rss_end = {n: rss_mib(p) for n, p in pids.items()}
-    wait_nothing_held(rc, ["prefill-0", "decode-0"], timeout_s=30)
-    free1 = {n: rc.load(n).num_blocks_total - rc.load(n).num_blocks_used for n in ("prefill-0", "decode-0")}
+    wait_nothing_held(rc, nodes, timeout_s=30)
+    idle = await asyncio.to_thread(memory_mib, rc, pids)
+    left = request_state_left(rc, nodes)
+    free1 = {n: rc.load(n).num_blocks_total - rc.load(n).num_blocks_used for n in nodes}
     expired = (rc.run_dir / "prefill-0.log").read_text(errors="replace").count("KV lease expired")
-    growth = {n: round(100 * (rss_end[n] / rss_warm[n] - 1), 2) for n in pids}
+    first, last = windows[0]["start_mib"], windows[-1]["end_mib"]
     return {
         "streams": args.streams,
         "seconds": round(took, 1),
+        "warmup_s": warm_s,
         "requests": stats["requests"],
         "errors": stats["errors"],
         "error_samples": stats["error_samples"][:5],
         "tokens_per_s": round(stats["tokens"] / took, 1),
+        "loadavg_1m_min_mean_max": [
+            round(min(load), 2),
+            round(sum(load) / len(load), 2),
+            round(max(load), 2),
+        ],
         "lease_expiries": expired,
         "decode_pull_failures": node_metric(rc, "decode-0", "pdserve:kv_transfer_failures_total") - fail0,
         "keepalive_unknown": node_metric(rc, "decode-0", "pdserve:kv_keepalive_unknown_total") - unk0,
         "keepalive_transfers": node_metric(rc, "decode-0", "pdserve:kv_keepalive_transfers_total"),
         "free_blocks_start": free0,
         "free_blocks_end": free1,
-        "rss_mib_warm": {n: round(v, 1) for n, v in rss_warm.items()},
-        "rss_mib_end": {n: round(v, 1) for n, v in rss_end.items()},
-        "rss_growth_pct": growth,
-        "rss_timeline_mib": timeline,
+        "request_state_left": left,
+        "kv_cache_bytes": {n: node_metric(rc, n, "pdserve:kv_cache_budget_bytes") for n in nodes},
+        "windows": windows,
+        "memory_mib_after_warmup": first,
+        "memory_mib_end": last,
+        "memory_mib_idle_after": idle,
+        "rss_growth_pct": growth_pct(first, last, "rss"),
+        "rest_growth_pct": growth_pct(first, last, "rest"),
+        "timeline_mib": timeline,
         "router_leg_failures": router_samples(rc, "pdserve:router_leg_failures_total"),
         "router_paths": router_samples(rc, "pdserve:router_requests_by_path_total"),
     }
@@ -150,6 +220,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--warmup-s", type=float, default=30.0)
     ap.add_argument("--rss-every-s", type=float, default=15.0)
+    ap.add_argument("--window-s", type=float, default=60.0, help="memory windows after the warm-up")
+    # 16,384 blocks of the tiny model: every block used once within a 60 s warm-up at 128 streams,
+    # so growth after it is not the KV cache (and its blocks' bookkeeping) filling on first use
+    ap.add_argument("--kv-cache-bytes", type=int, default=128 << 20, help="each node's KV cache")
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the node processes
@@ -157,7 +231,9 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     model = make_tiny_model("llama", root / "model")
-    cfg = isolated_cluster_config(model, router={"request_timeout_s": 600})
+    cfg = isolated_cluster_config(
+        model, router={"request_timeout_s": 600}, all={"kv_cache_memory_bytes": args.kv_cache_bytes}
+    )
     with running_cluster(cfg, root / "run") as rc:
         res = asyncio.run(run(args, rc))
     ok = (
@@ -165,10 +241,24 @@ def main() -> None:
         and res["lease_expiries"] == 0
         and res["decode_pull_failures"] == 0
         and res["free_blocks_start"] == res["free_blocks_end"]
-        and all(g < 5 for g in res["rss_growth_pct"].values())
+        and not res["request_state_left"]
+        and all(g < 5 for g in res["rest_growth_pct"].values())
     )
     res["pass"] = ok
     print(json.dumps(res, indent=1))
+    first, last = res["memory_mib_after_warmup"], res["memory_mib_end"]
+    for n in first:
+        log(
+            f"{n}: RSS {first[n]['rss']} -> {last[n]['rss']} MiB ({res['rss_growth_pct'][n]:+.2f} %), of it "
+            f"KV cache {first[n]['kv']} -> {last[n]['kv']} MiB; the rest {first[n]['rest']} -> "
+            f"{last[n]['rest']} MiB ({res['rest_growth_pct'][n]:+.2f} %, limit 5 %)"
+        )
+    log(
+        f"{'PASS' if ok else 'FAIL'}: {res['requests']} requests, {res['errors']} errors, "
+        f"growth after the {res['warmup_s']:.0f} s warm-up outside the KV cache "
+        f"{res['rest_growth_pct']} (< 5 %), per-request maps left {res['request_state_left'] or 'none'}, "
+        f"load average {res['loadavg_1m_min_mean_max']}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     raise SystemExit(0 if ok else 1)

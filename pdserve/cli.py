@@ -138,6 +138,10 @@ def serve(
         return
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
+    from services.memwatch import configure_malloc
+
+    with _start_errors():
+        configure_malloc(os.environ)  # before the node's threads: glibc arenas capped (default 2)
     from pdserve.config.resolver import resolve_node_settings
     from pdserve.kvtransfer.bind_shim import reexec_with_shim
     from pdserve.kvtransfer.exposure import MOONCAKE_TRANSPORTS

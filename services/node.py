@@ -22,6 +22,7 @@ from pdserve.config.resolver import MmPolicy
 from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError, StageEndpoint
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
@@ -31,6 +32,7 @@ from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.engine_watchdog import EngineWatchdog
+from services.memwatch import resident_bytes, start_memwatch
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
 from services.steps_frontend import FrontendProcess
 from services.steps_socket import StepsFront
@@ -206,6 +208,24 @@ class NodeBase:
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         return []
 
+    def request_state_sizes(self) -> dict[str, int]:
+        """Entries in the node's per-request maps (0 each once no request is in flight: one
+        left behind is a leak; ``pdserve:request_state_entries``). Roles add theirs."""
+        eng, sched = self.engine, self.engine.scheduler
+        out = {
+            "scheduler.requests": len(sched.requests),
+            "scheduler.waiting_for_kv": len(sched.waiting_for_kv),
+            "scheduler.waiting_for_grammar": len(sched.waiting_for_grammar),
+            "scheduler.held_for_transfer": len(sched.held_for_transfer),
+            "output_processor.tracked": len(eng.output_processor.tracked),
+            "kv_cache_manager.requests": eng.kv.num_held_requests,
+        }
+        if isinstance(eng.runner, ModelRunner):
+            out["model_runner.generators"] = eng.runner.num_generators
+        if self.engine_loop is not None:
+            out["engine_loop.streams"] = self.engine_loop.num_streams
+        return out
+
     def receive_limit_bytes(self) -> int:
         """The largest gRPC message this node takes (pdserve/rpc/limits.py)."""
         images = self.opts.image_limits if self.opts.colocated_encoder else None
@@ -319,6 +339,7 @@ class NodeBase:
             self.opts.name, self.engine_loop, self.engine.config.step_timeout_s, health_servicer
         )
         engine_watch = asyncio.create_task(self.engine_watchdog.run())
+        mem_tasks = start_memwatch()
         watchdog = None
         if isinstance(self.engine.runner, PipelineRunner):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
@@ -327,6 +348,8 @@ class NodeBase:
             fe_watch = asyncio.create_task(self._watch_frontend(frontend, health_servicer))
         await stop.wait()
         engine_watch.cancel()
+        for t in mem_tasks:
+            t.cancel()
         if watchdog is not None:
             watchdog.cancel()
         if fe_watch is not None:
@@ -532,6 +555,14 @@ class _NodeCollector:
         )
         yield gauge("max_model_len", "Longest request (prompt + output tokens) served", eng.max_model_len)
         yield gauge("kv_blocks_free", "KV blocks free", pool.num_free_blocks)
+        kv = getattr(eng.runner, "kv_cache", None)
+        if isinstance(eng.runner, ModelRunner) and kv is not None and kv.device.type == "cpu":
+            # pages of the CPU KV cache in RAM: touched on first use, so up to the cache's size
+            yield gauge(
+                "kv_cache_resident_bytes",
+                "Bytes of the CPU KV cache resident in RAM (grow on first use of a block)",
+                resident_bytes(kv.data_ptr(), kv.numel() * kv.element_size()),
+            )
         yield gauge("kv_blocks_cached", "KV blocks holding a prefix-cache entry", pool.num_cached_blocks)
         yield gauge("kv_blocks_held_for_transfer", "Prefill blocks held for a pull", n.held_transfer_blocks())
         yield gauge("stranded_kv_blocks", "Blocks held that no live peer will read", n.stranded_kv_blocks())
@@ -559,6 +590,14 @@ class _NodeCollector:
         )
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
+        entries = GaugeMetricFamily(
+            "pdserve:request_state_entries",
+            "Entries in a per-request map of the node (0 when idle)",
+            labels=[*labels, "map"],
+        )
+        for map_name, size in n.request_state_sizes().items():
+            entries.add_metric([*lv, map_name], size)
+        yield entries
         if n.frontend is not None:
             yield counter(
                 "frontend_steps_sessions",

@@ -100,6 +100,11 @@ class EngineLoop:
 
     # -- called from the event loop ------------------------------------------------------------
     @property
+    def num_streams(self) -> int:
+        """Requests whose deltas have a destination here (0 once every request ended)."""
+        return len(self._streams) + len(self._direct)
+
+    @property
     def alive(self) -> bool:
         return self.dead is None
 

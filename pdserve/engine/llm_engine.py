@@ -352,6 +352,7 @@ class LLMEngine:
         for r in self.scheduler.abort_requests(request_ids):
             self.num_aborted_total += 1
             out.append(self._final_delta(r))
+        self._drop_finished_if_idle()
         return out
 
     def has_unfinished(self) -> bool:
@@ -406,7 +407,17 @@ class LLMEngine:
             deltas += self._complete_inflight()
         sched = self.scheduler.schedule()
         self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
-        return deltas + self.execute_scheduled(sched)
+        deltas += self.execute_scheduled(sched)
+        self._drop_finished_if_idle()
+        return deltas
+
+    def _drop_finished_if_idle(self) -> None:
+        """Nothing left to run: drop the finished requests' runner state (seeded generators,
+        grammar matchers) now. The next step's schedule would, but an idle engine takes no step,
+        and that state would stay until the next request (``request_state_entries``). Idempotent:
+        the ids still reach the next schedule (TP workers, pipeline stages)."""
+        if isinstance(self.runner, ModelRunner) and not self.has_unfinished():
+            self.runner.drop_finished(self.scheduler.finished_pending())
 
     def take_kv_loads(self) -> list[KVLoadSpec]:
         """Remote KV pulls the last steps asked for (decode side); the connector starts them."""

@@ -343,6 +343,11 @@ class ModelRunner:
             self._generators[request.request_id] = g
         return g
 
+    @property
+    def num_generators(self) -> int:
+        """Seeded requests' generators kept now (0 once every request finished)."""
+        return len(self._generators)
+
     def drop_finished(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
         for rid in request_ids:

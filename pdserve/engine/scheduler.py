@@ -105,6 +105,10 @@ class Scheduler:
         keys = [r.sort_key(self.policy) for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, key), req)
 
+    def finished_pending(self) -> list[str]:
+        """Requests finished since the last schedule (the next SchedulerOutput's finished ids)."""
+        return list(self._finished_since_last_step)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv or self.waiting_for_grammar)
 

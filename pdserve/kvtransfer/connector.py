@@ -202,6 +202,13 @@ class KVProducer:
         if t is not None:
             _wake(t.waiters, False)
 
+    @property
+    def num_transfers(self) -> int:
+        """Transfers admitted, held or awaited by an early pull now (0 once none is in flight;
+        the bounded record of ended ids is not counted)."""
+        with self._lock:
+            return len(self._transfers)
+
     def _note_ended(self, transfer_id: str) -> None:
         """Under the lock: remember that ``transfer_id`` ended here (ENDED_KEEP ids at most)."""
         self._ended[transfer_id] = time.monotonic()

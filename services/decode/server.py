@@ -80,6 +80,16 @@ class DecodeNode(NodeBase):
         self.steps_servicer = DecodeServicer(self)
         pb_grpc.add_DecodeServiceServicer_to_server(self.steps_servicer, server)
 
+    def request_state_sizes(self) -> dict[str, int]:
+        return {
+            **super().request_state_sizes(),
+            "decode.pulls": len(self._pulls),
+            "decode.reprefill_ids": len(self.reprefill_ids),
+            "decode.no_recompute_ids": len(self.no_recompute_ids),
+            "decode.early_ids": len(self.early_ids),
+            "decode.last_checksum": len(self._last_checksum),
+        }
+
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         return [
             ("kv_transfer_bytes", "KV bytes received from prefill nodes", self.pull_bytes_total),

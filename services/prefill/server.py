@@ -182,6 +182,13 @@ class PrefillNode(NodeBase):
     def stranded_kv_blocks(self) -> int:
         return self.producer.tracker.stranded_blocks()
 
+    def request_state_sizes(self) -> dict[str, int]:
+        return {
+            **super().request_state_sizes(),
+            "kv_producer.transfers": sum(p.num_transfers for p in self.producers),
+            "kv_send_tracker.entries": len(self.producer.tracker),
+        }
+
     def transfer_counters(self) -> list[tuple[str, str, float]]:
         ps = self.producers
         return [

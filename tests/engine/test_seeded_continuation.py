@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -32,3 +33,21 @@ def test_a_seeded_request_continues_its_stream_on_another_engine(tiny_models, ha
     assert len(whole) == 16 and len(set(whole)) > 4  # really sampled, not one repeated token
     rest = _run(LLMEngine(cfg), prompt, params, first=whole[:handed])
     assert rest == whole[handed:]
+
+
+def test_an_idle_engine_keeps_no_generator_of_finished_or_aborted_requests(tiny_models) -> None:
+    """A seeded request's generator lives while it runs; once the engine is idle (no step to
+    come), none is left, whether its requests finished or were aborted mid-way."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu"))
+    assert isinstance(eng.runner, ModelRunner)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        eng.add_request([5, 17, 29, 41 + i], params, f"done-{i}")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.runner.num_generators == 0
+    eng.add_request([5, 17, 29], params, "cut")
+    eng.step()
+    assert eng.runner.num_generators == 1  # running: kept
+    eng.abort(["cut"])
+    assert not eng.has_unfinished() and eng.runner.num_generators == 0
