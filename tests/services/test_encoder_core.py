@@ -31,9 +31,14 @@ class _Model:
     def __init__(self, fail: bool = False) -> None:
         self.batch_sizes: list[int] = []
         self.fail = fail
+        self.entered = threading.Event()  # a batch is in the tower
+        self.release = threading.Event()  # cleared: the first batch stays in the tower until set
+        self.release.set()
 
     def encode_images(self, px: torch.Tensor) -> torch.Tensor:
         self.batch_sizes.append(px.shape[0])
+        self.entered.set()
+        self.release.wait(10)
         time.sleep(0.3)  # long enough for the other calls to queue behind this batch
         if self.fail:
             raise RuntimeError("tower failed")
@@ -61,15 +66,18 @@ def test_concurrent_calls_share_batches_and_get_their_own_rows() -> None:
     core = _core(model, producer)
     images = [_png(i) for i in range(5)]
     out: dict[int, list] = {}
+    model.release.clear()
     first = threading.Thread(target=lambda: out.__setitem__(0, core.encode([ImageInput(images[0])])))
     first.start()
-    time.sleep(0.1)  # the first batch is in the tower now
+    assert model.entered.wait(10), "the first batch never reached the tower"
     rest = [
         threading.Thread(target=lambda i=i: out.__setitem__(i, core.encode([ImageInput(images[i])])))
         for i in range(1, 5)
     ]
     for t in rest:
         t.start()
+    time.sleep(1.0)  # the four calls queue behind the batch in the tower (a loaded host: not 0.1 s)
+    model.release.set()
     for t in [first, *rest]:
         t.join(timeout=10)
     assert model.batch_sizes == [1, 4], "the four calls that waited ran as one batch"
