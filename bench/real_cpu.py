@@ -162,7 +162,10 @@ def bf16_gguf(args: argparse.Namespace) -> Path:
     py = args.convert_python
     if not (conv / "convert_hf_to_gguf.py").is_file():
         raise FileNotFoundError(f"no convert_hf_to_gguf.py under {conv} (unpack the llama-cpp-python sdist)")
-    cmd = [str(py), str(conv / "convert_hf_to_gguf.py"), str(args.model_dir), "--outtype", "bf16"]
+    # the copy bench/engine_cpu.py's vllm_model_dir patches for transformers 4.x, where there is one
+    src = args.model_dir.with_name(args.model_dir.name + "-vllm")
+    src = src if src.is_dir() else args.model_dir
+    cmd = [str(py), str(conv / "convert_hf_to_gguf.py"), str(src), "--outtype", "bf16"]
     cmd += ["--outfile", str(out)]
     log("$ " + " ".join(cmd))
     env = dict(os.environ, PYTHONPATH=str(conv / "gguf-py"))
@@ -270,6 +273,7 @@ def run_server(name: str, args: argparse.Namespace, prompts: dict[int, list[dict
                 f"{r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms, ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms"
             )
         info["load_end"] = loadavg()
+        log(f"{name}: load average {info['load_start']} at the start, {info['load_end']} at the end")
         info["status"] = "measured"
     except (RuntimeError, TimeoutError, SystemExit, OSError) as e:
         log(f"{name}: FAILED: {e}")
@@ -299,7 +303,7 @@ def print_table(results: list[dict]) -> None:
                 f"{i['server']:<19}{lv:>5}{r['requests']:>5}{r['errors']:>4}{r['output_tok_s']:>10.1f}"
                 f"{f(r['ttft_p50_ms'], '.0f'):>9}{f(r['ttft_p99_ms'], '.0f'):>8}{f(r['itl_p50_ms'], '.1f'):>8}"
                 f"{f(r['itl_p99_ms'], '.1f'):>7}{f(cx, '.2f'):>7}{f(px, '.2f'):>7}  "
-                f"{i['load_start'][0]:.2f} / {i['load_end'][0]:.2f}"
+                f"{i['load_start'][0]:.2f} / {i.get('load_end', [float('nan')])[0]:.2f}"
             )
     for i in results:
         if i["status"] != "measured":
@@ -354,21 +358,22 @@ def main() -> None:
         log(
             f"c={lv}: {len(ps)} prompts of {min(p['tokens'] for p in ps)}-{max(p['tokens'] for p in ps)} tokens"
         )
-    results = [run_server(name, args, prompts, warm) for name in args.servers]
-    print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "date": t_start,
-        "end": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": cpu_model(),
         "cpus": os.cpu_count(),
         "host": platform.node(),
         "command": " ".join([sys.executable, *sys.argv]),
         "args": {k: str(v) for k, v in vars(args).items()},
         "prompt_tokens": {lv: [p["tokens"] for p in ps] for lv, ps in prompts.items()},
-        "servers": results,
+        "servers": [],
     }
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    for name in args.servers:  # the JSON is rewritten after every server: a cut-short run keeps its rows
+        doc["servers"].append(run_server(name, args, prompts, warm))
+        doc["end"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print_table(doc["servers"])
     log(f"wrote {args.out}")
 
 
