@@ -178,6 +178,8 @@ def bf16_gguf(args: argparse.Namespace) -> Path:
 def make_server(name: str, args: argparse.Namespace, run_dir: Path) -> Any:
     """A started-able server for ``name``; raises LookupError with the reason when it cannot run."""
     if name in ("pdserve-colocated", "pdserve-pd"):
+        import yaml
+
         if name == "pdserve-pd" and not has_module(ROOT / ".venv", "mooncake.engine"):
             raise LookupError("mooncake-transfer-engine is not importable in .venv")
         ns = argparse.Namespace(
@@ -193,7 +195,14 @@ def make_server(name: str, args: argparse.Namespace, run_dir: Path) -> Any:
             prefill_max_batched=None,
             torch_threads=1,
         )
-        return Cluster(name.split("-")[1], args.model_dir, ns, run_dir)
+        cl = Cluster(name.split("-")[1], args.model_dir, ns, run_dir)
+        # The router's per-leg deadlines (30 s to the first token, 15 s between tokens by
+        # default) cancelled every c=16 request when 16 prefills shared one thread on a busy host.
+        cfg = yaml.safe_load(cl.cfg_path.read_text())
+        cfg["router"]["decode_first_token_timeout_s"] = args.router_deadline_s
+        cfg["router"]["inter_token_timeout_s"] = args.router_deadline_s
+        cl.cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return cl
     if name == "vllm":
         from bench.engine_cpu import VLLMServer, vllm_installed, vllm_model_dir
 
@@ -345,6 +354,12 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--max-load", type=float, default=2.5, help="wait for the 1-min load average below this")
     ap.add_argument("--load-wait-s", type=float, default=240.0, help="longest wait for --max-load")
+    ap.add_argument(
+        "--router-deadline-s",
+        type=float,
+        default=600.0,
+        help="pdserve router's decode_first_token_timeout_s and inter_token_timeout_s (defaults 30 / 15 s)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     args.model_dir = args.model_dir.resolve()
