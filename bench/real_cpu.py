@@ -109,6 +109,8 @@ class LlamaCppServer:
         self.cmd = [str(venv / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(gguf)]
         self.cmd += ["--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port)]
         self.cmd += ["--n_ctx", str(n_ctx), "--n_threads", "1", "--n_threads_batch", "1"]
+        # its default cuts a streaming request short when the next one arrives: queue them instead
+        self.cmd += ["--interrupt_requests", "False"]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
