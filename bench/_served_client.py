@@ -27,6 +27,7 @@ async def _one(session: Any, url: str, model: str, prompt: list[int], args: dict
     }
     if stream:
         body["stream_options"] = {"include_usage": True}
+    body.update(args.get("extra_body") or {})  # a peer server's own fields (bench/real_cpu.py)
     t0 = time.perf_counter()
     rec: dict[str, Any] = {"t0": t0, "n": 0, "ttft": None, "itl": [], "chunks": 0}
     try:
@@ -61,6 +62,8 @@ async def _one(session: Any, url: str, model: str, prompt: list[int], args: dict
                     last = now
                     texts += 1
             rec["chunks"] = texts
+            if not rec["n"]:  # a server without stream usage (llama-cpp-python): a token per chunk
+                rec["n"] = texts
             # Chunk gaps -> per-token gaps: a chunk may carry several tokens (coalesced).
             if rec["n"] > 1 and rec["itl"]:
                 per_chunk = (rec["n"] - 1) / len(rec["itl"])

@@ -231,6 +231,7 @@ def http_level(
     shares = [prompts[i::nproc] for i in range(nproc)]
     levels = [level // nproc + (1 if i < level % nproc else 0) for i in range(nproc)]
     a = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
+    a["extra_body"] = getattr(args, "extra_body", None) or {}
     env = child_env()
     t_spawn = time.perf_counter()
     procs = []
