@@ -360,6 +360,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         except _Refusal as r:
             node.forget_flags(request.request_id)
             await context.abort(r.code, r.details)
+        except BaseException:
+            node.forget_flags(request.request_id)
+            raise
         assert node.engine_loop is not None
         gen = node.engine_loop.generate(adm.prompt_token_ids, adm.params, adm.request_id, **adm.kwargs)
         try:
@@ -460,7 +463,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 adm = await self._open(request)
             except _Refusal as r:
-                node.forget_flags(rid)
                 outbox.end(rid, r.code, r.details)
                 return
             loop = node.engine_loop
@@ -497,7 +499,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 await loop.admit(adm.prompt_token_ids, adm.params, rid, on_delta, direct=direct, **adm.kwargs)
             except PdserveError as e:
-                node.forget_flags(rid)
                 outbox.end(rid, channel.error_to_status(e), str(e))
                 return
             finished = False
@@ -508,8 +509,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 loop.release(rid, abort=not finished)
                 if not finished:
                     outbox.drop(rid)
-                node.forget_flags(rid)
         finally:
+            # every exit drops the request's marks: a refusal, a failed admit, the end, and a
+            # cancellation while admitting (the router aborted or its stream went away)
+            node.forget_flags(rid)
             if direct is not None:
                 direct.forget(rid)
             if gate is not None:
