@@ -15,7 +15,7 @@ The same requests (tiny Llama of bench/served.py, bf16, 48-token prompts, 64 tok
 With ``--attention both`` the plain variant also runs with the CPU bf16 decode attention forced
 to SDPA (``EAGER_BF16_MIN_ROWS`` huge) against the default (transformers' eager form), at
 concurrency 1, 16 and 64. Output tok/s, median of the repetitions; the host's noise shows as
-the spread (min-max) column. See docs/benchmarks.md, "The CPU decode step".
+the spread (min-max) column. See docs/benchmarks.md, "CPU threads".
 """
 
 from __future__ import annotations

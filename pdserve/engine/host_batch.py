@@ -144,8 +144,8 @@ class PinnedStaging:
     event behind the step's copies. A slot is written again ``num_slots`` steps later, only
     after its event passed, so a copy still queued never reads overwritten bytes. Whoever reads
     a slot's samples must do so before then (``generation`` tells whether it was reused).
-    A pinned allocation per copy, the simpler way, costs tens to hundreds of microseconds of
-    host time each (docs/benchmarks.md); per step that was a fixed ~0.4 ms on the H200 machine.
+    A pinned allocation per copy, the simpler way, costs ~16 microseconds of
+    host time each, four a step (docs/benchmarks.md, "GPU decode throughput").
 
     On a CPU device nothing is pinned and nothing is copied: ``stage`` shares the array.
     """

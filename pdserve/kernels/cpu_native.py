@@ -57,7 +57,7 @@ MAX_HEAD_DIM = 512  # the C side's stack buffers
 MAX_HEADS_PER_KV = 64  # attention: query heads sharing one KV head (likewise)
 MAX_ATTENTION_SCORES = 1 << 15  # attention: (query, key) pairs x heads of one call
 # ... of a pure decode call on a CPU without bf16 GEMM hardware, where the torch twin's bf16 bmm is
-# a generic loop: at 64 requests x 9 heads x ~150 keys its bmm took ~18 ms a call (SmolLM2-135M,
+# a generic loop: at 64 requests x 9 heads x ~150 keys its bmm took ~11 ms a call (SmolLM2-135M,
 # docs/benchmarks.md, "CPU engine on SmolLM2-135M"). Prefill chunks keep the cap above (the
 # twin's flash attention beats this kernel there).
 MAX_DECODE_SCORES_NO_BF16_HW = 1 << 22
