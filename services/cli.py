@@ -138,6 +138,12 @@ def serve(
         with _start_errors():
             run_router(cluster)
         return
+    try:
+        want = Role(role)
+    except ValueError:
+        raise typer.BadParameter(
+            f"role {role!r} is not supported: use router, {', '.join(r.value for r in Role)}"
+        ) from None
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
     from services.memwatch import configure_malloc
@@ -155,7 +161,7 @@ def serve(
 
     with _start_errors():
         resolved = resolve_node_settings(cluster, node)
-    if resolved.role != role:
+    if resolved.role is not want:
         raise typer.BadParameter(f"node {node!r} has role {resolved.role} in {config}, not {role!r}")
     with _start_errors():  # the model resolved to a folder: a .gguf converted, an HF id fetched
         spec = NodeSpec.start(resolved, bind_host=bind_host, advertise_host=advertise_host)
