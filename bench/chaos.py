@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import log
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.launcher import ports_free, start_child, wait_ready
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.launcher import ports_free, start_child, wait_ready
 from services.router.backend import BackendRequest
 from tests.e2e.cluster import running_cluster
 from tests.e2e.faults import backend_for, exit_code, freeze_for, kill_engine, signal_node

@@ -215,10 +215,10 @@ def served(args: argparse.Namespace) -> None:
     from safetensors.torch import save
 
     from pdserve.config.cluster import ClusterConfig, write_cluster_config
-    from pdserve.launcher import pick_base_port, start_child, stop_children, wait_ready
     from pdserve.models.image_processor import ClipImageProcessor, ImageLimits, decode_image
     from pdserve.models.loader import load_model
     from pdserve.models.make_model import make_tiny_model
+    from services.launcher import pick_base_port, start_child, stop_children, wait_ready
 
     tmp = Path(tempfile.mkdtemp(prefix="epd-served-"))
     model_dir = make_tiny_model("llava", tmp / "llava")

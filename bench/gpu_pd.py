@@ -30,14 +30,13 @@ sys.path.insert(0, str(ROOT))
 NODE = """
 import sys
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config.node_spec import NodeSpec
 from services.launch import run_node
-from services.node import NodeOptions
 role, port, mport, model, dtype, transport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
 cfg = EngineConfig(model=model, device="cuda", dtype=dtype, max_model_len=4096,
                    cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
                    scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096))
-run_node(NodeOptions(name=role + "-0", role=role, engine=cfg, grpc_port=port, metrics_port=mport,
-                     kv_transport=transport))
+run_node(NodeSpec.for_test(role + "-0", role, cfg, grpc_port=port, metrics_port=mport, kv_transport=transport))
 """
 
 

@@ -98,7 +98,7 @@ def transfer_run(p_pp: int, d_pp: int, layers: int, tokens: int, reps: int = 5) 
 def start_cluster(model: Path, p_pp: int, d_pp: int, run_dir: Path, port_hint: int, **node: object):  # type: ignore[no-untyped-def]
     """router + prefill-0 (pp=p_pp) + decode-0 (pp=d_pp) as real processes; returns (cluster, children)."""
     from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
-    from pdserve.launcher import pick_base_port, start_child, wait_ready
+    from services.launcher import pick_base_port, start_child, wait_ready
 
     base = pick_base_port("127.0.0.1", port_hint)  # a different block per cluster: no TIME_WAIT clash
     data = default_local_cluster(model, base).model_dump(mode="json", exclude_unset=True)
@@ -113,7 +113,7 @@ def start_cluster(model: Path, p_pp: int, d_pp: int, run_dir: Path, port_hint: i
     try:
         wait_ready(cluster, children, timeout_s=300)
     except BaseException:
-        from pdserve.launcher import stop_children
+        from services.launcher import stop_children
 
         stop_children(children)
         raise
@@ -132,7 +132,7 @@ def served_run(model: Path, pp: int, args: argparse.Namespace, run_dir: Path) ->
 
     import openai
 
-    from pdserve.launcher import stop_children
+    from services.launcher import stop_children
 
     cluster, children = start_cluster(model, pp, pp, run_dir, 34000 + 100 * pp, max_model_len=512)
     name = cluster.served_name(cluster.model)
@@ -178,7 +178,7 @@ def served_transfer_run(
     """Decode's mean per-pull wall time (s) and bytes per pull, over ``--transfer-reps`` requests."""
     import openai
 
-    from pdserve.launcher import stop_children
+    from services.launcher import stop_children
 
     cluster, children = start_cluster(
         model,

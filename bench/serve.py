@@ -11,7 +11,7 @@ What it does, in order:
    (``pip install torch==2.13.0 guidellm`` in one command, so torch stays the CPU build).
 2. Builds (or reuses) ``pdserve up``'s demo model (``.models/tiny-llama``: Llama, hidden 128,
    2 heads x head_dim 64) and starts the same local cluster ``pdserve up`` does (router +
-   prefill-0 + decode-0, with ``pdserve.launcher``), logs under ``bench/results/serve-logs/``.
+   prefill-0 + decode-0, with ``services.launcher``), logs under ``bench/results/serve-logs/``.
    A few warm-up requests take both paths once; a warm-up that fails right after the router
    reports ready is retried for up to 15 s and recorded (``warmup_failures`` in the JSON).
 3. Runs guidellm once (``guidellm run --scenario``, written next to the logs): fixed concurrency
@@ -102,7 +102,7 @@ class Cluster:
 
     def __init__(self, model_dir: Path, run_dir: Path, base_port: int) -> None:
         from pdserve.config.cluster import default_local_cluster, write_cluster_config
-        from pdserve.launcher import pick_base_port
+        from services.launcher import pick_base_port
 
         base = pick_base_port("127.0.0.1", base_port)
         self.config = default_local_cluster(model_dir, base, host="127.0.0.1")
@@ -112,7 +112,7 @@ class Cluster:
         self.children: list[Any] = []
 
     def start(self) -> float:
-        from pdserve.launcher import start_child, wait_ready
+        from services.launcher import start_child, wait_ready
 
         t0 = time.monotonic()
         for n in self.config.nodes:
@@ -122,12 +122,12 @@ class Cluster:
         return time.monotonic() - t0
 
     def stop(self) -> None:
-        from pdserve.launcher import stop_children
+        from services.launcher import stop_children
 
         stop_children(self.children)
 
     def check_alive(self) -> None:
-        from pdserve.launcher import tail
+        from services.launcher import tail
 
         for c in self.children:
             if c.proc.poll() is not None:
@@ -479,7 +479,7 @@ def main() -> None:
         log(f"guidellm {version} in {args.venv}")
     t_bench = time.monotonic()
 
-    from pdserve.launcher import ensure_demo_model
+    from services.launcher import ensure_demo_model
 
     model_dir = ensure_demo_model(args.model_dir.resolve()).resolve()
     log(f"model: {model_dir}")

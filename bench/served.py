@@ -409,7 +409,7 @@ class Cluster:
         return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self, role: str, name: str | None) -> None:
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", role, "--config", str(self.cfg_path)]
+        cmd = [sys.executable, "-m", "services.cli", "serve", role, "--config", str(self.cfg_path)]
         if name:
             cmd += ["--node", name]
         logf = open(self.run_dir / f"{self.kind}-{name or 'router'}.log", "wb")

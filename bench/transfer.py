@@ -257,7 +257,7 @@ def summarize_services(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any
 
 def run_services(args, run_dir: Path) -> dict[str, Any]:
     from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
-    from pdserve.launcher import pick_base_port, start_child, stop_children, wait_ready
+    from services.launcher import pick_base_port, start_child, stop_children, wait_ready
 
     model_dir = ensure_service_model(Path(args.service_model_dir)).resolve()
     print(

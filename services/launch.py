@@ -1,4 +1,5 @@
-"""Start one node process from its options (``pdserve serve`` calls this)."""
+"""Start one engine node process from its :class:`~pdserve.config.node_spec.NodeSpec`
+(``pdserve serve`` calls this): the node (its connectors, engine, front end), then serve."""
 
 from __future__ import annotations
 
@@ -6,29 +7,30 @@ import asyncio
 import logging
 import sys
 
+from pdserve.config.choices import Role
+from pdserve.config.node_spec import NodeSpec
 from pdserve.errors import ConfigError
-from services.node import NodeBase, NodeOptions
+from services.node import NodeBase
 
 logger = logging.getLogger(__name__)
 
 
-def build_node(opts: NodeOptions) -> NodeBase:
-    if opts.role == "prefill":
+def build_node(opts: NodeSpec) -> NodeBase:
+    if opts.role is Role.PREFILL:
         from services.prefill.server import PrefillNode
 
         return PrefillNode(opts)
-    if opts.role in ("decode", "colocated"):
-        from services.decode.server import DecodeNode
+    assert opts.role.decodes, f"an engine node is prefill, decode or colocated, not {opts.role}"
+    from services.decode.server import DecodeNode
 
-        return DecodeNode(opts)
-    raise ValueError(f"unknown node role {opts.role!r}: prefill | decode | colocated")
+    return DecodeNode(opts)
 
 
 EXIT_STARTUP_FAILED = 71  # EX_OSERR: a port could not be bound (logged as one line)
 EXIT_CONFIG_REFUSED = 78  # EX_CONFIG: a setting the node refuses at start (logged as one line)
 
 
-def run_node(opts: NodeOptions) -> None:
+def run_node(opts: NodeSpec) -> None:
     try:
         node = build_node(opts)
     except ConfigError as e:  # e.g. Mooncake's ports on a non-loopback address (kvtransfer/exposure.py)

@@ -55,7 +55,7 @@ class WireItem:
     image: bytes | None = None  # colocated encoding: the image's bytes (prefill runs the tower)
 
 
-def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy | None, node: str) -> list[WireItem]:
+def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy, node: str) -> list[WireItem]:
     """Parse and check (InvalidRequestError, naming the item) against the node's derived flags."""
     out = []
     for i, m in enumerate(msgs):
@@ -71,8 +71,7 @@ def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy | None, node: str)
     # Items with their image are encoded here (colocated): not embedding-only inputs.
     embedding_items = [it for it in out if it.image is None]
     if embedding_items:
-        text_only = MmPolicy(node, "?", None, None)
-        check_mm_items_allowed(policy or text_only, [it.embeds is not None for it in embedding_items])
+        check_mm_items_allowed(policy, [it.embeds is not None for it in embedding_items])
     return out
 
 

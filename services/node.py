@@ -1,5 +1,4 @@
-"""What every engine node (prefill, decode, colocated) shares: options, engine + KV transfer
-set-up, the gRPC server with health checking, metrics, and a clean shutdown."""
+"""What every engine node (prefill, decode, colocated) shares: engine + KV transfer set-up, the gRPC server with health checking, metrics, and a clean shutdown."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import functools
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -16,9 +14,8 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.config.cluster import FaultsConfig
-from pdserve.config.engine import EngineConfig
-from pdserve.config.resolver import MmPolicy
+from pdserve.config.choices import Role
+from pdserve.config.node_spec import NodeSpec
 from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError, StageEndpoint
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
@@ -44,56 +41,6 @@ STAGE_WATCH_S = 0.5  # how often the node checks that its pipeline stage process
 FRONTEND_STALL_S = 5.0  # a front-end process silent this long takes the node out of service
 
 
-@dataclass(frozen=True)
-class NodeOptions:
-    name: str
-    role: str  # prefill | decode | colocated
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    grpc_port: int = 50061
-    metrics_port: int | None = None
-    kv_host: str = "127.0.0.1"  # address peers reach our transfer engine at
-    kv_transport: str = "tcp"  # tcp | rdma (Mooncake) | cuda_ipc (same-host GPUs)
-    kv_lease_s: float = 30.0
-    kv_keepalive_s: float = 5.0  # decode: KeepAlive period for transfers queued here (< the lease)
-    kv_checksum: bool = False  # decode: ask prefill for a digest of each push and verify it
-    kv_ready_timeout_s: float = 60.0  # prefill: how long a push waits for the KV to exist
-    kv_pull_timeout_s: float = 60.0  # decode: how long one pull may take before the policy applies
-    kv_load_failure_policy: str = "recompute"  # fail | recompute | reprefill (kvtransfer.load_policy)
-    shared_token: str | None = None
-    # Lifecycle (services.node_lifecycle): registry membership and the SIGTERM drain.
-    redis_url: str | None = None  # register + heartbeat here; None: the static list, no registration
-    registry_ttl_s: float = 10.0
-    advertise_address: str | None = None  # host:port the router dials (k8s: pod IP); None: host:grpc_port
-    stages: int = 1  # pipeline stages behind this node's address (registered, for the router)
-    drain_timeout_s: float = 30.0
-    # Images: the derived flags the node acts on, and its embedding-cache consumer half
-    # (prefill of a multimodal model with an encoder: fetches embeddings from encoders; index in
-    # Redis at redis_url).
-    mm_policy: MmPolicy | None = None  # None: a text-only node (every image item is refused)
-    ec_consumer: bool = False
-    ec_buffer_bytes: int = 64 << 20
-    ec_lease_s: float = 30.0
-    ec_fetch_timeout_s: float = 30.0
-    # Prefill of a multimodal model that no encoder node serves: encode images in-process (the
-    # encoder colocated in prefill), within image_limits (pdserve.models.image_processor.ImageLimits).
-    colocated_encoder: bool = False
-    image_limits: Any | None = None
-    faults: FaultsConfig = field(default_factory=FaultsConfig)  # test-only fault injection; all off
-    # Decode / colocated: the router's Steps streams come to this port (0: any free port), as
-    # ``frontend`` says: "socket", this process's TCP port of length-prefixed frames
-    # (services/steps_socket.py); "process", a front-end process's gRPC port
-    # (services/steps_frontend.py). None: this process serves them on grpc_port (gRPC).
-    frontend_port: int | None = None
-    frontend: str = "socket"
-    steps_hello_timeout_s: float = 1.0  # the Steps socket's hello deadline (services/steps_socket.py)
-    steps_max_pending_per_peer: int = 4  # connections of one peer address waiting for their hello
-    # Mooncake's ports listen on every interface, unauthenticated (kvtransfer/exposure.py): a
-    # node on a non-loopback address starts only with this set.
-    allow_unauthenticated_kv_ports: bool = False
-    metrics_require_token: bool = False  # /metrics asks for "Authorization: Bearer <shared_token>"
-
-
 class InjectedEngineFault(BaseException):
     """Raised on the engine thread by ``faults.engine_death_on_sigusr1``: a BaseException, so the
     thread's command guard (which catches Exception) lets it through and the thread dies."""
@@ -102,20 +49,20 @@ class InjectedEngineFault(BaseException):
 class NodeBase:
     """Engine + transfer engine + gRPC server. Subclasses add their servicer."""
 
-    def __init__(self, opts: NodeOptions) -> None:
+    def __init__(self, opts: NodeSpec) -> None:
         self.opts = opts
         self.epoch = new_epoch()
-        if opts.role in ("prefill", "decode"):
+        if opts.role.moves_kv:
             check_kv_ports(
                 opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
             )
         pp = opts.engine.parallel.pipeline_parallel_size
-        if pp > 1 and opts.role in ("prefill", "decode"):
+        if pp > 1 and opts.role.moves_kv:
             # Every stage process opens its own endpoint (pp_stage.start_kv_endpoints); only the
             # Mooncake transports are wired and tested for that.
-            if opts.kv_transport not in ("tcp", "rdma"):
+            if not opts.kv_transport.is_mooncake:
                 raise ConfigError(
-                    f"kv_transport {opts.kv_transport!r} with pp={pp} on a {opts.role} node is not "
+                    f"kv_transport '{opts.kv_transport}' with pp={pp} on a {opts.role} node is not "
                     "supported; use kv_transport 'tcp' or 'rdma' (or pp: 1)"
                 )
             if opts.kv_checksum:
@@ -129,7 +76,7 @@ class NodeBase:
                 "frontend_port), or no frontend_port for the node's own gRPC port"
             )
         if opts.frontend_port is not None:
-            if opts.role == "prefill":
+            if opts.role is Role.PREFILL:
                 raise ConfigError(
                     f"frontend_port {opts.frontend_port} on prefill node {opts.name}: a prefill node "
                     "serves no Steps streams; set it on decode or colocated nodes only"
@@ -142,7 +89,7 @@ class NodeBase:
         self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
         self.backend: TransferBackend | None = None
         runner = self.engine.runner
-        if opts.role in ("prefill", "decode"):
+        if opts.role.moves_kv:
             self.backend = make_backend(opts.kv_transport, opts.kv_host, str(runner.device))
             check_no_wildcard(
                 opts.name, opts.kv_transport, opts.host, opts.allow_unauthenticated_kv_ports, self.backend

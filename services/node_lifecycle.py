@@ -115,7 +115,7 @@ async def start_membership(node: NodeBase) -> Membership | None:
     entry = NodeEntry(
         name=o.name,
         role=o.role,
-        address=o.advertise_address or f"{o.host}:{o.grpc_port}",
+        address=o.advertise_address,
         epoch=node.epoch,
         stages=o.stages,
     )

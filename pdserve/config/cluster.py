@@ -2,8 +2,7 @@
 
 One file (YAML or TOML, chosen by extension) describes the whole deployment; each node reads
 its own entry, the router reads all of them. Settings that follow from the roles
-(``kv_role`` when omitted, ``ec_role``, ``accept_mm_embeds``, ``allow_missing_mm_embeds``) are
-derived by :func:`pdserve.config.resolver.resolve_node_settings`, not here.
+(``ec_role``, ``accept_mm_embeds``, ``allow_missing_mm_embeds``) are derived by :func:`pdserve.config.resolver.resolve_node_settings`, not here.
 
 Everything that can be checked without the checkpoint is checked at load, and every problem
 is a :class:`~pdserve.errors.ConfigError` that names the field and the fix.
@@ -12,7 +11,8 @@ This module holds :class:`ClusterConfig` (the whole file, with the checks across
 re-exports the rest, so ``pdserve.config.cluster`` stays the one import for callers:
 
     router_settings.py  RouterConfig (the ``router`` section)
-    node_settings.py    NodeConfig, FaultsConfig, the role types and per-role constants
+    node_settings.py    NodeConfig, FaultsConfig and the per-role constants
+    choices.py          the enums of every closed set of values (Role, KvTransport, ...)
     cluster_file.py     load_cluster_config, write_cluster_config, default_local_cluster,
                         and the wording of validation errors
     frozen.py           _Frozen, the base of every model
@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
+from pdserve.config.choices import EcRole, KvRole, KvTransport, Role
 from pdserve.config.cluster_file import (
     _describe_error,
     default_local_cluster,
@@ -34,15 +35,11 @@ from pdserve.config.cluster_file import (
 )
 from pdserve.config.frozen import _Frozen
 from pdserve.config.node_settings import (
-    DECODE_CAPABLE_ROLES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_ROLE_OF_ROLE,
     PREFILL_MAX_NUM_BATCHED_TOKENS,
-    EcRole,
     FaultsConfig,
-    KvRole,
     NodeConfig,
-    Role,
 )
 from pdserve.config.router_settings import RouterConfig
 from pdserve.errors import ConfigError
@@ -51,7 +48,6 @@ from pdserve.models.resolve import looks_like_hf_id
 # The public names. All but ClusterConfig and UnknownNodeError are re-exported from the modules
 # above: callers (resolver, launcher, services, tests, bench) import them from here.
 __all__ = [
-    "DECODE_CAPABLE_ROLES",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "KV_ROLE_OF_ROLE",
     "PREFILL_MAX_NUM_BATCHED_TOKENS",
@@ -59,6 +55,7 @@ __all__ = [
     "EcRole",
     "FaultsConfig",
     "KvRole",
+    "KvTransport",
     "NodeConfig",
     "Role",
     "RouterConfig",
@@ -125,7 +122,7 @@ class ClusterConfig(_Frozen):
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
             raise ConfigError(f"duplicate node names {dups}: every node needs its own name")
-        if not any(n.role in DECODE_CAPABLE_ROLES for n in self.nodes):
+        if not any(n.role.decodes for n in self.nodes):
             raise ConfigError(
                 "no decode-capable node: add a node with role decode or colocated "
                 "(a prefill node hands its KV to one; without it no request can finish)"
@@ -145,15 +142,15 @@ class ClusterConfig(_Frozen):
         """A decode node's KeepAlive period: as set, else min(5 s, the shortest prefill lease / 3)."""
         if node.kv_keepalive_s is not None:
             return node.kv_keepalive_s
-        leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
+        leases = [n.kv_lease_s for n in self.nodes if n.role is Role.PREFILL]
         return min([5.0] + [lease / 3 for lease in leases])
 
     def _check_keepalive(self) -> None:
         """Decode's KeepAlive must come more often than any prefill lease runs out."""
-        leases = [n.kv_lease_s for n in self.nodes if n.role == "prefill"]
+        leases = [n.kv_lease_s for n in self.nodes if n.role is Role.PREFILL]
         for n in self.nodes:
             if (
-                n.role == "decode"
+                n.role is Role.DECODE
                 and leases
                 and n.kv_keepalive_s is not None
                 and n.kv_keepalive_s >= min(leases)
@@ -173,8 +170,8 @@ class ClusterConfig(_Frozen):
             )
         for n in self.nodes:
             if (
-                n.role != "encoder"
-                and n.kv_transport == "cuda_ipc"
+                n.role is not Role.ENCODER
+                and n.kv_transport is KvTransport.CUDA_IPC
                 and any(e.model == n.model for e in self.encoder_nodes)
             ):
                 raise ConfigError(
@@ -190,13 +187,13 @@ class ClusterConfig(_Frozen):
             )
         for model in self.models:
             users = [n for n in self.nodes if n.model == model]
-            if not any(n.role in DECODE_CAPABLE_ROLES for n in users):
+            if not any(n.role.decodes for n in users):
                 raise ConfigError(
                     f"model {model!r} is served by no decode-capable node (only "
                     f"{[n.name for n in users]}): add a decode or colocated node with this model"
                 )
             # P and D compare block_size at the KV handshake (docs/design.md §3); fail now, not per request.
-            kv_nodes = [n for n in users if n.role != "encoder"]
+            kv_nodes = [n for n in users if n.role is not Role.ENCODER]
             if len({n.block_size for n in kv_nodes}) > 1:
                 sizes = {n.name: n.block_size for n in kv_nodes}
                 raise ConfigError(
@@ -238,20 +235,20 @@ class ClusterConfig(_Frozen):
         )
 
     def nodes_with_role(self, role: Role) -> tuple[NodeConfig, ...]:
-        return tuple(n for n in self.nodes if n.role == role)
+        return tuple(n for n in self.nodes if n.role is role)
 
     @property
     def prefill_nodes(self) -> tuple[NodeConfig, ...]:
-        return self.nodes_with_role("prefill")
+        return self.nodes_with_role(Role.PREFILL)
 
     @property
     def decode_nodes(self) -> tuple[NodeConfig, ...]:
         """Nodes that can decode: role decode or colocated."""
-        return tuple(n for n in self.nodes if n.role in DECODE_CAPABLE_ROLES)
+        return tuple(n for n in self.nodes if n.role.decodes)
 
     @property
     def encoder_nodes(self) -> tuple[NodeConfig, ...]:
-        return self.nodes_with_role("encoder")
+        return self.nodes_with_role(Role.ENCODER)
 
     @property
     def models(self) -> tuple[str, ...]:

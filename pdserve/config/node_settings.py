@@ -1,6 +1,6 @@
 """One entry of the cluster file's ``nodes`` list: a node's role, address, model, sizes and limits.
 
-Also the role vocabulary (``Role``, ``KvRole``, ``EcRole`` and how they relate) and the
+Also how the roles relate (the enums themselves: :mod:`pdserve.config.choices`) and the
 per-role defaults the resolver applies, and the node's test-only fault injection
 (:class:`FaultsConfig`). Checks that need only the node itself are made here; checks across
 nodes are :class:`~pdserve.config.cluster.ClusterConfig`'s.
@@ -13,22 +13,18 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pdserve.config.choices import Dtype, EcRole, KvLoadFailurePolicy, KvRole, KvTransport, Role
 from pdserve.config.frozen import _Frozen
 from pdserve.errors import ConfigError
 
-Role = Literal["prefill", "decode", "encoder", "colocated"]
-KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
-EcRole = Literal["ec_producer", "ec_consumer"]
-
 # The KV role each service type holds (docs/design.md §1). An explicit kv_role must equal it: a prefill
 # node that consumes KV is a contradiction, not a preference.
-KV_ROLE_OF_ROLE: dict[str, KvRole | None] = {
-    "prefill": "kv_producer",
-    "decode": "kv_consumer",
-    "colocated": "kv_both",
-    "encoder": None,
+KV_ROLE_OF_ROLE: dict[Role, KvRole | None] = {
+    Role.PREFILL: KvRole.KV_PRODUCER,
+    Role.DECODE: KvRole.KV_CONSUMER,
+    Role.COLOCATED: KvRole.KV_BOTH,
+    Role.ENCODER: None,
 }
-DECODE_CAPABLE_ROLES = ("decode", "colocated")
 # Token budget of one step when the file sets none. A prefill node only turns prompts into KV:
 # large steps keep the tensor cores busy (H200, Llama-1B shape, 2k-token prompts: 0.545 of the
 # bf16 peak at 8,192-16,384 tokens against 0.337 at 2,048, docs/benchmarks.md, "Prefill on the H200"). Every
@@ -65,15 +61,16 @@ class NodeConfig(_Frozen):
     host: str = "127.0.0.1"  # the address peers and the router dial (not necessarily the bind address)
     grpc_port: int = Field(ge=1, le=65535)
     metrics_port: int = Field(ge=1, le=65535)  # Prometheus /metrics of the node
-    kv_role: KvRole | None = None  # None: derived from role
+    # Optional restatement of the role's KV role (KV_ROLE_OF_ROLE); a contradicting one is refused.
+    kv_role: KvRole | None = None
     ec_role: EcRole | None = None  # derived by the resolver
     tp: int = 1
     pp: int = 1
     # layers per pipeline stage (len pp, sums to the model's layers); None: even split
     pp_layer_split: tuple[int, ...] | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_transport: Literal["tcp", "rdma", "cuda_ipc"] = "tcp"  # Mooncake TCP / RDMA, or same-host CUDA IPC
+    dtype: Dtype = Dtype.AUTO
+    kv_transport: KvTransport = KvTransport.TCP  # Mooncake TCP / RDMA, or same-host CUDA IPC
     # KV budget (engine/kv_sizing.py): this many bytes; unset: on a GPU gpu_memory_utilization of
     # the device less weights and activations, on a CPU min(4 GiB, half of MemAvailable)
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
@@ -90,8 +87,10 @@ class NodeConfig(_Frozen):
     max_queue_len: int | None = Field(default=None, ge=1)
     max_queue_wait_s: float | None = Field(default=None, gt=0)
     block_size: int = 16
-    kv_load_failure_policy: Literal["fail", "recompute", "reprefill"] = "recompute"  # decode side
+    kv_load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.RECOMPUTE  # decode side
     kv_lease_s: float = Field(default=30.0, gt=0)  # prefill side: how long KV waits for its consumer
+    kv_ready_timeout_s: float = Field(default=60.0, gt=0)  # prefill: a push waits this long for its KV
+    kv_pull_timeout_s: float = Field(default=60.0, gt=0)  # decode: one pull's limit, then the policy
     # decode side: every this many seconds, KeepAlive(transfer_ids) to each prefill node for the
     # requests still queued here, so their leases outlive a long queue (must be < the lease)
     kv_keepalive_s: float | None = Field(default=None, gt=0)  # None: min(5 s, shortest prefill lease / 3)
@@ -144,7 +143,7 @@ class NodeConfig(_Frozen):
     def steps_frontend(self) -> str | None:
         """Who serves this node's Steps streams on ``steps_port``: socket | process; None: the
         node's own gRPC port (inline), or no Steps streams at all (prefill)."""
-        if self.role not in ("decode", "colocated") or self.frontend == "inline":
+        if not self.role.decodes or self.frontend == "inline":
             return None
         return self.frontend or "socket"
 
@@ -194,7 +193,7 @@ class NodeConfig(_Frozen):
                 f"node {self.name!r}: gpu_memory_utilization {self.gpu_memory_utilization} is not used "
                 f"({why}); remove it"
             )
-        if self.role not in ("decode", "colocated"):
+        if not self.role.decodes:
             for key, value in (("frontend", self.frontend), ("frontend_port", self.frontend_port)):
                 if value is not None:
                     raise ConfigError(
@@ -221,32 +220,38 @@ class NodeConfig(_Frozen):
                 f"node {self.name!r}: role {self.role} contradicts kv_role {self.kv_role} "
                 f"(a {self.role} node holds kv_role {expected}); {fix}"
             )
-        if self.ec_role == "ec_producer" and self.role != "encoder":
+        for key, acts_on in (("kv_ready_timeout_s", Role.PREFILL), ("kv_pull_timeout_s", Role.DECODE)):
+            if key in self.model_fields_set and self.role is not acts_on:
+                raise ConfigError(
+                    f"node {self.name!r}: {key} acts on {acts_on} nodes only, not on role {self.role}; "
+                    "remove it"
+                )
+        if self.ec_role is EcRole.EC_PRODUCER and self.role is not Role.ENCODER:
             raise ConfigError(
                 f"node {self.name!r}: only encoder nodes produce embeddings, but role {self.role} "
                 "has ec_role ec_producer; omit ec_role (it is derived) or make the node role: encoder"
             )
         f = self.faults
-        if (f.push_delay_s or f.prefill_reply_delay_s) and self.role != "prefill":
+        if (f.push_delay_s or f.prefill_reply_delay_s) and self.role is not Role.PREFILL:
             raise ConfigError(
                 f"node {self.name!r}: faults.push_delay_s / faults.prefill_reply_delay_s act on "
                 f"prefill nodes only, not on role {self.role}; remove them"
             )
-        if (f.encode_delay_s or f.ec_push_delay_s) and self.role != "encoder":
+        if (f.encode_delay_s or f.ec_push_delay_s) and self.role is not Role.ENCODER:
             raise ConfigError(
                 f"node {self.name!r}: faults.encode_delay_s / faults.ec_push_delay_s act on "
                 f"encoder nodes only, not on role {self.role}; remove them"
             )
-        if (f.engine_death_on_sigusr1 or f.engine_stall_on_sigusr2_s) and self.role == "encoder":
+        if (f.engine_death_on_sigusr1 or f.engine_stall_on_sigusr2_s) and self.role is Role.ENCODER:
             raise ConfigError(
                 f"node {self.name!r}: faults.engine_death_on_sigusr1 / faults.engine_stall_on_sigusr2_s "
                 "are not supported on encoder nodes"
             )
-        if self.role == "encoder" and self.ec_role == "ec_consumer":
+        if self.role is Role.ENCODER and self.ec_role is EcRole.EC_CONSUMER:
             raise ConfigError(
                 f"node {self.name!r}: an encoder node is an ec_producer, not an ec_consumer; omit ec_role"
             )
-        if self.role not in ("encoder", "prefill"):
+        if self.role not in (Role.ENCODER, Role.PREFILL):
             for name in ("max_image_bytes", "max_image_pixels"):
                 if getattr(self, name) is not None:
                     raise ConfigError(
@@ -254,13 +259,13 @@ class NodeConfig(_Frozen):
                         f"encoder, or a prefill node with no encoder in the cluster), but the node's "
                         f"role is {self.role}; move it there"
                     )
-        if self.role == "encoder":
+        if self.role is Role.ENCODER:
             if self.tp != 1 or self.pp != 1:
                 raise ConfigError(
                     f"node {self.name!r}: an encoder runs on one device (tp 1, pp 1), got tp {self.tp}, "
                     f"pp {self.pp}; add encoder nodes to scale out instead"
                 )
-            if self.kv_transport == "cuda_ipc":
+            if not self.kv_transport.is_mooncake:
                 raise ConfigError(
                     f"node {self.name!r}: embeddings move over Mooncake (kv_transport tcp or rdma), "
                     "not cuda_ipc; set kv_transport: tcp"

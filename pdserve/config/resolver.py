@@ -4,16 +4,20 @@ docs/design.md §1: derived settings are derived, never hand-set. :func:`resolve
 assigns them unconditionally; where that replaces a value written in the file it logs a
 warning naming the node, the field, the hand-set value and the derived one.
 
-    role       kv_role (derived)   ec_role (derived)
-    ---------  ------------------  ----------------------------------------------------------
-    prefill    kv_producer         ec_consumer if the model is multimodal and an encoder serves it
-    colocated  kv_both             same as prefill (it prefills too)
-    decode     kv_consumer         None
-    encoder    None                ec_producer
+    role       ec_role (derived)
+    ---------  ----------------------------------------------------------
+    prefill    ec_consumer if the model is multimodal and an encoder serves it
+    colocated  same as prefill (it prefills too)
+    decode     None
+    encoder    ec_producer
 
     accept_mm_embeds = allow_missing_mm_embeds = ec_consumer or (KV consumer of a multimodal model)
-    where "KV consumer" is kv_consumer or kv_both. accept_mm_embeds is only ever turned on:
-    a hand-set True stays True even where it is not derived.
+    where a KV consumer is a decode or colocated node (its KV, images included, may come from a
+    prefill node). accept_mm_embeds is only ever turned on: a hand-set True stays True even where
+    it is not derived.
+
+The KV role follows from the role alone (``KV_ROLE_OF_ROLE``); the file may restate it, and a
+contradicting ``kv_role`` is refused at load (:class:`~pdserve.config.node_settings.NodeConfig`).
 
 Role-derived defaults (a value written in the file wins; these fill only what it leaves out):
 
@@ -32,15 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.config.choices import EcRole, Role
 from pdserve.config.cluster import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    KV_ROLE_OF_ROLE,
     PREFILL_MAX_NUM_BATCHED_TOKENS,
     ClusterConfig,
-    EcRole,
-    KvRole,
     NodeConfig,
-    Role,
 )
 from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.errors import ConfigError, InvalidRequestError
@@ -75,9 +76,8 @@ class MmPolicy:
     """What a running node needs of its derived settings to judge a request's image items."""
 
     name: str
-    role: str
-    kv_role: str | None
-    ec_role: str | None
+    role: Role
+    ec_role: EcRole | None
     accept_mm_embeds: bool = False
     allow_missing_mm_embeds: bool = False
 
@@ -101,20 +101,8 @@ class ResolvedNode:
         return self.node.role
 
     @property
-    def kv_role(self) -> KvRole | None:
-        return self.node.kv_role
-
-    @property
     def ec_role(self) -> EcRole | None:
         return self.node.ec_role
-
-    @property
-    def is_kv_producer(self) -> bool:
-        return self.node.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_kv_consumer(self) -> bool:
-        return self.node.kv_role in ("kv_consumer", "kv_both")
 
     @property
     def accept_mm_embeds(self) -> bool:
@@ -135,7 +123,6 @@ class ResolvedNode:
         return MmPolicy(
             self.name,
             self.role,
-            self.kv_role,
             self.ec_role,
             self.accept_mm_embeds,
             self.allow_missing_mm_embeds,
@@ -176,9 +163,9 @@ class ResolvedNode:
         )
 
 
-def default_max_num_batched_tokens(role: str) -> int:
+def default_max_num_batched_tokens(role: Role) -> int:
     """The token budget of a node of ``role`` whose file entry sets none."""
-    return PREFILL_MAX_NUM_BATCHED_TOKENS if role == "prefill" else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return PREFILL_MAX_NUM_BATCHED_TOKENS if role is Role.PREFILL else DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def resolve_node_settings(
@@ -195,27 +182,23 @@ def resolve_node_settings(
     """
     node = cluster.node(node_name)
     multimodal = is_multimodal(node.model)
-    if node.role == "encoder" and not multimodal:
+    if node.role is Role.ENCODER and not multimodal:
         raise ConfigError(
             f"node {node.name!r} is an encoder but model {node.model!r} has no vision tower; "
             "give the encoder a multimodal checkpoint or remove the node"
         )
-    # Load already rejected an explicit kv_role that contradicts the role.
-    kv_role = KV_ROLE_OF_ROLE[node.role]
     has_encoder = any(e.model == node.model for e in cluster.encoder_nodes)
     ec_role: EcRole | None = None
-    if node.role == "encoder":
-        ec_role = "ec_producer"
-    elif node.role in ("prefill", "colocated") and multimodal and has_encoder:
-        ec_role = "ec_consumer"
-    kv_consumer = kv_role in ("kv_consumer", "kv_both")
-    mm_embeds = ec_role == "ec_consumer" or (kv_consumer and multimodal)
+    if node.role is Role.ENCODER:
+        ec_role = EcRole.EC_PRODUCER
+    elif node.role in (Role.PREFILL, Role.COLOCATED) and multimodal and has_encoder:
+        ec_role = EcRole.EC_CONSUMER
+    mm_embeds = ec_role is EcRole.EC_CONSUMER or (node.role.decodes and multimodal)
 
     defaults: dict[str, Any] = {}  # role-derived defaults: only where the file sets nothing
     if node.max_num_batched_tokens is None:
         defaults["max_num_batched_tokens"] = default_max_num_batched_tokens(node.role)
     derived: dict[str, Any] = {
-        "kv_role": kv_role,
         "ec_role": ec_role,
         # one direction only: deriving turns accept_mm_embeds on, never off
         "accept_mm_embeds": mm_embeds or node.accept_mm_embeds,
@@ -259,7 +242,7 @@ def check_mm_items_allowed(
         return
     if not node.accept_mm_embeds:
         raise InvalidRequestError(
-            f"node {node.name!r} ({node.role}, kv_role={node.kv_role}, ec_role={node.ec_role}) does not "
+            f"node {node.name!r} ({node.role}, ec_role={node.ec_role}) does not "
             "accept embedding-only image inputs (accept_mm_embeds is false: it is derived true for EC "
             "consumers and KV consumers of a multimodal model)",
             field=field,

@@ -36,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.pp_stage import PipelineRunner
 from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
@@ -425,7 +426,12 @@ class LLMEngine:
         return out
 
     def finish_kv_load(
-        self, request_id: str, ok: bool, policy: str, error: str = "", first_tokens: Sequence[int] = ()
+        self,
+        request_id: str,
+        ok: bool,
+        policy: KvLoadFailurePolicy,
+        error: str = "",
+        first_tokens: Sequence[int] = (),
     ) -> list[GenerationDelta]:
         """A remote KV pull ended (decode side). ``policy`` is kv_load_failure_policy: fail | recompute.
         ``first_tokens``: what prefill sampled, for a request admitted without them (a decode leg
@@ -434,7 +440,9 @@ class LLMEngine:
         self._forward("finish_kv_load", request_id, ok, policy, error, list(first_tokens))
         if ok and first_tokens:
             self.output_processor.add_first_tokens(request_id, first_tokens)
-        req = self.scheduler.finish_kv_load(request_id, ok, recompute_on_failure=policy == "recompute")
+        req = self.scheduler.finish_kv_load(
+            request_id, ok, recompute_on_failure=policy is KvLoadFailurePolicy.RECOMPUTE
+        )
         if req is None or not req.is_finished or request_id not in self.output_processor.tracked:
             return []
         d = self._final_delta(req)

@@ -62,8 +62,9 @@ def active(bind_host: str) -> bool:
 
 
 def reexec_with_shim(bind_host: str) -> None:
-    """Re-execute this ``pdserve`` command with the shim preloaded, sending wildcard binds to
-    ``bind_host``; returns (doing nothing) when it is already active or cannot be built."""
+    """Re-execute this ``pdserve`` command (the interpreter's own command line, ``sys.orig_argv``)
+    with the shim preloaded, sending wildcard binds to ``bind_host``; returns (doing nothing) when
+    it is already active or cannot be built."""
     if active(bind_host):
         return
     lib = build()
@@ -74,4 +75,4 @@ def reexec_with_shim(bind_host: str) -> None:
     env["LD_PRELOAD"] = " ".join(p for p in (str(lib), env.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "pdserve.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

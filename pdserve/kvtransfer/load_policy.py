@@ -7,23 +7,17 @@
                has goes along as an output token, so nothing is sent twice)
 
 The engine knows only fail and recompute; reprefill is fail on the engine plus the marker.
+The policy is a :class:`~pdserve.config.choices.KvLoadFailurePolicy`, checked at load.
 """
 
 from __future__ import annotations
 
-from pdserve.errors import ConfigError
+from pdserve.config.choices import KvLoadFailurePolicy
 
-POLICIES = ("fail", "recompute", "reprefill")
 # Trailing metadata key on decode's ABORTED status: the KV pull failed and may be re-prefilled.
 KV_LOAD_FAILED_KEY = "pdserve-kv-load-failed"
 
 
-def check_policy(policy: str) -> str:
-    if policy not in POLICIES:
-        raise ConfigError(f"kv_load_failure_policy {policy!r} is not supported; use one of {list(POLICIES)}")
-    return policy
-
-
-def engine_policy(policy: str) -> str:
+def engine_policy(policy: KvLoadFailurePolicy) -> KvLoadFailurePolicy:
     """The policy the engine applies: reprefill fails the request there (the router retries)."""
-    return "fail" if check_policy(policy) == "reprefill" else policy
+    return KvLoadFailurePolicy.FAIL if policy is KvLoadFailurePolicy.REPREFILL else policy

@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
+from pdserve.config.choices import KvLoadFailurePolicy
+from pdserve.config.node_spec import NodeSpec
 from pdserve.distributed.pp_stage import StageEndpoint
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
@@ -22,7 +24,7 @@ from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
-from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY, check_policy, engine_policy
+from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY, engine_policy
 from pdserve.kvtransfer.params import RemotePrefillParams
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
@@ -30,7 +32,7 @@ from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.decode.keepalive import LeaseKeeper
 from services.decode.outbox import Outbox
 from services.mm_items import items_from_pb, to_engine_items
-from services.node import NodeBase, NodeOptions
+from services.node import NodeBase
 from services.prefill.server import handshake_from_pb, handshake_to_pb
 from services.steps_direct import DirectSteps
 
@@ -40,7 +42,7 @@ KV_PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 class DecodeNode(NodeBase):
-    def __init__(self, opts: NodeOptions) -> None:
+    def __init__(self, opts: NodeSpec) -> None:
         super().__init__(opts)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peers: dict[str, HandshakeInfo] = {}  # prefill address -> its handshake (epoch)
@@ -49,7 +51,6 @@ class DecodeNode(NodeBase):
         self.pull_seconds_total = 0.0
         self.pull_failures_total = 0
         self.lease_keeper = LeaseKeeper(self, opts.kv_keepalive_s)
-        check_policy(opts.kv_load_failure_policy)
         self.reprefill_ids: set[str] = set()  # failed pulls the router should re-prefill
         self.checksums_verified_total = 0
         self.checksum_mismatches_total = 0
@@ -255,8 +256,8 @@ class DecodeNode(NodeBase):
         policy = engine_policy(self.opts.kv_load_failure_policy)
         if spec.request_id in self.no_recompute_ids or early:
             # images' embeddings not here / no first token here: recomputing would need them
-            policy = "fail"
-        if not ok and (self.opts.kv_load_failure_policy == "reprefill" or early):
+            policy = KvLoadFailurePolicy.FAIL
+        if not ok and (self.opts.kv_load_failure_policy is KvLoadFailurePolicy.REPREFILL or early):
             self.reprefill_ids.add(spec.request_id)  # read by Decode() when the error delta comes
         assert self.engine_loop is not None
         self.engine_loop.post_and_dispatch(

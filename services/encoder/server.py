@@ -18,12 +18,12 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Gauge
 
+from pdserve.config.node_spec import NodeSpec
 from pdserve.embedcache.connector import EmbeddingProducer
 from pdserve.embedcache.index import EmbeddingIndex
 from pdserve.errors import CapacityError, ConfigError, InvalidRequestError
@@ -31,7 +31,7 @@ from pdserve.kvtransfer.backend import TransferError
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
-from pdserve.models.image_processor import ClipImageProcessor, ImageLimits
+from pdserve.models.image_processor import ClipImageProcessor
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.limits import encoder_receive_limit_bytes
@@ -42,34 +42,12 @@ from services.node_lifecycle import start_grpc_server
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EncoderOptions:
-    name: str
-    model: str
-    redis_url: str  # the embedding-cache index
-    host: str = "127.0.0.1"
-    grpc_port: int = 50061
-    metrics_port: int | None = None
-    kv_host: str = "127.0.0.1"  # address consumers' transfer engines see ours at
-    kv_transport: str = "tcp"  # tcp | rdma (Mooncake)
-    device: str = "auto"
-    dtype: str = "auto"
-    buffer_bytes: int = 64 << 20  # registered memory the embeddings live in (LRU)
-    lease_s: float = 30.0  # index TTL of an entry; refreshed on every hit
-    max_image_bytes: int | None = None
-    max_image_pixels: int | None = None
-    shared_token: str | None = None
-    drain_timeout_s: float = 30.0
-    advertise_address: str | None = None  # host:port consumers dial (k8s: the pod IP); None: host:port
-    # test-only faults (cluster file ``faults.encode_delay_s`` / ``faults.ec_push_delay_s``)
-    encode_delay_s: float = 0.0
-    push_delay_s: float = 0.0
-    allow_unauthenticated_kv_ports: bool = False  # see pdserve/kvtransfer/exposure.py
-    metrics_require_token: bool = False  # /metrics asks for "Authorization: Bearer <shared_token>"
-
-
 class EncoderNode:
-    def __init__(self, opts: EncoderOptions) -> None:
+    """An encoder node from its spec: ``engine`` gives the checkpoint, device and dtype; the
+    buffer, lease and image limits are the entry's ``ec_buffer_bytes``, ``ec_lease_s`` and
+    ``max_image_bytes`` / ``max_image_pixels``."""
+
+    def __init__(self, opts: NodeSpec) -> None:
         from pdserve.engine.model_runner import resolve_device, resolve_dtype
         from pdserve.models.llava import LlavaForConditionalGeneration
         from pdserve.models.loader import load_model
@@ -79,10 +57,12 @@ class EncoderNode:
         check_kv_ports(
             opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
         )
-        device = resolve_device(opts.device)
-        model, _ = load_model(opts.model, resolve_dtype(opts.dtype, device), device)
+        device = resolve_device(opts.engine.device)
+        model_dir = opts.engine.model
+        model, _ = load_model(model_dir, resolve_dtype(opts.engine.dtype, device), device)
         if not isinstance(model, LlavaForConditionalGeneration):
-            raise ConfigError(f"model {opts.model!r} has no vision tower: an encoder needs a LLaVA model")
+            raise ConfigError(f"model {model_dir!r} has no vision tower: an encoder needs a LLaVA model")
+        assert opts.redis_url is not None  # the cluster file refuses an encoder without it
         self.registry = CollectorRegistry()
         self.backend = make_backend(opts.kv_transport, opts.kv_host, "cpu")
         check_no_wildcard(
@@ -92,19 +72,15 @@ class EncoderNode:
             opts.name,
             self.backend,
             EmbeddingIndex.from_url(opts.redis_url),
-            opts.buffer_bytes,
-            opts.lease_s,
+            opts.ec_buffer_bytes,
+            opts.ec_lease_s,
             registry=self.registry,
         )
-        defaults = ImageLimits()
-        limits = ImageLimits(
-            max_image_bytes=opts.max_image_bytes or defaults.max_image_bytes,
-            max_image_pixels=opts.max_image_pixels or defaults.max_image_pixels,
-        )
+        limits = opts.image_limits
         self.max_image_bytes = limits.max_image_bytes
         self.core = EncoderCore(
             model,
-            ClipImageProcessor.from_model_dir(opts.model),
+            ClipImageProcessor.from_model_dir(model_dir),
             self.producer,
             limits,
             EncoderMetrics(self.registry),
@@ -167,8 +143,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         images = [ImageInput(im.data, im.uuid or None) for im in request.images]
         node.in_flight += 1
         try:
-            if node.opts.encode_delay_s:
-                await asyncio.sleep(node.opts.encode_delay_s)
+            if node.opts.faults.encode_delay_s:
+                await asyncio.sleep(node.opts.faults.encode_delay_s)
             out = await asyncio.to_thread(node.core.encode, images)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -179,7 +155,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         return pb.EncodeResponse(
             items=[pb.EncodeItem(key=e.key, length=e.length, cache_hit=e.cache_hit) for e in out],
             node=node.opts.name,
-            address=node.opts.advertise_address or f"{node.opts.host}:{node.opts.grpc_port}",
+            address=node.opts.advertise_address,
         )
 
     async def PushEmbeddings(
@@ -189,8 +165,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         t0 = time.monotonic()
         node.in_flight += 1
         try:
-            if node.opts.push_delay_s:
-                await asyncio.sleep(node.opts.push_delay_s)
+            if node.opts.faults.ec_push_delay_s:
+                await asyncio.sleep(node.opts.faults.ec_push_delay_s)
             await asyncio.to_thread(
                 node.producer.push,
                 request.key,
@@ -226,5 +202,5 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         )
 
 
-def run_encoder(opts: EncoderOptions) -> None:
+def run_encoder(opts: NodeSpec) -> None:
     asyncio.run(EncoderNode(opts).serve())

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.config.node_spec import NodeSpec
 from pdserve.distributed.pp_stage import PipelineRunner, StageWriteBackend
 from pdserve.engine.request import Request
 from pdserve.errors import CapacityError, ConfigError, InvalidRequestError, PdserveError
@@ -31,7 +32,7 @@ from services.mm_items import (
     items_from_pb,
     to_engine_items,
 )
-from services.node import NodeBase, NodeOptions
+from services.node import NodeBase
 
 logger = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 0.5
@@ -59,7 +60,7 @@ def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
 
 
 class PrefillNode(NodeBase):
-    def __init__(self, opts: NodeOptions) -> None:
+    def __init__(self, opts: NodeSpec) -> None:
         super().__init__(opts)
         assert isinstance(self.backend, TransferBackend)
         bs, pp = self.engine.kv.block_size, len(self.stages)

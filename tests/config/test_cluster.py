@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from pdserve.config.choices import EcRole, KvRole, Role
 from pdserve.config.cluster import (
+    KV_ROLE_OF_ROLE,
     ClusterConfig,
     UnknownNodeError,
     default_local_cluster,
@@ -366,14 +368,26 @@ def test_encoder_needs_redis_and_one_device() -> None:
 @pytest.mark.parametrize(
     ("node", "kv_role"), [("p0", "kv_producer"), ("d0", "kv_consumer"), ("c0", "kv_both")]
 )
-def test_kv_role_derived_text_model(node: str, kv_role: str) -> None:
-    c = ClusterConfig.from_dict(
-        _cluster(_node("p0", "prefill", 1001), _node("d0", "decode", 1002), _node("c0", "colocated", 1003))
+def test_kv_role_restating_the_role_is_accepted_and_changes_nothing(node: str, kv_role: str) -> None:
+    roles = {"p0": "prefill", "d0": "decode", "c0": "colocated"}
+    ports = {"p0": 1001, "d0": 1002, "c0": 1003}
+
+    def cluster(restate: bool) -> ClusterConfig:
+        extra = {"kv_role": kv_role} if restate else {}
+        return ClusterConfig.from_dict(
+            _cluster(*(_node(n, roles[n], ports[n], **(extra if n == node else {})) for n in roles))
+        )
+
+    omitted, restated = cluster(False), cluster(True)
+    assert omitted.node(node).kv_role is None and restated.node(node).kv_role == KvRole(kv_role)
+    assert KV_ROLE_OF_ROLE[Role(roles[node])] is KvRole(kv_role)
+    r = resolve_node_settings(restated, node, is_multimodal=_text)
+    assert (
+        r.node.model_copy(update={"kv_role": None})
+        == resolve_node_settings(omitted, node, is_multimodal=_text).node
     )
-    assert c.node(node).kv_role is None  # omitted in the file
-    r = resolve_node_settings(c, node, is_multimodal=_text)
-    assert (r.kv_role, r.ec_role) == (kv_role, None)
-    assert not r.accept_mm_embeds and not r.allow_missing_mm_embeds and r.overridden == ()
+    assert r.ec_role is None and r.overridden == ()
+    assert not r.accept_mm_embeds and not r.allow_missing_mm_embeds
 
 
 def test_encoder_of_text_model_is_an_error() -> None:
@@ -382,17 +396,17 @@ def test_encoder_of_text_model_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("node", "kv_role", "ec_role", "mm"),
+    ("node", "role", "ec_role", "mm"),
     [
-        ("e0", None, "ec_producer", False),
-        ("p0", "kv_producer", "ec_consumer", True),  # EC consumer
-        ("d0", "kv_consumer", None, True),  # KV consumer of a multimodal model
-        ("c0", "kv_both", "ec_consumer", True),
+        ("e0", "encoder", "ec_producer", False),
+        ("p0", "prefill", "ec_consumer", True),  # EC consumer
+        ("d0", "decode", None, True),  # KV consumer of a multimodal model
+        ("c0", "colocated", "ec_consumer", True),
     ],
 )
-def test_roles_and_mm_flags_derived_multimodal(node: str, kv_role: str, ec_role: str, mm: bool) -> None:
+def test_roles_and_mm_flags_derived_multimodal(node: str, role: str, ec_role: str, mm: bool) -> None:
     r = resolve_node_settings(_epd(), node, is_multimodal=_vlm)
-    assert (r.kv_role, r.ec_role) == (kv_role, ec_role)
+    assert (r.role, r.ec_role) == (Role(role), ec_role and EcRole(ec_role))
     assert r.accept_mm_embeds is mm and r.allow_missing_mm_embeds is mm and r.is_multimodal
 
 

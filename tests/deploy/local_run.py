@@ -3,7 +3,7 @@ ENTRYPOINT + command/args), environment, mounted cluster file and health checks.
 
 What stands in for the container runtime, and nothing else:
 
-    image "pdserve" ENTRYPOINT        -> this Python's `-m pdserve.cli` (the image installs it)
+    image "pdserve" ENTRYPOINT        -> this Python's `-m services.cli` (the image installs it)
     image "redis"                     -> the local redis-server / redis-cli
     service host:port (compose DNS,   -> 127.0.0.1:<free port>, in the cluster file, argv, env
     k8s Service) and a container's       and health checks alike; the pod IP -> 127.0.0.1
@@ -78,7 +78,7 @@ def build_image_model(out: Path, image_dir: str = IMAGE_MODEL_DIR) -> Path:
 
 def local_argv(argv: list[str]) -> list[str]:
     if argv and argv[0] == "pdserve":
-        return [sys.executable, "-m", "pdserve.cli", *argv[1:]]
+        return [sys.executable, "-m", "services.cli", *argv[1:]]
     return list(argv)
 
 

@@ -14,9 +14,9 @@ import pytest
 from openai import APIStatusError, AsyncOpenAI
 
 from pdserve.config.cluster import ClusterConfig
-from pdserve.launcher import pick_base_port
 from pdserve.registry.redis_registry import RedisRegistry
 from pdserve.rpc.health import is_serving
+from services.launcher import pick_base_port
 from tests.e2e.cluster import running_cluster
 from tests.registry.redis_proc import RedisProcess
 

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.config.engine import EngineConfig, ParallelConfig
+from pdserve.config.node_spec import NodeSpec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import PdserveError
 from services.decode.server import DecodeNode
-from services.node import NodeOptions
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_killing_a_stage_fails_requests_and_health(llama4):
     cfg = EngineConfig(
         model=str(llama4), device="cpu", dtype="float32", parallel=ParallelConfig(pipeline_parallel_size=2)
     )
-    node = DecodeNode(NodeOptions(name="c0", role="colocated", engine=cfg, grpc_port=port))
+    node = DecodeNode(NodeSpec.for_test(name="c0", role="colocated", engine=cfg, grpc_port=port))
 
     async def scenario() -> tuple[str, int]:
         ready = asyncio.Event()
@@ -89,4 +89,4 @@ def test_pp_transfer_settings_not_wired_are_refused_at_start(llama4, role, opts,
     )
     cls = PrefillNode if role == "prefill" else DecodeNode
     with pytest.raises(ConfigError, match=match):
-        cls(NodeOptions(name="n0", role=role, engine=cfg, **opts))
+        cls(NodeSpec.for_test(name="n0", role=role, engine=cfg, **opts))

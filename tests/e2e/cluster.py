@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 
 from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
-from pdserve.launcher import Child, pick_base_port, start_child, stop_children, wait_ready
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.launcher import Child, pick_base_port, start_child, stop_children, wait_ready
 
 _next_base = [31000]
 

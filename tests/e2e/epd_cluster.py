@@ -12,7 +12,7 @@ import httpx
 import torch
 
 from pdserve.config.cluster import ClusterConfig
-from pdserve.launcher import pick_base_port
+from services.launcher import pick_base_port
 from tests.e2e import cluster as e2e_cluster
 
 

@@ -84,7 +84,7 @@ async def _run(backend, req: BackendRequest) -> tuple[list[int], str | None, flo
 
 
 def _restart(rc, *names: str) -> None:
-    from pdserve.launcher import ports_free, start_child, wait_ready
+    from services.launcher import ports_free, start_child, wait_ready
 
     for name in names:
         child = next(c for c in rc.children if c.name == name)

@@ -155,7 +155,7 @@ def test_frozen_decode_is_noticed_in_seconds_and_probed_back(cluster) -> None:
 def test_prefill_kill_and_restart(cluster) -> None:
     """kill -9 of a prefill node at each phase: the request ends (served elsewhere); a restart
     is seen as a new epoch and the node is used again; /ready stays consistent."""
-    from pdserve.launcher import start_child, wait_ready
+    from services.launcher import start_child, wait_ready
 
     async def main() -> None:
         async def kill_p0(phase: str, info: dict) -> None:

@@ -26,10 +26,10 @@ import openai
 import pytest
 
 from pdserve.config.cluster import ClusterConfig, write_cluster_config
-from pdserve.launcher import start_child, stop_children, wait_ready
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.launch import EXIT_CONFIG_REFUSED
+from services.launcher import start_child, stop_children, wait_ready
 from tests.e2e.cluster import make_cluster_config, running_cluster
 from tests.e2e.proc_sockets import descendants, listeners_of, vm_rss_bytes
 

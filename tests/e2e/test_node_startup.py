@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from pdserve.config.cluster import ClusterConfig, write_cluster_config
-from pdserve.launcher import pick_base_port, start_child
 from services.launch import EXIT_STARTUP_FAILED
+from services.launcher import pick_base_port, start_child
 from tests.e2e.cluster import make_cluster_config
 
 pytestmark = pytest.mark.slow

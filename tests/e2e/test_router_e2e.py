@@ -417,7 +417,7 @@ def test_a_router_with_serial_legs_gives_the_same_tokens(cluster, tokenizer, ref
     a second router on the same nodes gives transformers' greedy tokens on the P/D path, and its
     pull is not an early one; the default router's early pulls are what the test above counts."""
     from pdserve.config.cluster import ClusterConfig, write_cluster_config
-    from pdserve.launcher import start_child, stop_children, wait_ready
+    from services.launcher import start_child, stop_children, wait_ready
 
     data = cluster.cluster.model_dump(mode="json", exclude_unset=True)
     data["router"] = {

@@ -273,7 +273,7 @@ def test_router_workers_add_up_their_metrics_and_die_together(cluster, tmp_path)
 
     # A second router (2 workers) on other ports: kill one worker, the router stops as a whole.
     data = cluster.cluster.model_dump(mode="json", exclude_unset=True)
-    from pdserve.launcher import pick_base_port
+    from services.launcher import pick_base_port
 
     data["router"] = {
         **data["router"],
@@ -283,7 +283,7 @@ def test_router_workers_add_up_their_metrics_and_die_together(cluster, tmp_path)
     cfg = write_cluster_config(ClusterConfig.from_dict(data), tmp_path / "router2.yaml")
     log = open(tmp_path / "router2.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "router", "--config", str(cfg)],
+        [sys.executable, "-m", "services.cli", "serve", "router", "--config", str(cfg)],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

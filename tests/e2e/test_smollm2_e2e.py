@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.config.cluster import ClusterConfig
 from pdserve.errors import ConfigError
-from pdserve.launcher import pick_base_port
+from services.launcher import pick_base_port
 from tests.e2e.cluster import make_cluster_config, running_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pdserve.launcher import ports_free
+from services.launcher import ports_free
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def test_up_answers_a_request_and_exits(tiny_models, tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "pdserve.cli",
+            "services.cli",
             "up",
             "--model",
             str(tiny_models["llama"]),
@@ -45,7 +45,7 @@ def test_up_stops_everything_on_sigterm(tiny_models, tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "pdserve.cli",
+            "services.cli",
             "up",
             "--model",
             str(tiny_models["llama"]),
@@ -84,7 +84,7 @@ def test_up_with_a_multimodal_model_starts_an_encoder(tmp_path_factory, tmp_path
 
     llava = make_tiny_model("llava", tmp_path_factory.mktemp("up-llava"))
     r = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(llava), "--base-port", "32300"]
+        [sys.executable, "-m", "services.cli", "up", "--model", str(llava), "--base-port", "32300"]
         + ["--run-dir", str(tmp_path), "--example-request", "--exit-after-example"],
         capture_output=True,
         text=True,

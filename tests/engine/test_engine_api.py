@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError, PromptTooLongError
 
@@ -226,7 +227,7 @@ def test_a_kv_load_sink_gets_the_pull_when_its_blocks_are_allocated(
     for _ in range(3):
         eng.step()
     assert eng.scheduler.requests["remote"].status.name == "WAITING_FOR_REMOTE_KV"
-    eng.finish_kv_load("remote", True, "fail")
+    eng.finish_kv_load("remote", True, KvLoadFailurePolicy.FAIL)
     while eng.has_unfinished():
         eng.step()
     assert eng.num_used_blocks() == 0

@@ -207,7 +207,7 @@ def test_a_corrupt_file_names_the_file(tmp_path, cache_dir) -> None:
 def test_pdserve_serve_names_a_corrupt_gguf_and_exits_2(tmp_path, cache_dir) -> None:
     from typer.testing import CliRunner
 
-    from pdserve.cli import app
+    from services.cli import app
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 64)

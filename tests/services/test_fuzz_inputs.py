@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.node_spec import NodeSpec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.decode.server import DecodeNode
-from services.node import NodeOptions
 from tests.services.test_router_api import (  # noqa: F401  (fixtures)
     HIDDEN,
     FakeBackend,
@@ -64,7 +64,9 @@ def test_malformed_grpc_is_invalid_argument_and_the_node_lives(tiny_models) -> N
     port = _free_port()
     model = tiny_models["llama"]
     node = DecodeNode(
-        NodeOptions(name="fuzz-0", role="colocated", engine=EngineConfig(model=str(model)), grpc_port=port)
+        NodeSpec.for_test(
+            name="fuzz-0", role="colocated", engine=EngineConfig(model=str(model)), grpc_port=port
+        )
     )
     hidden = node.engine.runner.arch.hidden_size
     rng = random.Random(13)

@@ -10,12 +10,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.node_spec import NodeSpec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.decode.server import DecodeNode
-from services.node import EXIT_ENGINE_DIED, NodeOptions
+from services.node import EXIT_ENGINE_DIED
 
 
 def _free_port() -> int:
@@ -26,7 +27,9 @@ def _free_port() -> int:
 
 def _colocated_node(tiny_models, port: int, **opts) -> DecodeNode:  # type: ignore[no-untyped-def]
     engine = EngineConfig(model=str(tiny_models["llama"]))
-    return DecodeNode(NodeOptions(name="colo-0", role="colocated", engine=engine, grpc_port=port, **opts))
+    return DecodeNode(
+        NodeSpec.for_test(name="colo-0", role="colocated", engine=engine, grpc_port=port, **opts)
+    )
 
 
 def test_engine_death_turns_node_not_serving_fails_requests_and_exits(tiny_models) -> None:
@@ -84,7 +87,7 @@ def test_prefill_engine_death_is_unavailable_for_the_router_to_retry(tiny_models
 
     port = _free_port()
     node = PrefillNode(
-        NodeOptions(
+        NodeSpec.for_test(
             name="p-0", role="prefill", engine=EngineConfig(model=str(tiny_models["llama"])), grpc_port=port
         )
     )

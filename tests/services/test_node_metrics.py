@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config.engine import EngineConfig, ParallelConfig
+from pdserve.config.node_spec import NodeSpec
 from pdserve.engine.sampling_params import SamplingParams
 from services.decode.server import DecodeNode
-from services.node import NodeOptions
 
 STEP_COUNTERS = (
     "engine_steps",
@@ -48,7 +48,7 @@ def test_step_counters_move_with_a_generation(tiny_models, pp) -> None:
         dtype="float32",
         parallel=ParallelConfig(pipeline_parallel_size=pp),
     )
-    node = DecodeNode(NodeOptions(name="colo-m", role="colocated", engine=cfg, grpc_port=_free_port()))
+    node = DecodeNode(NodeSpec.for_test(name="colo-m", role="colocated", engine=cfg, grpc_port=_free_port()))
     before = _scrape(node)
     sizes = node.engine.cache_sizes  # the KV sizing the start log names, as gauges
     assert before["pdserve:kv_blocks_total"] == sizes.num_blocks > 0

@@ -102,7 +102,7 @@ def test_a_router_whose_port_is_taken_exits_71_naming_it(tiny_models, tmp_path) 
     path = write_cluster_config(cfg, tmp_path / "c.yaml")
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "serve", "router", "--config", str(path)],
+            [sys.executable, "-m", "services.cli", "serve", "router", "--config", str(path)],
             capture_output=True,
             text=True,
             timeout=120,

@@ -106,7 +106,7 @@ def start_child(cfg_path: Path, role: str, node: str | None, run_dir: Path) -> C
     name = node or "router"
     log_path = run_dir / f"{name}.log"
     log = open(log_path, "wb")
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", role, "--config", str(cfg_path)]
+    cmd = [sys.executable, "-m", "services.cli", "serve", role, "--config", str(cfg_path)]
     if node:
         cmd += ["--node", node]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

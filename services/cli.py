@@ -1,18 +1,19 @@
-"""The ``pdserve`` command."""
+"""The ``pdserve`` command: it starts the services, so it lives above them (the library under
+``pdserve/`` imports nothing from ``services/``)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ipaddress
 import json
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import typer
+
+from pdserve.config.choices import Role
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Disaggregated prefill/decode LLM serving."
@@ -124,7 +125,8 @@ def serve(
     ),
     log_level: str = typer.Option("info", envvar="PDSERVE_LOG_LEVEL"),
 ) -> None:
-    """Start one node of a cluster (what compose and Kubernetes run)."""
+    """Start one node of a cluster (what compose and Kubernetes run): cluster file -> the node's
+    resolved settings (NodeSpec) -> the node (connectors, engine, front end) -> serve."""
     _setup_logging(log_level)
     from pdserve.config.cluster import load_cluster_config
 
@@ -136,128 +138,49 @@ def serve(
         with _start_errors():
             run_router(cluster)
         return
+    try:
+        want = Role(role)
+    except ValueError:
+        raise typer.BadParameter(
+            f"role {role!r} is not supported: use router, {', '.join(r.value for r in Role)}"
+        ) from None
     if node is None:
         raise typer.BadParameter("--node is required for engine nodes")
     from services.memwatch import configure_malloc
 
     with _start_errors():
         configure_malloc(os.environ)  # before the node's threads: glibc arenas capped (default 2)
-    from pdserve.config.resolver import resolve_node_settings
-    from pdserve.kvtransfer.bind_shim import reexec_with_shim
-    from pdserve.kvtransfer.exposure import MOONCAKE_TRANSPORTS
-    from pdserve.models.resolve import resolve_model_path
-    from services.launch import run_node
-    from services.node import NodeOptions
-
-    with _start_errors():
-        resolved = resolve_node_settings(cluster, node)
-        model_dir = str(resolve_model_path(resolved.node.model))  # a .gguf or an HF id -> a folder
-    if resolved.role != role:
-        raise typer.BadParameter(f"node {node!r} has role {resolved.role!r} in {config}, not {role!r}")
-    n = resolved.node
     if advertise_host and not cluster.redis_url:
         raise typer.BadParameter(
             f"--advertise-host {advertise_host!r} (or PDSERVE_ADVERTISE_HOST) needs a node registry: "
             "set redis_url in the cluster config, or drop it (the router dials the config's host)"
         )
-    # A DNS name other than localhost may name a Service address this host cannot bind: every
-    # interface then, each port behind the shared token (Mooncake's: kvtransfer/exposure.py).
-    host = bind_host or ("127.0.0.1" if n.host == "localhost" else n.host if _is_ip(n.host) else "0.0.0.0")
+    from pdserve.config.node_spec import NodeSpec, is_ip
+    from pdserve.config.resolver import resolve_node_settings
+    from pdserve.kvtransfer.bind_shim import reexec_with_shim
+
+    with _start_errors():
+        resolved = resolve_node_settings(cluster, node)
+    if resolved.role is not want:
+        raise typer.BadParameter(f"node {node!r} has role {resolved.role} in {config}, not {role!r}")
+    with _start_errors():  # the model resolved to a folder: a .gguf converted, an HF id fetched
+        spec = NodeSpec.start(resolved, bind_host=bind_host, advertise_host=advertise_host)
     if (
-        role in ("prefill", "decode", "encoder")
-        and n.kv_transport in MOONCAKE_TRANSPORTS
-        and _is_ip(host)
-        and not ipaddress.ip_address(host).is_unspecified
+        spec.role is not Role.COLOCATED
+        and spec.kv_transport.is_mooncake
+        and is_ip(spec.host)
+        and not ipaddress.ip_address(spec.host).is_unspecified
     ):
         # Mooncake's ports on the node's address, not every interface (kvtransfer/bind_shim.py)
-        reexec_with_shim(host)
-    kv_host = os.environ.get("PDSERVE_KV_HOST") or (
-        n.host if _is_ip(n.host) else socket.gethostbyname(socket.gethostname())
-    )
-    if role == "encoder":
-        from services.encoder.server import EncoderOptions, run_encoder
+        reexec_with_shim(spec.host)
+    if spec.role is Role.ENCODER:
+        from services.encoder.server import run_encoder
 
-        assert cluster.redis_url is not None  # the cluster file refuses an encoder without it
-        run_encoder(
-            EncoderOptions(
-                name=n.name,
-                model=model_dir,
-                redis_url=cluster.redis_url,
-                host=host,
-                grpc_port=n.grpc_port,
-                metrics_port=n.metrics_port,
-                kv_host=kv_host,
-                kv_transport=n.kv_transport,
-                device=n.device,
-                dtype=n.dtype,
-                buffer_bytes=n.ec_buffer_bytes,
-                lease_s=n.ec_lease_s,
-                max_image_bytes=n.max_image_bytes,
-                max_image_pixels=n.max_image_pixels,
-                shared_token=cluster.shared_token,
-                drain_timeout_s=n.drain_timeout_s,
-                advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
-                encode_delay_s=n.faults.encode_delay_s,
-                push_delay_s=n.faults.ec_push_delay_s,
-                allow_unauthenticated_kv_ports=cluster.allow_unauthenticated_kv_ports,
-                metrics_require_token=cluster.metrics_require_token,
-            )
-        )
+        run_encoder(spec)
         return
-    run_node(
-        NodeOptions(
-            name=n.name,
-            role=role,
-            engine=dataclasses.replace(resolved.engine_config(), model=model_dir),
-            host=host,
-            grpc_port=n.grpc_port,
-            metrics_port=n.metrics_port,
-            kv_host=kv_host,
-            kv_transport=n.kv_transport,
-            kv_lease_s=n.kv_lease_s,
-            kv_keepalive_s=cluster.keepalive_s(n),
-            kv_checksum=n.kv_checksum,
-            kv_load_failure_policy=n.kv_load_failure_policy,
-            shared_token=cluster.shared_token,
-            redis_url=cluster.redis_url,
-            registry_ttl_s=cluster.registry_ttl_s,
-            advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
-            frontend_port=n.steps_port(),
-            frontend=n.steps_frontend() or "socket",
-            steps_hello_timeout_s=n.steps_hello_timeout_s,
-            steps_max_pending_per_peer=n.steps_max_pending_per_peer,
-            allow_unauthenticated_kv_ports=cluster.allow_unauthenticated_kv_ports,
-            metrics_require_token=cluster.metrics_require_token,
-            stages=n.pp,
-            drain_timeout_s=n.drain_timeout_s,
-            faults=n.faults,
-            mm_policy=resolved.mm_policy,
-            ec_consumer=resolved.ec_role == "ec_consumer",
-            # no encoder node for this model: prefill runs the vision tower itself
-            colocated_encoder=role == "prefill" and resolved.is_multimodal and resolved.ec_role is None,
-            image_limits=_image_limits(n.max_image_bytes, n.max_image_pixels),
-            ec_buffer_bytes=n.ec_buffer_bytes,
-            ec_lease_s=n.ec_lease_s,
-            ec_fetch_timeout_s=n.ec_fetch_timeout_s,
-        )
-    )
+    from services.launch import run_node
 
-
-def _image_limits(max_bytes: int | None, max_pixels: int | None):  # -> ImageLimits
-    from pdserve.models.image_processor import ImageLimits
-
-    d = ImageLimits()
-    return ImageLimits(
-        max_image_bytes=max_bytes or d.max_image_bytes, max_image_pixels=max_pixels or d.max_image_pixels
-    )
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
+    run_node(spec)
 
 
 @app.command()
@@ -299,7 +222,7 @@ def up(
     exit_after_example: bool = typer.Option(False, help="stop the cluster after the example request"),
 ) -> None:
     """Start router + prefill + decode locally, wait for health, print how to call it."""
-    from pdserve.launcher import up as run_up
+    from services.launcher import up as run_up
 
     with _start_errors():
         code = run_up(model, base_port, run_dir, example_request, exit_after_example)
