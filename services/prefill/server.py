@@ -16,12 +16,12 @@ from pdserve.errors import CapacityError, ConfigError, InvalidRequestError, Pdse
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
-from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.handshake import HandshakeError, check_compat
 from pdserve.kvtransfer.params import RemoteDecodeParams
-from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
+from pdserve.kvtransfer.regions import BlockIdError, RegionMismatchError
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
 from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
-from pdserve.rpc import channel, convert
+from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.mm_items import (
@@ -35,27 +35,6 @@ from services.node import NodeBase, NodeOptions
 
 logger = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 0.5
-
-
-def handshake_to_pb(h: HandshakeInfo, stages: list[pb.StageInfo] | None = None) -> pb.HandshakeInfo:
-    return pb.HandshakeInfo(**h.to_dict(), stages=stages or [])
-
-
-def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
-    return HandshakeInfo.from_dict(
-        {
-            "model_id": m.model_id,
-            "dtype": m.dtype,
-            "block_size": m.block_size,
-            "layer_names": list(m.layer_names),
-            "num_kv_heads": m.num_kv_heads,
-            "head_dim": m.head_dim,
-            "layout_version": m.layout_version,
-            "epoch": m.epoch,
-            "kv_transport": m.kv_transport,
-            "compat_hash": m.compat_hash,
-        }
-    )
 
 
 class PrefillNode(NodeBase):
@@ -157,13 +136,6 @@ class PrefillNode(NodeBase):
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
 
-    def release_if_cancelled(self, context: Any, transfer_id: str) -> None:
-        """A Prefill RPC ended: if its caller cancelled it (even after our answer was ready, which
-        no exception tells the handler), nobody will pull this KV - release the hold now."""
-        if context.cancelled():
-            self.producer.abort(transfer_id)
-            self.producer.forget(transfer_id)
-
     def push_digest(self, transfer_id: str, num_tokens: int) -> str:
         """Digest of the held blocks a push of ``num_tokens`` sends (taken before the push: after
         it the blocks may be freed and reused)."""
@@ -216,9 +188,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         node = self.node
         tid = request.transfer_id
-        # Refused before admission (bad request, duplicate, caller gone) or ended: an early pull
-        # still waiting for a transfer_id no prefill admitted fails now, not at its timeout.
-        context.add_done_callback(lambda _ctx: node.producer.refuse(tid))
+        # Its end, whatever ends the call: refused before admission (an early pull waiting for it
+        # fails now), or cancelled by its caller (a hold nobody will pull is released now).
+        transfer = node.producer.track(tid)
+        context.add_done_callback(lambda ctx: transfer.close(ctx.cancelled()))
         if not tid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
         try:
@@ -250,10 +223,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 # Not this node's fault (no breaker move, no retry elsewhere): the router answers 503.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
-            node.producer.admit(tid)
+            transfer.admit()
         except DuplicateTransferError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        context.add_done_callback(lambda ctx: node.release_if_cancelled(ctx, tid))
         assert node.engine_loop is not None
         first = None
         try:
@@ -267,25 +239,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             ):
                 first = d
         except PdserveError as e:
-            node.producer.forget(tid)
+            transfer.fail()
             await context.abort(channel.error_to_status(e), str(e))
         except asyncio.CancelledError:
             # The router went away: generate() aborted the request; if it had already finished,
             # its KV is held for nobody - release it now, not at the lease's end.
-            node.producer.abort(tid)
-            node.producer.forget(tid)
+            transfer.cancel()
             raise
         assert first is not None
         if node.opts.faults.prefill_reply_delay_s:  # test-only: a slow prefill (bench/chaos.py)
             await asyncio.sleep(node.opts.faults.prefill_reply_delay_s)
         if first.finish_reason == "error" and first.overloaded:
             # Queue limit / queue wait (max_queue_*): nothing was computed or held; a 503 upstream.
-            node.producer.forget(tid)
+            transfer.fail()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, first.error or "prefill node is full")
         if first.finish_reason == "error":
             # A node fault (engine step failed, engine thread died), not the request's: a status
             # the router retries on another prefill node, instead of a "first token" that is an error.
-            node.producer.forget(tid)
+            transfer.fail()
             alive = node.engine_loop.alive
             await context.abort(
                 grpc.StatusCode.INTERNAL if alive else grpc.StatusCode.UNAVAILABLE,
@@ -293,9 +264,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             )
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
             first.finish_reason = None  # length of the prefill leg only: decode continues
-        held = tid in node.producer.tracker
-        if not held:
-            node.producer.forget(tid)
+        held = transfer.finish()
         return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
 
     async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
@@ -372,17 +341,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node.producer.tracker.require(tid, need_send(1, p_pp, 1, d_pp))
         ask = prefill_stages_to_ask(request.dst_pp_rank, p_pp, d_pp)
         try:
-            regions = [
-                Region(
-                    r.layer_name,
-                    r.occurrence,
-                    r.base_addr,
-                    r.block_stride_bytes,
-                    r.block_bytes,
-                    r.num_blocks or None,
-                )
-                for r in request.dst_regions
-            ]
+            regions = kv_convert.regions_from_pb(request.dst_regions)
             consumer = (request.dst_pp_rank, request.dst_tp_rank)  # a retried pull counts once
             results = await asyncio.gather(
                 *(
@@ -433,13 +392,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandshakeResponse:
         try:
-            remote = handshake_from_pb(request.info)
+            remote = kv_convert.handshake_from_pb(request.info)
             check_compat(self.node.handshake, remote)
         except HandshakeError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         node = self.node
         stages = [node.stage_info(pb, st) for st in node.stages]
-        return pb.HandshakeResponse(info=handshake_to_pb(node.handshake, stages))
+        return pb.HandshakeResponse(info=kv_convert.handshake_to_pb(node.handshake, stages))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         node = self.node
