@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.kvtransfer.topology import StageId
-
 
 @dataclass(frozen=True)
 class RemoteDecodeParams:
@@ -40,16 +38,3 @@ class RemotePrefillParams:
 
 
 KVTransferParams = RemoteDecodeParams | RemotePrefillParams
-
-
-@dataclass(frozen=True)
-class PullIdentity:
-    """Who asks a prefill stage for KV (the wire's consumer fields): counted once per identity."""
-
-    stage: StageId
-    layer_start: int
-    layer_end: int
-
-    @property
-    def consumer(self) -> tuple[int, int]:
-        return (self.stage.pp_rank, self.stage.tp_rank)
