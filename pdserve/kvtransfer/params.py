@@ -5,7 +5,7 @@ scheduler and back out (docs/design.md §7), instead of a dict read by key in se
     decode node:  RemotePrefillParams - this request's prompt KV comes from a prefill node: pull it
 
 The scheduler-side half of the connector reads only these (``Scheduler``: how many tokens come
-from a peer, hold or free at finish); the worker-side half is ``KVProducer`` / the decode pull.
+from a peer, hold or free at finish); the worker-side half is ``KVProducer`` / ``KVConsumer``.
 No torch.
 """
 

@@ -40,8 +40,10 @@ class ProducerTransfer:
         self.state = S.NEW
 
     def admit(self) -> None:
-        """The prefill is admitted; raises DuplicateTransferError if the id is in use here."""
-        assert self.state is S.NEW, self.state
+        """The prefill is admitted; raises DuplicateTransferError if the id is in use here.
+        (REFUSED too: a call whose end ran before its handler got here goes on as before; its
+        hold, if any, ends with its lease.)"""
+        assert self.state in (S.NEW, S.REFUSED), self.state
         self.producer.admit(self.transfer_id)
         self.state = S.ADMITTED
 

@@ -28,9 +28,9 @@ from pdserve.kvtransfer.peer import PeerCallError
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
 from pdserve.rpc.prefill_client import PrefillClient
 from services.decode.outbox import Outbox
-from services.mm_items import items_from_pb, to_engine_items
 from services.node import NodeBase, NodeOptions
 from services.steps_direct import DirectSteps
 
@@ -356,7 +356,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if not finished:
                     outbox.drop(rid)
         finally:
-            # every exit drops the request's marks: a refusal, a failed admit, the end, and a
+            # every exit drops the request's KV record: a refusal, a failed admit, the end, and a
             # cancellation while admitting (the router aborted or its stream went away)
             node.kv_consumer.forget(rid)
             if direct is not None:

@@ -24,13 +24,8 @@ from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
 from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from services.mm_items import (
-    ColocatedEncoder,
-    EmbeddingFetcher,
-    EmbeddingUnavailableError,
-    items_from_pb,
-    to_engine_items,
-)
+from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
+from services.mm_items import ColocatedEncoder, EmbeddingFetcher, EmbeddingUnavailableError
 from services.node import NodeBase, NodeOptions
 
 logger = logging.getLogger(__name__)
