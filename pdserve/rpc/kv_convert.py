@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from pdserve.kvtransfer.handshake import HandshakeInfo
 from pdserve.kvtransfer.peer import KeepAliveReply, PullReply, PullRequest
+from pdserve.kvtransfer.producer_group import PushOutcome
 from pdserve.kvtransfer.regions import Region
 from pdserve.rpc import node_pb2 as pb
 
@@ -61,6 +62,44 @@ def pull_request_to_pb(r: PullRequest) -> pb.PushKVRequest:
         dst_layer_start=r.dst_layer_start,
         dst_layer_end=r.dst_layer_end,
         early=r.early,
+    )
+
+
+def pull_request_from_pb(m: pb.PushKVRequest) -> PullRequest:
+    """Raises ValueError for a region that cannot be one."""
+    return PullRequest(
+        transfer_id=m.transfer_id,
+        dst_block_ids=tuple(m.dst_block_ids),
+        num_tokens=m.num_tokens,
+        dst_regions=tuple(regions_from_pb(m.dst_regions)),
+        dst_session=m.dst_session,
+        dst_compat_hash=m.dst_compat_hash,
+        expected_src_epoch=m.expected_src_epoch,
+        want_checksum=m.want_checksum,
+        dst_pp_rank=m.dst_pp_rank,
+        dst_tp_rank=m.dst_tp_rank,
+        dst_pp_size=m.dst_pp_size,
+        dst_layer_start=m.dst_layer_start,
+        dst_layer_end=m.dst_layer_end,
+        early=m.early,
+    )
+
+
+def push_outcome_to_pb(o: PushOutcome, stage_infos: list[pb.StageInfo]) -> pb.PushKVResponse:
+    """``stage_infos``: the asked prefill stages' StageInfo, in ``o.stages`` order."""
+    ok, tid = o.ok, o.transfer_id
+    return pb.PushKVResponse(
+        ok=[tid] if ok else [],
+        failed=[] if ok else [tid],
+        bytes=sum(r.bytes for r in o.results) if ok else 0,
+        num_descriptors=sum(r.num_descriptors for r in o.results),
+        seconds=max(r.seconds for r in o.results),
+        checksum=o.checksum,
+        first_token_ids=o.first_token_ids,
+        stages=[
+            pb.StageLoad(stage=info, transfer_bytes=r.bytes, transfer_failures=0 if r.ok else 1, transfers=1)
+            for info, r in zip(stage_infos, o.results, strict=True)
+        ],
     )
 
 

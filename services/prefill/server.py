@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -18,9 +19,7 @@ from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, check_compat
 from pdserve.kvtransfer.params import RemoteDecodeParams
-from pdserve.kvtransfer.regions import BlockIdError, RegionMismatchError
-from pdserve.kvtransfer.send_tracker import UnknownTransferError
-from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
+from pdserve.kvtransfer.producer_group import KVProducerGroup, PullRefusal, PullRefusedError
 from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
@@ -30,6 +29,13 @@ from services.node import NodeBase, NodeOptions
 
 logger = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 0.5
+_REFUSAL_STATUS = {
+    PullRefusal.STALE: grpc.StatusCode.FAILED_PRECONDITION,
+    PullRefusal.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    PullRefusal.NOT_READY: grpc.StatusCode.DEADLINE_EXCEEDED,
+    PullRefusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    PullRefusal.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+}
 
 
 class PrefillNode(NodeBase):
@@ -58,7 +64,13 @@ class PrefillNode(NodeBase):
                 )
             )
         self._last_expire = 0.0
-        self.pushes_in_flight = 0  # PushKV calls being served (LoadReport.num_pushes_in_flight)
+        self.pushes = KVProducerGroup(
+            self.producers,
+            self.handshake,
+            opts.kv_ready_timeout_s,
+            self._blocks_digest,
+            push_delay_s=opts.faults.push_delay_s,  # test-only: a long transfer window (bench/chaos.py)
+        )
         self.leases_expired_total = 0  # holds freed by their lease, not by their consumers' pulls
         self.fetcher: EmbeddingFetcher | None = None
         self.colocated: ColocatedEncoder | None = None
@@ -131,14 +143,9 @@ class PrefillNode(NodeBase):
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
 
-    def push_digest(self, transfer_id: str, num_tokens: int) -> str:
-        """Digest of the held blocks a push of ``num_tokens`` sends (taken before the push: after
-        it the blocks may be freed and reused)."""
-        entry = self.producer.tracker.get(transfer_id)
-        if entry is None:
-            return ""  # the push below answers NOT_FOUND
-        n = -(-num_tokens // self.engine.kv.block_size)
-        return kv_blocks_digest(self.engine.runner.kv_cache, entry.block_ids[:n]).hex()
+    def _blocks_digest(self, block_ids: Sequence[int]) -> str:
+        """Worker thread (a pull asked for a checksum): the digest of held blocks."""
+        return kv_blocks_digest(self.engine.runner.kv_cache, list(block_ids)).hex()
 
     def aborted_holds_total(self) -> int:
         return self.producer.aborted_total
@@ -263,125 +270,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
 
     async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
-        await self._wait_for_kv(request, context)
-        # Counted once the KV is held: an early pull waiting for its prefill moves nothing yet.
-        self.node.pushes_in_flight += 1
-        try:
-            return await self._push_kv(request, context)
-        finally:
-            self.node.pushes_in_flight -= 1
-
-    async def _wait_for_kv(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> None:
-        """Checks the asker, then waits until the transfer's KV is held here (or aborts the RPC)."""
         node = self.node
-        tid = request.transfer_id
-        if request.expected_src_epoch and request.expected_src_epoch != node.epoch:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"prefill restarted: epoch is {node.epoch}, decode expected {request.expected_src_epoch}",
-            )
-        if request.dst_compat_hash != node.handshake.compat_hash:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "KV layout mismatch (compat hash differs): run Handshake to see which field",
-            )
-        timeout_s = node.opts.kv_ready_timeout_s
         try:
-            if request.early:
-                # Opened with the prefill leg: its Prefill may not even be admitted yet. Waits on
-                # the loop (no executor thread: hundreds of early pulls may wait at once).
-                ready = await node.producer.wait_held(tid, timeout_s)
-            else:
-                # Held already (the router opens the decode leg after the first token): no thread hop.
-                ready = node.producer.is_ready(tid) or await asyncio.to_thread(
-                    node.producer.wait_ready, tid, timeout_s
-                )
-        except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
-        except UnknownTransferError:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"the prefill of transfer {tid!r} ended without holding its KV"
-            )
-        if not ready:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
-
-    async def _push_kv(
-        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PushKVResponse:
-        """The transfer's KV is held: write it into the asking decode stage's blocks."""
-        node = self.node
-        tid = request.transfer_id
-        # Read before the push: the last pull frees the transfer, and its tokens with it.
-        first_token_ids = node.producer.first_token_ids(tid)
-        if node.opts.faults.push_delay_s:  # test-only: a long transfer window (bench/chaos.py)
-            await asyncio.sleep(node.opts.faults.push_delay_s)
-        d_pp = request.dst_pp_size or 1
-        if not 0 <= request.dst_pp_rank < d_pp:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"dst_pp_rank {request.dst_pp_rank} is outside the decode node's {d_pp} stages",
-            )
-        p_pp = len(node.producers)
-        digest = ""
-        if request.want_checksum:
-            if p_pp > 1:
-                await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"kv_checksum is not supported from a prefill node with pp={p_pp}",
-                )
-            digest = await asyncio.to_thread(node.push_digest, tid, request.num_tokens)
-        # The asking decode stage's consumers: every stage of ours counts it (sizes differ) or
-        # only the same index (equal sizes). A router that told us fewer pulls than this decode
-        # node's stages make is corrected here, before any of them is counted.
-        node.producer.tracker.require(tid, need_send(1, p_pp, 1, d_pp))
-        ask = prefill_stages_to_ask(request.dst_pp_rank, p_pp, d_pp)
-        try:
-            regions = kv_convert.regions_from_pb(request.dst_regions)
-            consumer = (request.dst_pp_rank, request.dst_tp_rank)  # a retried pull counts once
-            results = await asyncio.gather(
-                *(
-                    asyncio.to_thread(
-                        node.producers[i].push,
-                        tid,
-                        list(request.dst_block_ids),
-                        request.num_tokens,
-                        regions,
-                        request.dst_session,
-                        consumer,
-                    )
-                    for i in ask
-                ),
-                return_exceptions=True,
-            )
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-            res = [r for r in results if not isinstance(r, BaseException)]
-        except UnknownTransferError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except (RegionMismatchError, BlockIdError, InvalidRequestError, ValueError) as e:
+            pull = kv_convert.pull_request_from_pb(request)
+        except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        ok = all(r.ok for r in res)
-        if not ok:
-            logger.warning("push %s failed: %s", tid, "; ".join(r.error for r in res if not r.ok))
-        return pb.PushKVResponse(
-            ok=[tid] if ok else [],
-            failed=[] if ok else [tid],
-            bytes=sum(r.bytes for r in res) if ok else 0,
-            num_descriptors=sum(r.num_descriptors for r in res),
-            seconds=max(r.seconds for r in res),
-            checksum=digest,
-            first_token_ids=first_token_ids,
-            stages=[
-                pb.StageLoad(
-                    stage=node.stage_info(pb, node.stages[i]),
-                    transfer_bytes=r.bytes,
-                    transfer_failures=0 if r.ok else 1,
-                    transfers=1,
-                )
-                for i, r in zip(ask, res, strict=True)
-            ],
-        )
+        try:
+            out = await node.pushes.serve(pull)
+        except PullRefusedError as e:
+            await context.abort(_REFUSAL_STATUS[e.refusal], str(e))
+        return kv_convert.push_outcome_to_pb(out, [node.stage_info(pb, node.stages[i]) for i in out.stages])
 
     async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
@@ -415,5 +313,5 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         report = await self.node.answer_load(pb, context)
-        report.num_pushes_in_flight = self.node.pushes_in_flight
+        report.num_pushes_in_flight = self.node.pushes.pushes_in_flight
         return report
