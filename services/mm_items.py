@@ -1,4 +1,5 @@
-"""Image items on the engine nodes: ``MmItem`` messages -> ``MultiModalItem``s the engine takes.
+"""Image items on the engine nodes: ``MmItem`` messages -> ``MultiModalItem``s the engine takes
+(the messages are parsed and checked by ``pdserve/rpc/mm_convert.py``).
 
     prefill (EC consumer)                          decode (KV consumer)
     ---------------------                          --------------------
@@ -20,22 +21,20 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdserve.config.resolver import MmPolicy, check_mm_items_allowed
 from pdserve.embedcache.connector import EmbeddingConsumer
 from pdserve.embedcache.index import EmbeddingEntry, EmbeddingIndex
 from pdserve.embedcache.reservation import Reservation
-from pdserve.engine.request import MultiModalItem
 from pdserve.errors import CapacityError, InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
-from pdserve.rpc import channel, convert
+from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from pdserve.rpc.mm_convert import WireItem
 
 logger = logging.getLogger(__name__)
 
@@ -43,42 +42,6 @@ logger = logging.getLogger(__name__)
 class EmbeddingUnavailableError(PdserveError):
     """An item's embedding could not be fetched (expired from the index, encoder gone); the
     router answers 503: encoding the image again may succeed."""
-
-
-@dataclass(frozen=True)
-class WireItem:
-    offset: int
-    length: int
-    key: str
-    embeds: Any | None  # checked tensor, or None
-    encoder_address: str
-    image: bytes | None = None  # colocated encoding: the image's bytes (prefill runs the tower)
-
-
-def items_from_pb(msgs: Sequence[pb.MmItem], policy: MmPolicy, node: str) -> list[WireItem]:
-    """Parse and check (InvalidRequestError, naming the item) against the node's derived flags."""
-    out = []
-    for i, m in enumerate(msgs):
-        if not m.key:
-            raise InvalidRequestError(f"mm_items[{i}]: key is required", field="mm_items")
-        t = None
-        if m.HasField("embeds"):
-            try:
-                t = convert.tensor_from_pb(m.embeds)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"mm_items[{i}].embeds: {e}", field="mm_items") from e
-        out.append(WireItem(m.offset, m.length, m.key, t, m.encoder_address, m.image or None))
-    # Items with their image are encoded here (colocated): not embedding-only inputs.
-    embedding_items = [it for it in out if it.image is None]
-    if embedding_items:
-        check_mm_items_allowed(policy, [it.embeds is not None for it in embedding_items])
-    return out
-
-
-def to_engine_items(items: Sequence[WireItem], tensors: Sequence[Any | None]) -> list[MultiModalItem]:
-    return [
-        MultiModalItem(it.offset, it.length, it.key.encode(), t) for it, t in zip(items, tensors, strict=True)
-    ]
 
 
 class EmbeddingFetcher:

@@ -4,6 +4,9 @@ regions       Region, alignment by (layer_name, occurrence), descriptors, batche
 backend       TransferBackend seam: MooncakeBackend (real), LoopbackBackend (unit tests)
 send_tracker  prefill-side completion counting and leases                          (pure Python)
 handshake     compatibility hash, epoch, field-by-field check                      (pure Python)
+connector     KVProducer: prefill holds and pushes (producer_transfer: one Prefill call's transfer;
+              producer_group: the node's stages answering a pull)
+consumer      KVConsumer: decode pulls (pull_record, keepalive, peer: its records, leases, calls)
 """
 
 from __future__ import annotations

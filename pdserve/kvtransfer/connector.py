@@ -33,6 +33,7 @@ from typing import Any
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.handshake import HandshakeInfo
+from pdserve.kvtransfer.producer_transfer import ProducerTransfer
 from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, regions_for_kv_cache
 from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
 
@@ -179,6 +180,10 @@ class KVProducer:
             else:
                 t.admitted = True  # early pulls wait for it already
 
+    def track(self, transfer_id: str) -> ProducerTransfer:
+        """One Prefill call's handle on ``transfer_id`` (admit, then one end state)."""
+        return ProducerTransfer(self, transfer_id)
+
     def refuse(self, transfer_id: str) -> None:
         """A prefill for ``transfer_id`` was refused before its admission (or its RPC ended):
         early pulls waiting for it fail now, and so does one that comes later (an admitted
@@ -240,10 +245,6 @@ class KVProducer:
         with self._lock:
             t = self._transfers.get(transfer_id)
             return list(t.first_token_ids) if t is not None else []
-
-    def free_transfer(self, transfer_id: str, block_ids: Sequence[int]) -> None:
-        """The tracker's free callback (for a tracker shared by several stages' producers)."""
-        self._free_transfer(transfer_id, block_ids)
 
     def _free_transfer(self, transfer_id: str, _block_ids: Sequence[int]) -> None:
         self.forget(transfer_id)

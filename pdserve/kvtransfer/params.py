@@ -5,15 +5,13 @@ scheduler and back out (docs/design.md §7), instead of a dict read by key in se
     decode node:  RemotePrefillParams - this request's prompt KV comes from a prefill node: pull it
 
 The scheduler-side half of the connector reads only these (``Scheduler``: how many tokens come
-from a peer, hold or free at finish); the worker-side half is ``KVProducer`` / the decode pull.
+from a peer, hold or free at finish); the worker-side half is ``KVProducer`` / ``KVConsumer``.
 No torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from pdserve.kvtransfer.topology import StageId
 
 
 @dataclass(frozen=True)
@@ -40,16 +38,3 @@ class RemotePrefillParams:
 
 
 KVTransferParams = RemoteDecodeParams | RemotePrefillParams
-
-
-@dataclass(frozen=True)
-class PullIdentity:
-    """Who asks a prefill stage for KV (the wire's consumer fields): counted once per identity."""
-
-    stage: StageId
-    layer_start: int
-    layer_end: int
-
-    @property
-    def consumer(self) -> tuple[int, int]:
-        return (self.stage.pp_rank, self.stage.tp_rank)

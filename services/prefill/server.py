@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -17,46 +18,25 @@ from pdserve.errors import CapacityError, ConfigError, InvalidRequestError, Pdse
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
-from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.handshake import HandshakeError, check_compat
 from pdserve.kvtransfer.params import RemoteDecodeParams
-from pdserve.kvtransfer.regions import BlockIdError, Region, RegionMismatchError
-from pdserve.kvtransfer.send_tracker import UnknownTransferError
-from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
-from pdserve.rpc import channel, convert
+from pdserve.kvtransfer.producer_group import KVProducerGroup, PullRefusal, PullRefusedError
+from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from services.mm_items import (
-    ColocatedEncoder,
-    EmbeddingFetcher,
-    EmbeddingUnavailableError,
-    items_from_pb,
-    to_engine_items,
-)
+from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
+from services.mm_items import ColocatedEncoder, EmbeddingFetcher, EmbeddingUnavailableError
 from services.node import NodeBase
 
 logger = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 0.5
-
-
-def handshake_to_pb(h: HandshakeInfo, stages: list[pb.StageInfo] | None = None) -> pb.HandshakeInfo:
-    return pb.HandshakeInfo(**h.to_dict(), stages=stages or [])
-
-
-def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
-    return HandshakeInfo.from_dict(
-        {
-            "model_id": m.model_id,
-            "dtype": m.dtype,
-            "block_size": m.block_size,
-            "layer_names": list(m.layer_names),
-            "num_kv_heads": m.num_kv_heads,
-            "head_dim": m.head_dim,
-            "layout_version": m.layout_version,
-            "epoch": m.epoch,
-            "kv_transport": m.kv_transport,
-            "compat_hash": m.compat_hash,
-        }
-    )
+_REFUSAL_STATUS = {
+    PullRefusal.STALE: grpc.StatusCode.FAILED_PRECONDITION,
+    PullRefusal.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    PullRefusal.NOT_READY: grpc.StatusCode.DEADLINE_EXCEEDED,
+    PullRefusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    PullRefusal.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+}
 
 
 class PrefillNode(NodeBase):
@@ -85,7 +65,13 @@ class PrefillNode(NodeBase):
                 )
             )
         self._last_expire = 0.0
-        self.pushes_in_flight = 0  # PushKV calls being served (LoadReport.num_pushes_in_flight)
+        self.pushes = KVProducerGroup(
+            self.producers,
+            self.handshake,
+            opts.kv_ready_timeout_s,
+            self._blocks_digest,
+            push_delay_s=opts.faults.push_delay_s,  # test-only: a long transfer window (bench/chaos.py)
+        )
         self.leases_expired_total = 0  # holds freed by their lease, not by their consumers' pulls
         self.fetcher: EmbeddingFetcher | None = None
         self.colocated: ColocatedEncoder | None = None
@@ -112,7 +98,7 @@ class PrefillNode(NodeBase):
 
     async def mm_items_of(self, request: pb.PrefillRequest) -> list[Any]:
         """The request's image items with their tensors (fetched from encoders where missing)."""
-        items = items_from_pb(request.mm_items, self.opts.mm_policy, self.opts.name)
+        items = items_from_pb(request.mm_items, self.opts.mm_policy)
         local: dict[str, Any] = {}
         if any(it.image is not None for it in items):
             if self.colocated is None:
@@ -158,21 +144,9 @@ class PrefillNode(NodeBase):
             if expired:
                 logger.warning("KV lease expired for %d transfer(s): %s", len(expired), expired[:5])
 
-    def release_if_cancelled(self, context: Any, transfer_id: str) -> None:
-        """A Prefill RPC ended: if its caller cancelled it (even after our answer was ready, which
-        no exception tells the handler), nobody will pull this KV - release the hold now."""
-        if context.cancelled():
-            self.producer.abort(transfer_id)
-            self.producer.forget(transfer_id)
-
-    def push_digest(self, transfer_id: str, num_tokens: int) -> str:
-        """Digest of the held blocks a push of ``num_tokens`` sends (taken before the push: after
-        it the blocks may be freed and reused)."""
-        entry = self.producer.tracker.get(transfer_id)
-        if entry is None:
-            return ""  # the push below answers NOT_FOUND
-        n = -(-num_tokens // self.engine.kv.block_size)
-        return kv_blocks_digest(self.engine.runner.kv_cache, entry.block_ids[:n]).hex()
+    def _blocks_digest(self, block_ids: Sequence[int]) -> str:
+        """Worker thread (a pull asked for a checksum): the digest of held blocks."""
+        return kv_blocks_digest(self.engine.runner.kv_cache, list(block_ids)).hex()
 
     def aborted_holds_total(self) -> int:
         return self.producer.aborted_total
@@ -217,9 +191,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         node = self.node
         tid = request.transfer_id
-        # Refused before admission (bad request, duplicate, caller gone) or ended: an early pull
-        # still waiting for a transfer_id no prefill admitted fails now, not at its timeout.
-        context.add_done_callback(lambda _ctx: node.producer.refuse(tid))
+        # Its end, whatever ends the call: refused before admission (an early pull waiting for it
+        # fails now), or cancelled by its caller (a hold nobody will pull is released now).
+        transfer = node.producer.track(tid)
+        context.add_done_callback(lambda ctx: transfer.close(ctx.cancelled()))
         if not tid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
         try:
@@ -251,10 +226,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 # Not this node's fault (no breaker move, no retry elsewhere): the router answers 503.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
-            node.producer.admit(tid)
+            transfer.admit()
         except DuplicateTransferError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        context.add_done_callback(lambda ctx: node.release_if_cancelled(ctx, tid))
         assert node.engine_loop is not None
         first = None
         try:
@@ -268,25 +242,24 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             ):
                 first = d
         except PdserveError as e:
-            node.producer.forget(tid)
+            transfer.fail()
             await context.abort(channel.error_to_status(e), str(e))
         except asyncio.CancelledError:
             # The router went away: generate() aborted the request; if it had already finished,
             # its KV is held for nobody - release it now, not at the lease's end.
-            node.producer.abort(tid)
-            node.producer.forget(tid)
+            transfer.cancel()
             raise
         assert first is not None
         if node.opts.faults.prefill_reply_delay_s:  # test-only: a slow prefill (bench/chaos.py)
             await asyncio.sleep(node.opts.faults.prefill_reply_delay_s)
         if first.finish_reason == "error" and first.overloaded:
             # Queue limit / queue wait (max_queue_*): nothing was computed or held; a 503 upstream.
-            node.producer.forget(tid)
+            transfer.fail()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, first.error or "prefill node is full")
         if first.finish_reason == "error":
             # A node fault (engine step failed, engine thread died), not the request's: a status
             # the router retries on another prefill node, instead of a "first token" that is an error.
-            node.producer.forget(tid)
+            transfer.fail()
             alive = node.engine_loop.alive
             await context.abort(
                 grpc.StatusCode.INTERNAL if alive else grpc.StatusCode.UNAVAILABLE,
@@ -294,153 +267,32 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             )
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
             first.finish_reason = None  # length of the prefill leg only: decode continues
-        held = tid in node.producer.tracker
-        if not held:
-            node.producer.forget(tid)
+        held = transfer.finish()
         return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
 
     async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
-        await self._wait_for_kv(request, context)
-        # Counted once the KV is held: an early pull waiting for its prefill moves nothing yet.
-        self.node.pushes_in_flight += 1
-        try:
-            return await self._push_kv(request, context)
-        finally:
-            self.node.pushes_in_flight -= 1
-
-    async def _wait_for_kv(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> None:
-        """Checks the asker, then waits until the transfer's KV is held here (or aborts the RPC)."""
         node = self.node
-        tid = request.transfer_id
-        if request.expected_src_epoch and request.expected_src_epoch != node.epoch:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"prefill restarted: epoch is {node.epoch}, decode expected {request.expected_src_epoch}",
-            )
-        if request.dst_compat_hash != node.handshake.compat_hash:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "KV layout mismatch (compat hash differs): run Handshake to see which field",
-            )
-        timeout_s = node.opts.kv_ready_timeout_s
         try:
-            if request.early:
-                # Opened with the prefill leg: its Prefill may not even be admitted yet. Waits on
-                # the loop (no executor thread: hundreds of early pulls may wait at once).
-                ready = await node.producer.wait_held(tid, timeout_s)
-            else:
-                # Held already (the router opens the decode leg after the first token): no thread hop.
-                ready = node.producer.is_ready(tid) or await asyncio.to_thread(
-                    node.producer.wait_ready, tid, timeout_s
-                )
-        except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown transfer_id {tid!r}")
-        except UnknownTransferError:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"the prefill of transfer {tid!r} ended without holding its KV"
-            )
-        if not ready:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {tid!r} not ready in time")
-
-    async def _push_kv(
-        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PushKVResponse:
-        """The transfer's KV is held: write it into the asking decode stage's blocks."""
-        node = self.node
-        tid = request.transfer_id
-        # Read before the push: the last pull frees the transfer, and its tokens with it.
-        first_token_ids = node.producer.first_token_ids(tid)
-        if node.opts.faults.push_delay_s:  # test-only: a long transfer window (bench/chaos.py)
-            await asyncio.sleep(node.opts.faults.push_delay_s)
-        d_pp = request.dst_pp_size or 1
-        if not 0 <= request.dst_pp_rank < d_pp:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"dst_pp_rank {request.dst_pp_rank} is outside the decode node's {d_pp} stages",
-            )
-        p_pp = len(node.producers)
-        digest = ""
-        if request.want_checksum:
-            if p_pp > 1:
-                await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"kv_checksum is not supported from a prefill node with pp={p_pp}",
-                )
-            digest = await asyncio.to_thread(node.push_digest, tid, request.num_tokens)
-        # The asking decode stage's consumers: every stage of ours counts it (sizes differ) or
-        # only the same index (equal sizes). A router that told us fewer pulls than this decode
-        # node's stages make is corrected here, before any of them is counted.
-        node.producer.tracker.require(tid, need_send(1, p_pp, 1, d_pp))
-        ask = prefill_stages_to_ask(request.dst_pp_rank, p_pp, d_pp)
-        try:
-            regions = [
-                Region(
-                    r.layer_name,
-                    r.occurrence,
-                    r.base_addr,
-                    r.block_stride_bytes,
-                    r.block_bytes,
-                    r.num_blocks or None,
-                )
-                for r in request.dst_regions
-            ]
-            consumer = (request.dst_pp_rank, request.dst_tp_rank)  # a retried pull counts once
-            results = await asyncio.gather(
-                *(
-                    asyncio.to_thread(
-                        node.producers[i].push,
-                        tid,
-                        list(request.dst_block_ids),
-                        request.num_tokens,
-                        regions,
-                        request.dst_session,
-                        consumer,
-                    )
-                    for i in ask
-                ),
-                return_exceptions=True,
-            )
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-            res = [r for r in results if not isinstance(r, BaseException)]
-        except UnknownTransferError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except (RegionMismatchError, BlockIdError, InvalidRequestError, ValueError) as e:
+            pull = kv_convert.pull_request_from_pb(request)
+        except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        ok = all(r.ok for r in res)
-        if not ok:
-            logger.warning("push %s failed: %s", tid, "; ".join(r.error for r in res if not r.ok))
-        return pb.PushKVResponse(
-            ok=[tid] if ok else [],
-            failed=[] if ok else [tid],
-            bytes=sum(r.bytes for r in res) if ok else 0,
-            num_descriptors=sum(r.num_descriptors for r in res),
-            seconds=max(r.seconds for r in res),
-            checksum=digest,
-            first_token_ids=first_token_ids,
-            stages=[
-                pb.StageLoad(
-                    stage=node.stage_info(pb, node.stages[i]),
-                    transfer_bytes=r.bytes,
-                    transfer_failures=0 if r.ok else 1,
-                    transfers=1,
-                )
-                for i, r in zip(ask, res, strict=True)
-            ],
-        )
+        try:
+            out = await node.pushes.serve(pull)
+        except PullRefusedError as e:
+            await context.abort(_REFUSAL_STATUS[e.refusal], str(e))
+        return kv_convert.push_outcome_to_pb(out, [node.stage_info(pb, node.stages[i]) for i in out.stages])
 
     async def Handshake(
         self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> pb.HandshakeResponse:
         try:
-            remote = handshake_from_pb(request.info)
+            remote = kv_convert.handshake_from_pb(request.info)
             check_compat(self.node.handshake, remote)
         except HandshakeError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         node = self.node
         stages = [node.stage_info(pb, st) for st in node.stages]
-        return pb.HandshakeResponse(info=handshake_to_pb(node.handshake, stages))
+        return pb.HandshakeResponse(info=kv_convert.handshake_to_pb(node.handshake, stages))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         node = self.node
@@ -462,5 +314,5 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
         report = await self.node.answer_load(pb, context)
-        report.num_pushes_in_flight = self.node.pushes_in_flight
+        report.num_pushes_in_flight = self.node.pushes.pushes_in_flight
         return report

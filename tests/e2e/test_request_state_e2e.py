@@ -2,7 +2,7 @@
 
 The memory a node keeps per request lives in maps keyed by request or transfer id (scheduler,
 output processor, KV manager, seeded generators, engine-loop streams, the KV producer and its
-lease tracker, decode's pull bookkeeping). Each node exports their sizes as
+lease tracker, the KV consumer's transfer records and pulls). Each node exports their sizes as
 ``pdserve:request_state_entries{map=...}``: after batches of finished, seeded and cancelled
 requests every one must be back at 0, and the map set must not change. Counting entries, not
 RSS: a leaked entry shows exactly, on any host load.
@@ -97,12 +97,14 @@ async def _batch(rc, n: int) -> None:
 
 def test_per_request_maps_are_empty_after_batches(cluster) -> None:
     before = {n: state_entries(cluster, n) for n in NODES}
-    # every map is exported, prefill's transfer tables and decode's pull bookkeeping among them
+    # every map is exported, prefill's transfer tables and the KV consumer's among them
     assert {"scheduler.requests", "engine_loop.streams", "model_runner.generators"} <= set(
         before["prefill-0"]
     )
     assert {"kv_producer.transfers", "kv_send_tracker.entries"} <= set(before["prefill-0"])
-    assert {"decode.pulls", "decode.early_ids", "kv_cache_manager.requests"} <= set(before["decode-0"])
+    assert {"kv_consumer.pulls", "kv_consumer.transfers", "kv_cache_manager.requests"} <= set(
+        before["decode-0"]
+    )
     aborted0 = sum(cluster.load(n).num_aborted_total for n in NODES)
     for _ in range(3):
         asyncio.run(_batch(cluster, 24))

@@ -92,7 +92,7 @@ def test_kv_transport_mismatch_is_refused_and_unknown_is_not_checked():
 
 
 def test_kv_transport_travels_through_the_proto():
-    from services.prefill.server import handshake_from_pb, handshake_to_pb
+    from pdserve.rpc.kv_convert import handshake_from_pb, handshake_to_pb
 
     h = HandshakeInfo(
         model_id="m",
