@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.engine.scheduler_output import KVLoadSpec
-from pdserve.errors import ConfigError
 from pdserve.kvtransfer.consumer import KVConsumer
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo
 from pdserve.kvtransfer.params import RemotePrefillParams
@@ -195,7 +195,7 @@ async def test_a_stale_peer_fails_the_pull_and_is_handshaken_anew():
 async def test_failure_policy(policy, early, no_recompute, engine_policy, reprefill):
     peer, loaded = FakePeer(), Loaded()
     peer.fail_push["t1"] = PullReply(ok=False, bytes=0)
-    c = _consumer(peer, loaded, policy=policy)
+    c = _consumer(peer, loaded, policy=KvLoadFailurePolicy(policy))
     await c.open("r1", "t1", ADDR, early=early, no_recompute=no_recompute)
     _, ok, got_policy, err, first = await _pull(c, loaded, "r1", "t1")
     assert (ok, got_policy, first) == (False, engine_policy, ())
@@ -294,8 +294,3 @@ async def test_a_pull_for_a_forgotten_record_still_runs_and_reports():
     c.forget("r1")  # the leg ended as the engine handed the pull over
     assert await _pull(c, loaded, "r1", "t1") == ("r1", True, "recompute", "", ())
     assert len(c.records) == 0
-
-
-async def test_an_unknown_policy_is_refused():
-    with pytest.raises(ConfigError, match="kv_load_failure_policy 'retry'"):
-        _consumer(FakePeer(), Loaded(), policy="retry")
