@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from pdserve.distributed.pp_stage import PipelineStageError
+from pdserve.distributed.workers import PipelineStageError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.request import MultiModalItem

@@ -127,8 +127,10 @@ class PendingStep:
     prompt: PromptLogprobTensors | None = None  # host copies (pinned on CUDA); read after the event
     # Set while the sampler is not launched yet (ModelRunner.sample_deferred launches it).
     deferred: SampleJob | None = None
+    taken: bool = False  # result() was called (TP: whether the next launch overlaps this step)
 
     def result(self) -> RunnerOutput:
+        self.taken = True
         if self.deferred is not None:  # only on a fault path (the engine failed between the halves)
             masks = self.deferred.masks
             if masks is not None and masks.fill is not None:
@@ -350,6 +352,9 @@ class ModelRunner:
 
     def drop_finished(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
+        self._forget(request_ids)
+
+    def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self.grammar.drop(rid)
@@ -378,7 +383,7 @@ class ModelRunner:
         ``defer_masks`` (asynchronous scheduling): when a sampling row has a grammar, stop after
         the logits and return a step whose ``deferred`` job ``sample_deferred`` finishes once the
         previous step's tokens are on the host (the forward runs on the device meanwhile)."""
-        self.drop_finished(sched.finished_req_ids)
+        self._forget(sched.finished_req_ids)
         if sched.is_empty:
             return PendingStep([], None, None)
         self.staging.begin_step()

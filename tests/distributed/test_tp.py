@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from pdserve.config.engine import ParallelConfig
-from pdserve.distributed.tp_worker import TPWorkerError
+from pdserve.distributed.workers import TPWorkerError
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError
 
 # 8 prompts of mixed lengths (3..66 tokens); a 32-token step budget chunks the long ones.
@@ -64,9 +65,9 @@ def test_parallel_config_validation() -> None:
 
 def test_worker_exits_on_close_and_loss_is_reported(tiny_models: Any) -> None:
     llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **COMMON)
-    group = llm.engine._tp_group
-    assert group is not None
-    (proc,) = group._procs
+    runner = llm.engine.runner
+    assert isinstance(runner, TPModelRunner)
+    (proc,) = runner.workers._procs
     assert proc.is_alive()
     proc.kill()  # a lost rank surfaces as an error at the next call, not a hang
     proc.join(10)
@@ -74,10 +75,10 @@ def test_worker_exits_on_close_and_loss_is_reported(tiny_models: Any) -> None:
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
     llm.close()  # idempotent
-    assert llm.engine._tp_group is None
+    assert not proc.is_alive()
 
     with LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **COMMON) as llm2:
-        group2 = llm2.engine._tp_group
-        assert group2 is not None
+        runner2 = llm2.engine.runner
+        assert isinstance(runner2, TPModelRunner)
         assert llm2.generate(PROMPTS[:2], GREEDY)[0].outputs[0].token_ids
-    assert not any(p.is_alive() for p in group2._procs)
+    assert not any(p.is_alive() for p in runner2.workers._procs)
