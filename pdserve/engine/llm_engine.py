@@ -173,14 +173,16 @@ class LLMEngine:
         )
 
     def _resolve_async(self, config: EngineConfig) -> bool:
+        """On by default on CUDA, TP ranks included (they launch each step as rank 0 did). Not
+        with pipeline stages: stage 0's inputs for the next step are the last stage's samples."""
         whole_model = self.runner.model.is_first_stage and self.runner.model.is_last_stage
-        tp = config.parallel.tensor_parallel_size
         if config.async_scheduling is None:
-            return self.runner.device.type == "cuda" and tp == 1 and whole_model
-        if config.async_scheduling and (tp > 1 or not whole_model):
+            return self.runner.device.type == "cuda" and whole_model
+        if config.async_scheduling and not whole_model:
             raise UnsupportedError(
-                "async_scheduling=True needs tensor_parallel_size=1 and a whole model (one pipeline "
-                "stage); leave it unset (auto) or set it to False"
+                f"async_scheduling=True with pipeline_parallel_size="
+                f"{config.parallel.pipeline_parallel_size}: the next step's first-stage inputs are "
+                "the last stage's samples; leave it unset (auto) or set it to False"
             )
         return config.async_scheduling
 

@@ -202,11 +202,12 @@ class _Worker:
         if pending.deferred is None:
             return
         runner.prepare_deferred_sampled(pending, out.sampled)
-        for chunk in msg.sched.chunks:  # rank 0 appended these before the masks (this is a copy)
+        for chunk in msg.sched.chunks:  # as rank 0's update_from_output did (on this copy)
             req = chunk.request
             token = out.sampled.get(req.request_id)
             if token is not None:
                 req.output_token_ids.append(token)
+                req.num_output_placeholders -= 1
         runner.prepare_deferred(pending)
         runner.sample_deferred(pending)
 

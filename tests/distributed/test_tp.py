@@ -49,6 +49,27 @@ def test_tp2_matches_tp1(tiny_models: Any, arch: str) -> None:
     assert seeded1 != greedy1  # the seeded run really sampled
 
 
+def test_tp2_async_matches_tp1_sync(tiny_models: Any) -> None:
+    """Asynchronous scheduling under TP 2: rank 0 launches step N+1 before reading step N and the
+    worker rank repeats that order (grammar rows: step N's tokens advance the matchers before
+    N+1's masks). Greedy, seeded and regex-constrained rows give the synchronous TP 1 tokens."""
+    regex = [
+        SamplingParams(temperature=0.9, seed=7 + i, max_tokens=12, structured=("regex", "[ab]{3,20}"))
+        for i in range(2)
+    ]
+    params = [GREEDY, SEEDED[1], regex[0], GREEDY, SEEDED[4], regex[1]]
+    prompts = PROMPTS[: len(params)]
+    outs = {}
+    for tp, mode in ((1, False), (2, True)):
+        with LLM(str(tiny_models["llama"]), tensor_parallel_size=tp, async_scheduling=mode, **COMMON) as llm:
+            assert llm.engine.async_scheduling is mode
+            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            llm.engine.kv.process_deferred_frees()
+            assert llm.engine.kv.pool.num_used_blocks == 0
+    assert outs[2] == outs[1]
+    assert all(3 <= len(outs[1][i]) <= 12 for i in (2, 5))
+
+
 def test_tp_size_must_divide_heads(tiny_models: Any) -> None:
     # 2 KV heads cannot be split over 4 ranks; refused before any worker starts.
     with pytest.raises(ConfigError, match=r"num_key_value_heads=2.*use a tensor_parallel_size.*\[1, 2\]"):
