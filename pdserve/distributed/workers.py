@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -106,6 +106,7 @@ class WorkerGroup:
         self._conns: list[Connection] = []
         self._xconns: list[Connection] = []  # transfer pipes (KV writes), one per worker
         self._procs: list[BaseProcess] = []
+        self._awaited: list[int] = []  # per worker: replies due on its command pipe, not read yet
         self._closed = False
         try:
             for rank in range(1, world):
@@ -120,6 +121,7 @@ class WorkerGroup:
                 proc.start()
                 child.close()
                 self._conns.append(parent)
+                self._awaited.append(0)
                 if xparent is not None and xchild is not None:
                     xchild.close()
                     self._xconns.append(xparent)
@@ -141,11 +143,19 @@ class WorkerGroup:
         except (BrokenPipeError, OSError) as e:
             raise self.error(f"{self.label} {rank} is gone: {e}") from e
 
-    def broadcast(self, msg: object) -> None:
-        """Send ``msg`` to every worker after ``check()``; returns without waiting."""
+    def broadcast(self, msg: object, replies_from: Sequence[int] = ()) -> None:
+        """Send ``msg`` to every worker after ``check()``; returns without waiting. The workers
+        in ``replies_from`` will answer it (``recv``); a broadcast to all answering: ``ask_all``."""
         self.check()
         for rank in self.ranks:
             self.send(rank, msg)
+        for rank in replies_from:
+            self._awaited[rank - 1] += 1
+
+    def ask_all(self, msg: object, timeout_s: float) -> list[Any]:
+        """``msg`` to every worker, and their replies in rank order."""
+        self.broadcast(msg, replies_from=self.ranks)
+        return [self.recv(rank, timeout_s) for rank in self.ranks]
 
     def recv(self, rank: int, timeout_s: float, conn: Connection | None = None, what: str = "answer") -> Any:
         """The next reply of worker ``rank`` (on its command pipe unless ``conn``); the group's
@@ -162,11 +172,9 @@ class WorkerGroup:
             raise self.error(f"{self.label} {rank} exited ({self._exit_code(rank)})") from None
         if isinstance(reply, WorkerFailed):
             raise self.error(f"{self.label} {rank} failed ({reply.kind}):\n{reply.traceback}")
+        if conn is self._conns[rank - 1]:
+            self._awaited[rank - 1] -= 1
         return reply
-
-    def gather(self, timeout_s: float) -> list[Any]:
-        """One reply from every worker, in rank order."""
-        return [self.recv(rank, timeout_s) for rank in self.ranks]
 
     def request(self, rank: int, msg: object, timeout_s: float, what: str) -> Any:
         """Send ``msg`` on worker ``rank``'s transfer pipe and wait for its reply (the caller
@@ -197,9 +205,12 @@ class WorkerGroup:
                 raise self.error(f"{self.label} {rank} exited ({self._exit_code(rank)}){detail}")
 
     def check(self) -> None:
-        """Raise if a worker reported a failure or is gone (when no reply is outstanding)."""
+        """Raise if a worker reported a failure or is gone (a pipe with a reply due is left to
+        ``recv``: only the process's liveness is checked there)."""
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True), start=1):
-            if conn.poll():  # a failure report, or end-of-file when the worker is gone
+            if (
+                not self._awaited[rank - 1] and conn.poll()
+            ):  # a failure report, or end-of-file when the worker is gone
                 try:
                     reply = conn.recv()
                 except EOFError:

@@ -173,17 +173,11 @@ class LLMEngine:
         )
 
     def _resolve_async(self, config: EngineConfig) -> bool:
-        """On by default on CUDA, TP ranks included (they launch each step as rank 0 did). Not
-        with pipeline stages: stage 0's inputs for the next step are the last stage's samples."""
-        whole_model = self.runner.model.is_first_stage and self.runner.model.is_last_stage
+        """On by default on CUDA, with TP ranks (they launch each step as rank 0 did) and pipeline
+        stages (stage 0 waits for the previous step's samples; the engine processes that step
+        while the later stages compute the next)."""
         if config.async_scheduling is None:
-            return self.runner.device.type == "cuda" and whole_model
-        if config.async_scheduling and not whole_model:
-            raise UnsupportedError(
-                f"async_scheduling=True with pipeline_parallel_size="
-                f"{config.parallel.pipeline_parallel_size}: the next step's first-stage inputs are "
-                "the last stage's samples; leave it unset (auto) or set it to False"
-            )
+            return self.runner.device.type == "cuda"
         return config.async_scheduling
 
     def close(self) -> None:
@@ -441,7 +435,6 @@ class LLMEngine:
         runner = self.runner
         try:
             if self.async_scheduling:
-                assert isinstance(runner, ModelRunner)
                 pending = runner.launch(sched, defer_masks=True)
             else:
                 pending = runner.launch(sched)
@@ -461,10 +454,10 @@ class LLMEngine:
         )
         if not self.async_scheduling:
             return self._complete(sched, pending)
-        assert isinstance(runner, ModelRunner)
         prev, self._inflight = self._inflight, (sched, pending)
         if prev is None:
-            if pending.deferred is not None:
+            if pending.deferred is not None:  # a pipeline's last stage samples in full: never deferred
+                assert isinstance(runner, ModelRunner)
                 runner.sample_deferred(pending)  # every token it depends on is on the host
             return []
         # A step with grammar rows came back with its sampler not launched: the previous step's

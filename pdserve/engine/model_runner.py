@@ -153,6 +153,16 @@ class PendingStep:
         return RunnerOutput(sampled, logprobs, prompt_logprobs=prompt)
 
 
+class _ZeroRows(dict[str, int]):
+    """Row 0 for every request: the token ids of a non-first pipeline stage are not read."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+_NO_FEED = _ZeroRows()
+
+
 def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor on an anonymous memory mapping: the kernel hands out zero pages
     on first touch, so a 4 GiB KV cache costs RAM only for the blocks requests use (torch.zeros
@@ -393,7 +403,9 @@ class ModelRunner:
         width = (
             graphs.max_blocks_per_seq if graphs is not None and decode_only and intermediate is None else None
         )
-        batch = build_host_batch(sched, self.block_size, self._prev_rows, width)
+        # Later pipeline stages take hidden states: a token in flight needs no feed there.
+        prev_rows = self._prev_rows if intermediate is None else _NO_FEED
+        batch = build_host_batch(sched, self.block_size, prev_rows, width)
         out: torch.Tensor | IntermediateTensors
         if (
             graphs is not None
@@ -404,7 +416,8 @@ class ModelRunner:
             out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
-            apply_feed(input_ids, batch, self._prev_sampled, self.staging)
+            if intermediate is None:
+                apply_feed(input_ids, batch, self._prev_sampled, self.staging)
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
             if intermediate is None:  # image embeddings enter the first stage only
                 embeds = substitute_mm_embeds(sched, input_ids, embeds, self.model.model.embed_tokens)

@@ -1,8 +1,9 @@
 """Pipeline parallelism in the engine: stage 0 in this process, stages 1..N-1 as workers.
 
 The layout, the stage links and the node's view are in ``pdserve.distributed.pp_stage``; the
-commands and the stage's loop in ``pdserve.engine.workers``. Steps run synchronously: stage 0's
-forward, then the last stage's ``StepResult``.
+commands and the stage's loop in ``pdserve.engine.workers``. A step is stage 0's forward, sent on
+to stage 1, and the last stage's ``StepResult``; under asynchronous scheduling the engine
+processes step N while stages 1..N-1 compute step N+1 (stage 0 needs step N's samples first).
 """
 
 from __future__ import annotations
@@ -52,16 +53,25 @@ def stage_ranges(config: EngineConfig) -> list[tuple[int, int]]:
     return split_layers(arch.num_hidden_layers, par.pipeline_parallel_size, par.pp_layer_split)
 
 
-class _DoneStep(PendingStep):
-    """A step already computed end to end (PP runs synchronously): ``result()`` returns it."""
+class _PipelineStep(PendingStep):
+    """A step whose stage 0 ran; ``result()`` reads the last stage's ``StepResult`` (the
+    executor reads it first when the next step's stage 0 needs its samples)."""
 
-    def __init__(self, out: RunnerOutput) -> None:
+    def __init__(self, executor: PipelineExecutor) -> None:
         super().__init__(req_ids=[], samples=None, event=None)
-        self.out = out
+        self._executor = executor
+        self.out: RunnerOutput | None = None
+
+    def receive(self) -> RunnerOutput:
+        if self.out is None:
+            res = self._executor.workers.recv(self._executor.num_stages - 1, self.timeout_s)
+            assert isinstance(res, StepResult), res
+            self.out = RunnerOutput(res.sampled, res.logprobs, prompt_logprobs=res.prompt_logprobs)
+        return self.out
 
     def result(self) -> RunnerOutput:
         self.taken = True
-        return self.out
+        return self.receive()
 
 
 class PipelineExecutor(PipelineRunner):
@@ -72,6 +82,7 @@ class PipelineExecutor(PipelineRunner):
         world = len(self.ranges)
         self._timeout_s = config.step_timeout_s
         self._xlocks = [threading.Lock() for _ in range(world - 1)]
+        self._last: _PipelineStep | None = None  # the last step launched (is it read yet?)
         spec = WorkerSpec(config, WorkerRole.PP_STAGE, world, tuple(self.ranges), group_timeout_s)
         self.workers = WorkerGroup(
             world, WorkerRole.PP_STAGE.value, PipelineStageError, worker_main, (spec,), config.device, True
@@ -106,13 +117,12 @@ class PipelineExecutor(PipelineRunner):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.stage0.init_kv_cache(num_blocks)
-        self.workers.broadcast(InitKVCache(num_blocks))
-        self.workers.gather(self._timeout_s)
+        self.workers.ask_all(InitKVCache(num_blocks), self._timeout_s)
 
     def start_kv_endpoints(self, kv_transport: str, kv_host: str) -> list[StageEndpoint]:
-        self.workers.broadcast(RegisterKV(kv_transport, kv_host))
         out = []
-        for rank, reply in enumerate(self.workers.gather(self._timeout_s), start=1):
+        replies = self.workers.ask_all(RegisterKV(kv_transport, kv_host), self._timeout_s)
+        for rank, reply in enumerate(replies, start=1):
             assert isinstance(reply, KVEndpoint), reply
             lo, hi = self.ranges[rank]
             regions = tuple(Region.from_dict(r) for r in reply.regions)
@@ -130,10 +140,27 @@ class PipelineExecutor(PipelineRunner):
                 peer_session, transfer_id, f"write from pipeline stage {rank}", None, reply.error
             )
 
-    def launch(self, sched: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> _DoneStep:
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        intermediate: IntermediateTensors | None = None,
+        *,
+        defer_masks: bool = False,
+    ) -> _PipelineStep:
+        """Stage 0's forward of ``sched``, sent on to stage 1; the result comes from the last stage.
+
+        Under asynchronous scheduling the step before may still be unread: its samples are the
+        inputs of rows whose token is in flight, so they are read here first (the engine then
+        processes that step while stages 1..N-1 compute this one)."""
         assert intermediate is None
-        self.workers.broadcast(ExecuteStep(sched))
-        out = self.stage0.launch(sched).result()
+        prev, stage0 = self._last, self.stage0
+        overlaps = prev is not None and not prev.taken
+        self.workers.broadcast(ExecuteStep(sched, overlaps=overlaps), replies_from=[self.num_stages - 1])
+        if prev is not None and overlaps:
+            sampled = prev.receive().sampled
+            stage0._prev_rows = {rid: i for i, rid in enumerate(sampled)}
+            stage0._prev_sampled = torch.tensor(list(sampled.values()), dtype=torch.int64, device=self.device)
+        out = stage0.launch(sched).result()
         assert out.intermediate is not None
         try:
             send_tensors(out.intermediate, 1)
@@ -141,9 +168,9 @@ class PipelineExecutor(PipelineRunner):
             time.sleep(0.2)  # let the dead process be reaped so the error names it
             self.check_alive()
             raise PipelineStageError(f"sending hidden states to pipeline stage 1 failed: {e}") from e
-        res = self.workers.recv(self.num_stages - 1, self._timeout_s)
-        assert isinstance(res, StepResult), res
-        return _DoneStep(RunnerOutput(res.sampled, res.logprobs, prompt_logprobs=res.prompt_logprobs))
+        self._last = step = _PipelineStep(self)
+        step.timeout_s = self._timeout_s
+        return step
 
     def drop_finished(self, request_ids: list[str]) -> None:
         self.stage0.drop_finished(request_ids)

@@ -64,9 +64,10 @@ class TPModelRunner(ModelRunner):
         return super().determine_cache_sizes()
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.workers.broadcast(InitKVCache(num_blocks))
+        self.workers.broadcast(InitKVCache(num_blocks), replies_from=self.workers.ranks)
         super().init_kv_cache(num_blocks)
-        self.workers.gather(self.config.step_timeout_s)
+        for rank in self.workers.ranks:
+            self.workers.recv(rank, self.config.step_timeout_s)
 
     def launch(
         self,

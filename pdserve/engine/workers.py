@@ -81,9 +81,10 @@ class RegisterKV:
 
 @dataclass(frozen=True)
 class ExecuteStep:
-    """Run the step the engine core scheduled. TP: ``defer_masks`` and ``overlaps`` repeat how
-    rank 0 launched it (asynchronous scheduling; ``overlaps``: the previous step was still in
-    flight on rank 0, so its tokens are not in ``sched``'s token histories yet)."""
+    """Run the step the engine core scheduled. ``defer_masks`` and ``overlaps`` repeat how the
+    engine launched it (asynchronous scheduling; ``overlaps``: the previous step was still in
+    flight, so its tokens are not in ``sched``'s token histories yet: a TP rank or the last
+    stage, which sample, append their own samples of it first)."""
 
     sched: SchedulerOutput
     defer_masks: bool = False
@@ -150,12 +151,13 @@ class _Worker:
         self.runner = ModelRunner(spec.config, *layers)
         self.kv_backend: TransferBackend | None = None
         self.inflight: PendingStep | None = None  # TP under asynchronous scheduling
+        self.last_sampled: dict[str, int] = {}  # the last pipeline stage's previous samples
 
     def handle(self, msg: object) -> None:
         runner = self.runner
         if isinstance(msg, ExecuteStep):
             if self.spec.role is WorkerRole.PP_STAGE:
-                self.stage_step(msg.sched)
+                self.stage_step(msg)
             else:
                 self.rank_step(msg)
         elif isinstance(msg, DropFinished):
@@ -170,11 +172,15 @@ class _Worker:
         else:
             raise AssertionError(f"{self.spec.role.value} {self.rank}: unknown command {msg!r}")
 
-    def stage_step(self, sched: SchedulerOutput) -> None:
+    def stage_step(self, msg: ExecuteStep) -> None:
         runner, rank = self.runner, self.rank
+        last = rank == self.spec.world - 1
+        if last and msg.overlaps:  # the step before is in flight for the engine: not in sched yet
+            _append_in_flight(msg.sched, self.last_sampled)
         inter = recv_tensors(rank - 1, runner.dtype, runner.device)
-        out = runner.launch(sched, inter).result()
-        if rank == self.spec.world - 1:
+        out = runner.launch(msg.sched, inter).result()
+        if last:
+            self.last_sampled = out.sampled
             self.conn.send(StepResult(out.sampled, out.logprobs, out.prompt_logprobs))
         else:
             assert out.intermediate is not None
@@ -202,12 +208,7 @@ class _Worker:
         if pending.deferred is None:
             return
         runner.prepare_deferred_sampled(pending, out.sampled)
-        for chunk in msg.sched.chunks:  # as rank 0's update_from_output did (on this copy)
-            req = chunk.request
-            token = out.sampled.get(req.request_id)
-            if token is not None:
-                req.output_token_ids.append(token)
-                req.num_output_placeholders -= 1
+        _append_in_flight(msg.sched, out.sampled)
         runner.prepare_deferred(pending)
         runner.sample_deferred(pending)
 
@@ -224,6 +225,17 @@ class _Worker:
                 target=_serve_writes, args=(backend, self.xconn), name=f"worker{self.rank}-kv", daemon=True
             ).start()
         return KVEndpoint(backend.session_id, [r.to_dict() for r in kv_regions_of(self.runner)])
+
+
+def _append_in_flight(sched: SchedulerOutput, sampled: dict[str, int]) -> None:
+    """Append the previous step's samples to ``sched``'s copies of the token histories, as the
+    engine's ``update_from_output`` did after it pickled them."""
+    for chunk in sched.chunks:
+        req = chunk.request
+        token = sampled.get(req.request_id)
+        if token is not None:
+            req.output_token_ids.append(token)
+            req.num_output_placeholders -= 1
 
 
 def worker_main(
