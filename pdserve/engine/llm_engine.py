@@ -22,10 +22,9 @@ short enough that a preemption may be needed), the in-flight step is completed f
 the synchronous order. A request that stops (eos, stop string) is found one step late; the
 row computed for it meanwhile is dropped.
 
-With ``tensor_parallel_size`` or ``pipeline_parallel_size`` N > 1 the scheduler stays here and
-the runner is TP rank 0 (``tensor_parallel.TPModelRunner``) or pipeline stage 0
-(``pipeline.PipelineExecutor``), which sends each step to N-1 worker processes
-(``pdserve.engine.workers``); ``close()`` stops them.
+The engine runs its steps on a ``ModelExecutor`` (``engine.executor``): the model here, or, with
+``tensor_parallel_size`` or ``pipeline_parallel_size`` N > 1, TP rank 0 / pipeline stage 0 here
+sending each step to N-1 worker processes (``pdserve.engine.workers``); ``close()`` stops them.
 """
 
 from __future__ import annotations
@@ -41,18 +40,17 @@ from typing import Any
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.executor import ModelExecutor, make_executor
 from pdserve.engine.grammar_compile import GrammarCompileService
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.kv_sizing import fit_max_model_len
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
 from pdserve.engine.output_processor import OutputProcessor, TrackedRequest
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
-from pdserve.engine.pipeline import PipelineExecutor
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
-from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
 from pdserve.kvtransfer.params import KVTransferParams
 from pdserve.models.loader import load_tokenizer
@@ -93,14 +91,7 @@ class LLMEngine:
         load_tokenizer_: bool,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None,
     ) -> None:
-        self.runner: ModelRunner | PipelineExecutor
-        if config.parallel.pipeline_parallel_size > 1:
-            # PP beneath the engine: stage 0 here, stages 1.. in their own processes.
-            self.runner = PipelineExecutor(config)
-        elif config.parallel.tensor_parallel_size > 1:
-            self.runner = TPModelRunner(config)  # rank 0 here, ranks 1.. in their own processes
-        else:
-            self.runner = ModelRunner(config)
+        self.runner: ModelExecutor = make_executor(config)
         arch = self.runner.arch
         self.arch = arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -185,8 +176,8 @@ class LLMEngine:
         if self.grammars is not None:
             self.grammars.close()
             self.grammars = None
-        runner = getattr(self, "runner", None)
-        if isinstance(runner, (PipelineExecutor, ModelRunner)):
+        runner: ModelExecutor | None = getattr(self, "runner", None)
+        if runner is not None:
             runner.close()
 
     # -- admission -----------------------------------------------------------------------------
