@@ -86,6 +86,10 @@ class TPModelRunner(ModelRunner):
         if request_ids:
             self.workers.broadcast(DropFinished(request_ids))
 
+    def check_alive(self) -> None:
+        """Raise TPWorkerError naming a worker rank whose process is gone."""
+        self.workers.check_alive()
+
     def close(self) -> None:
         super().close()
         self.workers.close()
