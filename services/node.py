@@ -16,10 +16,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.config.choices import Role
 from pdserve.config.node_spec import NodeSpec
-from pdserve.distributed.pp_stage import PipelineRunner, PipelineStageError, StageEndpoint
+from pdserve.distributed.pp_stage import PipelineRunner, StageEndpoint
+from pdserve.distributed.workers import WorkerError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
@@ -70,6 +72,12 @@ class NodeBase:
                     f"kv_checksum with pp={pp} on a {opts.role} node is not supported (the digest "
                     "covers one stage's KV); set kv_checksum: false or pp: 1"
                 )
+        tp = opts.engine.parallel.tensor_parallel_size
+        if tp > 1 and opts.role in ("prefill", "decode"):
+            raise ConfigError(
+                f"tp={tp} on {opts.role} node {opts.name}: TP with KV transfer is not supported yet "
+                "(docs/architecture.md, Tensor parallelism); use tp: 1 on prefill and decode nodes"
+            )
         if opts.frontend not in ("socket", "process"):
             raise ConfigError(
                 f"frontend {opts.frontend!r} of node {opts.name}: use socket or process (with "
@@ -86,7 +94,8 @@ class NodeBase:
                     f"frontend_port {opts.frontend_port} of node {opts.name} is also its grpc or "
                     "metrics port: give it a distinct port"
                 )
-        self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold)
+        kv_transfer = opts.role.moves_kv
+        self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold if kv_transfer else None)
         self.backend: TransferBackend | None = None
         runner = self.engine.runner
         if opts.role.moves_kv:
@@ -288,7 +297,7 @@ class NodeBase:
         engine_watch = asyncio.create_task(self.engine_watchdog.run())
         mem_tasks = start_memwatch()
         watchdog = None
-        if isinstance(self.engine.runner, PipelineRunner):
+        if isinstance(self.engine.runner, (PipelineRunner, TPModelRunner)):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
         fe_watch = None
         if isinstance(frontend, FrontendProcess):
@@ -347,15 +356,15 @@ class NodeBase:
         assert self.loop is not None
         self.loop.call_later(ENGINE_DEATH_LINGER_S, self._stop_event.set)
 
-    async def _watch_stages(self, runner: PipelineRunner, health_servicer: Any) -> None:
-        """A node is healthy only while every stage process is (docs/design.md §7): a dead stage turns
+    async def _watch_stages(self, runner: PipelineRunner | TPModelRunner, health_servicer: Any) -> None:
+        """A node is healthy only while every stage / TP rank process is (docs/design.md §7): a dead one turns
         health NOT_SERVING, fails every in-flight request with the reason, and stops the node
         with exit code 1 (a prefill's held KV is then freed by the peer's lease on decode)."""
         while True:
             await asyncio.sleep(STAGE_WATCH_S)
             try:
                 runner.check_alive()
-            except PipelineStageError as e:
+            except WorkerError as e:  # a pipeline stage or TP rank
                 await self._out_of_service(str(e), health_servicer)
                 return
 

@@ -1,1 +1,2 @@
-"""Tensor parallelism: the process group (``parallel_state``) and the SPMD worker ranks (``tp_worker``)."""
+"""Parallelism beneath the engine: the TP group (``parallel_state``), worker processes and their
+pipes (``workers``), the node's view of a pipeline (``pp_stage``). Imports nothing of the engine."""

@@ -4,7 +4,7 @@ Process-wide state, as in vLLM: model code asks ``tp_size()`` / ``tp_rank()`` at
 and calls ``all_reduce`` in row-parallel layers. Without ``init_tp`` (the TP 1 default) every
 call is a no-op, so single-process code never touches ``torch.distributed``.
 
-Backend: ``nccl`` on CUDA, ``gloo`` on CPU; the same code runs on both.
+Backend: ``nccl`` on CUDA, ``gloo`` on CPU (``workers.dist_backend``); the same code runs on both.
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ import torch.distributed as dist
 
 _TP_SIZE = 1
 _TP_RANK = 0
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_tp(world_size: int, rank: int, init_method: str, backend: str, timeout_s: float = 300.0) -> None:
@@ -69,10 +65,3 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-def shard_range(total: int, what: str) -> tuple[int, int]:
-    """(offset, size) of this rank's contiguous share of ``total`` rows (``what`` for the error)."""
-    assert total % _TP_SIZE == 0, f"{what} = {total} is not divisible by tensor_parallel_size {_TP_SIZE}"
-    size = total // _TP_SIZE
-    return _TP_RANK * size, size

@@ -162,12 +162,3 @@ class BlockPool:
             return
         blk.block_hash = block_hash
         self._cached[block_hash] = blk
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only when no block is in use."""
-        if self.num_used_blocks:
-            return False
-        for blk in self.blocks.values():
-            blk.block_hash = None
-        self._cached.clear()
-        return True

@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from pdserve.distributed.pp_stage import PipelineStageError
+from pdserve.distributed.workers import WorkerError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.request import MultiModalItem
@@ -407,7 +407,7 @@ class EngineLoop:
             self._busy_since = time.monotonic()
             try:
                 deltas = eng.step()
-            except PipelineStageError as e:  # a stage process died: say so (first line only)
+            except WorkerError as e:  # a TP rank or pipeline stage died: say so (first line only)
                 logger.exception("engine step failed; failing every request in flight")
                 reason = str(e).splitlines()[0]
                 deltas = eng.fail_all(f"engine step failed, node out of service: {reason}")

@@ -22,8 +22,9 @@ short enough that a preemption may be needed), the in-flight step is completed f
 the synchronous order. A request that stops (eos, stop string) is found one step late; the
 row computed for it meanwhile is dropped.
 
-With ``tensor_parallel_size`` N > 1 this engine is TP rank 0 and starts N-1 worker ranks that
-replay its state-changing calls (``pdserve.distributed.tp_worker``); ``close()`` stops them.
+The engine runs its steps on a ``ModelExecutor`` (``engine.executor``): the model here, or, with
+``tensor_parallel_size`` or ``pipeline_parallel_size`` N > 1, TP rank 0 / pipeline stage 0 here
+sending each step to N-1 worker processes (``pdserve.engine.workers``); ``close()`` stops them.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from typing import Any
 
 from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.config.engine import EngineConfig
-from pdserve.distributed.pp_stage import PipelineRunner
-from pdserve.distributed.tp_worker import TPWorkerError, TPWorkerGroup
 from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.executor import ModelExecutor, make_executor
 from pdserve.engine.grammar_compile import GrammarCompileService
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.kv_sizing import fit_max_model_len
@@ -54,8 +54,6 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
 from pdserve.kvtransfer.params import KVTransferParams
-from pdserve.models.config import ModelArchConfig
-from pdserve.models.llama import check_tp_divisible
 from pdserve.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,35 +66,20 @@ class LLMEngine:
         *,
         load_tokenizer_: bool = True,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None = None,
-        tp_rank: int = 0,
     ) -> None:
-        """``tp_rank`` > 0 only in a TP worker process (its group is already joined)."""
         self.config = config
-        self._tp_rank = tp_rank
-        # Structured outputs: grammars compile off this thread (made by the first constrained
-        # request, on rank 0; TP workers get a request once its grammar is ready there).
+        # Structured outputs: grammars compile off this thread (made by the first constrained request).
         self.grammars: GrammarCompileService | None = None
-        # request id -> (its grammar's Future, the forward of its add_request to TP workers)
-        self._grammar_pending: dict[str, tuple[Future[Any], Callable[[], None]]] = {}
+        self._grammar_pending: dict[str, Future[Any]] = {}  # request id -> its grammar's Future
         self.grammar_wake: Callable[[], None] | None = None  # EngineLoop: wake the engine thread
         self._grammar_lock = threading.Lock()
-        self._tp_group: TPWorkerGroup | None = None
         tp = config.parallel.tensor_parallel_size
-        if tp_rank == 0:  # TP workers and pipeline stages set their own (tp_worker, pp_stage)
-            set_intra_op_threads(config, tp * config.parallel.pipeline_parallel_size)
-        if tp > 1:
-            if on_hold_for_transfer is not None:
-                raise UnsupportedError(
-                    "tensor_parallel_size > 1 with KV transfer (disaggregated serving) is not "
-                    "supported yet; use tensor_parallel_size=1 on prefill/decode nodes"
-                )
-            import torch
-
-            torch.manual_seed(config.seed)  # unseeded sampling draws the same on every rank
-        if tp > 1 and tp_rank == 0:
-            # Checked before any process starts, so a bad size fails fast with the fix.
-            check_tp_divisible(ModelArchConfig.from_model_dir(config.model), tp)
-            self._tp_group = TPWorkerGroup(config, load_tokenizer_)
+        set_intra_op_threads(config, tp * config.parallel.pipeline_parallel_size)  # workers set theirs
+        if tp > 1 and on_hold_for_transfer is not None:
+            raise UnsupportedError(
+                "tensor_parallel_size > 1 with KV transfer (disaggregated serving) is not "
+                "supported yet; use tensor_parallel_size=1 on prefill/decode nodes"
+            )
         try:
             self._init_engine(config, load_tokenizer_, on_hold_for_transfer)
         except BaseException:
@@ -109,12 +92,7 @@ class LLMEngine:
         load_tokenizer_: bool,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None,
     ) -> None:
-        self.runner: ModelRunner | PipelineRunner
-        if config.parallel.pipeline_parallel_size > 1:
-            # PP beneath the engine: stage 0 here, stages 1.. in their own processes.
-            self.runner = PipelineRunner(config)
-        else:
-            self.runner = ModelRunner(config)
+        self.runner: ModelExecutor = make_executor(config)
         arch = self.runner.arch
         self.arch = arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -187,15 +165,11 @@ class LLMEngine:
         )
 
     def _resolve_async(self, config: EngineConfig) -> bool:
-        whole_model = self.runner.model.is_first_stage and self.runner.model.is_last_stage
-        tp = config.parallel.tensor_parallel_size
+        """On by default on CUDA, with TP ranks (they launch each step as rank 0 did) and pipeline
+        stages (stage 0 waits for the previous step's samples; the engine processes that step
+        while the later stages compute the next)."""
         if config.async_scheduling is None:
-            return self.runner.device.type == "cuda" and tp == 1 and whole_model
-        if config.async_scheduling and (tp > 1 or not whole_model):
-            raise UnsupportedError(
-                "async_scheduling=True needs tensor_parallel_size=1 and a whole model (one pipeline "
-                "stage); leave it unset (auto) or set it to False"
-            )
+            return self.runner.device.type == "cuda"
         return config.async_scheduling
 
     def close(self) -> None:
@@ -203,17 +177,9 @@ class LLMEngine:
         if self.grammars is not None:
             self.grammars.close()
             self.grammars = None
-        runner = getattr(self, "runner", None)
-        if isinstance(runner, (PipelineRunner, ModelRunner)):
+        runner: ModelExecutor | None = getattr(self, "runner", None)
+        if runner is not None:
             runner.close()
-        if self._tp_group is not None:
-            self._tp_group.close()
-            self._tp_group = None
-
-    def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """Replay a state-changing call on the TP worker ranks (no-op at TP 1 and on workers)."""
-        if self._tp_group is not None:
-            self._tp_group.call(method, *args, **kwargs)
 
     # -- admission -----------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -253,35 +219,16 @@ class LLMEngine:
             mm_items=mm_items,
         )
         grammar = None
-        if params.structured is not None and self._tp_rank == 0:
+        if params.structured is not None:
             grammar = self.grammar_service().submit(*params.structured)
         self.output_processor.add_request(req, output_token_ids)
         waits = grammar is not None and not grammar.done()
         self.scheduler.add_request(req, wait_for_grammar=waits)
-
-        def forward() -> None:
-            # Forwarded once admitted here (a rejected request never reaches the workers), with
-            # the resolved ids so workers neither tokenize nor draw a request id; a request whose
-            # grammar compiles, once it is ready.
-            self._forward(
-                "add_request",
-                req.prompt_token_ids,
-                params,
-                req.request_id,
-                priority=priority,
-                kv_transfer_params=kv_transfer_params,
-                output_token_ids=output_token_ids,
-                prompt_embeds=req.prompt_embeds,
-                mm_items=req.mm_items,
-            )
-
         if waits:
             assert grammar is not None
-            self._grammar_pending[req.request_id] = (grammar, forward)
-        else:
-            if grammar is not None:
-                self._share_grammar_compiler()
-            forward()
+            self._grammar_pending[req.request_id] = grammar
+        elif grammar is not None:
+            self._share_grammar_compiler()
         return req
 
     def _share_grammar_compiler(self) -> None:
@@ -318,7 +265,7 @@ class LLMEngine:
         """Block up to ``timeout_s`` until a pending grammar is settled (offline use: nothing else
         to do meanwhile); False when none is pending. The compile thread settles each one within
         grammar_compile_timeout_s of its turn."""
-        futs = [fut for fut, _ in self._grammar_pending.values()]
+        futs = list(self._grammar_pending.values())
         if futs:
             wait_futures(futs, timeout=timeout_s, return_when=FIRST_COMPLETED)
         return bool(futs)
@@ -327,7 +274,7 @@ class LLMEngine:
         """Requests whose grammar is ready join the queue; those whose compile failed or ran out
         of time end here with an error (they hold no blocks)."""
         out: list[GenerationDelta] = []
-        for rid, (fut, forward) in list(self._grammar_pending.items()):
+        for rid, fut in list(self._grammar_pending.items()):
             if not fut.done():
                 continue
             del self._grammar_pending[rid]
@@ -337,7 +284,6 @@ class LLMEngine:
             if err is None:
                 self._share_grammar_compiler()
                 self.scheduler.grammar_ready(rid)
-                forward()
                 continue
             req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
             assert req is not None
@@ -348,7 +294,6 @@ class LLMEngine:
         return out
 
     def abort(self, request_ids: list[str]) -> list[GenerationDelta]:
-        self._forward("abort", request_ids)
         out = []
         for r in self.scheduler.abort_requests(request_ids):
             self.num_aborted_total += 1
@@ -370,8 +315,7 @@ class LLMEngine:
 
     def expire_queued(self, now: float | None = None) -> list[GenerationDelta]:
         """Drop requests queued longer than ``max_queue_wait_s`` (a no-op when unset): each ends
-        with an ``overloaded`` error delta and holds nothing. Rank 0 decides (by its clock) and
-        forwards the abort, so TP workers stay in lockstep."""
+        with an ``overloaded`` error delta and holds nothing."""
         wait = self.config.scheduler.max_queue_wait_s
         if wait is None or not self.scheduler.waiting:
             return []
@@ -395,7 +339,7 @@ class LLMEngine:
         return (
             self._inflight is not None
             or self.scheduler.has_runnable()
-            or any(fut.done() for fut, _ in self._grammar_pending.values())
+            or any(fut.done() for fut in self._grammar_pending.values())
         )
 
     # -- the loop --------------------------------------------------------------------------------
@@ -403,7 +347,6 @@ class LLMEngine:
         """Schedule and launch one step; returns the deltas of the step that completed (this one
         when synchronous, the previous one under asynchronous scheduling)."""
         deltas = self._admit_compiled() if self._grammar_pending else []
-        self._forward("step")
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
             deltas += self._complete_inflight()
         sched = self.scheduler.schedule()
@@ -437,7 +380,6 @@ class LLMEngine:
         ``first_tokens``: what prefill sampled, for a request admitted without them (a decode leg
         opened with the prefill leg): they join its history as if given at admission (counted as
         emitted, fed to the detokenizer), before it can be scheduled."""
-        self._forward("finish_kv_load", request_id, ok, policy, error, list(first_tokens))
         if ok and first_tokens:
             self.output_processor.add_first_tokens(request_id, first_tokens)
         req = self.scheduler.finish_kv_load(
@@ -452,10 +394,6 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> list[GenerationDelta]:
         """Tier-three handling of an engine fault: every request ends with an error, blocks freed."""
-        try:
-            self._forward("fail_all", message)
-        except TPWorkerError as e:  # the fault may be a lost worker; this rank still cleans up
-            logger.error("fail_all not replayed on TP workers: %s", e)
         if self._inflight is not None:
             sched, pending = self._inflight
             self._inflight = None
@@ -496,7 +434,6 @@ class LLMEngine:
         runner = self.runner
         try:
             if self.async_scheduling:
-                assert isinstance(runner, ModelRunner)
                 pending = runner.launch(sched, defer_masks=True)
             else:
                 pending = runner.launch(sched)
@@ -516,10 +453,10 @@ class LLMEngine:
         )
         if not self.async_scheduling:
             return self._complete(sched, pending)
-        assert isinstance(runner, ModelRunner)
         prev, self._inflight = self._inflight, (sched, pending)
         if prev is None:
-            if pending.deferred is not None:
+            if pending.deferred is not None:  # a pipeline's last stage samples in full: never deferred
+                assert isinstance(runner, ModelRunner)
                 runner.sample_deferred(pending)  # every token it depends on is on the host
             return []
         # A step with grammar rows came back with its sampler not launched: the previous step's

@@ -127,8 +127,10 @@ class PendingStep:
     prompt: PromptLogprobTensors | None = None  # host copies (pinned on CUDA); read after the event
     # Set while the sampler is not launched yet (ModelRunner.sample_deferred launches it).
     deferred: SampleJob | None = None
+    taken: bool = False  # result() was called (TP: whether the next launch overlaps this step)
 
     def result(self) -> RunnerOutput:
+        self.taken = True
         if self.deferred is not None:  # only on a fault path (the engine failed between the halves)
             masks = self.deferred.masks
             if masks is not None and masks.fill is not None:
@@ -149,6 +151,16 @@ class PendingStep:
         sampled = dict(zip(self.req_ids, out.token_ids, strict=True))
         logprobs = {rid: lp for rid, lp in zip(self.req_ids, out.logprobs, strict=True) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs=prompt)
+
+
+class _ZeroRows(dict[str, int]):
+    """Row 0 for every request: the token ids of a non-first pipeline stage are not read."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+_NO_FEED = _ZeroRows()
 
 
 def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -350,6 +362,9 @@ class ModelRunner:
 
     def drop_finished(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
+        self._forget(request_ids)
+
+    def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self.grammar.drop(rid)
@@ -378,7 +393,7 @@ class ModelRunner:
         ``defer_masks`` (asynchronous scheduling): when a sampling row has a grammar, stop after
         the logits and return a step whose ``deferred`` job ``sample_deferred`` finishes once the
         previous step's tokens are on the host (the forward runs on the device meanwhile)."""
-        self.drop_finished(sched.finished_req_ids)
+        self._forget(sched.finished_req_ids)
         if sched.is_empty:
             return PendingStep([], None, None)
         self.staging.begin_step()
@@ -388,7 +403,9 @@ class ModelRunner:
         width = (
             graphs.max_blocks_per_seq if graphs is not None and decode_only and intermediate is None else None
         )
-        batch = build_host_batch(sched, self.block_size, self._prev_rows, width)
+        # Later pipeline stages take hidden states: a token in flight needs no feed there.
+        prev_rows = self._prev_rows if intermediate is None else _NO_FEED
+        batch = build_host_batch(sched, self.block_size, prev_rows, width)
         out: torch.Tensor | IntermediateTensors
         if (
             graphs is not None
@@ -399,7 +416,8 @@ class ModelRunner:
             out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
-            apply_feed(input_ids, batch, self._prev_sampled, self.staging)
+            if intermediate is None:
+                apply_feed(input_ids, batch, self._prev_sampled, self.staging)
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
             if intermediate is None:  # image embeddings enter the first stage only
                 embeds = substitute_mm_embeds(sched, input_ids, embeds, self.model.model.embed_tokens)

@@ -115,14 +115,6 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_id_at(self, pos: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

@@ -1,4 +1,4 @@
-"""A colocated node with pp=2: killing one stage process takes the whole node out of service."""
+"""A colocated node with pp=2 or tp=2: killing one worker process takes the whole node out of service."""
 
 from __future__ import annotations
 
@@ -22,15 +22,14 @@ def llama4(tiny_model_factory):
     return tiny_model_factory("llama", num_layers=4)
 
 
-def test_killing_a_stage_fails_requests_and_health(llama4):
+@pytest.mark.parametrize("parallel", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}])
+def test_killing_a_stage_fails_requests_and_health(llama4, parallel):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = EngineConfig(
-        model=str(llama4), device="cpu", dtype="float32", parallel=ParallelConfig(pipeline_parallel_size=2)
-    )
+    cfg = EngineConfig(model=str(llama4), device="cpu", dtype="float32", parallel=ParallelConfig(**parallel))
     node = DecodeNode(NodeSpec.for_test(name="c0", role="colocated", engine=cfg, grpc_port=port))
 
     async def scenario() -> tuple[str, int]:
@@ -42,7 +41,7 @@ def test_killing_a_stage_fails_requests_and_health(llama4):
         gen = node.engine_loop.generate(list(range(1, 40)), params, "r0")
         first = await gen.__anext__()  # running
         assert first.request_id == "r0"
-        os.kill(node.engine.runner.stage_pids()[0], signal.SIGKILL)
+        os.kill(node.engine.runner.workers.pids()[0], signal.SIGKILL)
         error = ""
         try:
             async for d in gen:
@@ -65,7 +64,7 @@ def test_killing_a_stage_fails_requests_and_health(llama4):
         return error, status
 
     error, status = asyncio.run(scenario())
-    assert "stage 1" in error or "engine step failed" in error, error
+    assert "stage 1" in error or "TP rank 1" in error or "engine step failed" in error, error
     assert status in (health_pb2.HealthCheckResponse.NOT_SERVING, -1)
     assert node.exit_code == 1
     node.engine.kv.process_deferred_frees()
@@ -90,3 +89,16 @@ def test_pp_transfer_settings_not_wired_are_refused_at_start(llama4, role, opts,
     cls = PrefillNode if role == "prefill" else DecodeNode
     with pytest.raises(ConfigError, match=match):
         cls(NodeSpec.for_test(name="n0", role=role, engine=cfg, **opts))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_tp_with_kv_transfer_is_refused_at_start(llama4, role) -> None:
+    from pdserve.errors import ConfigError
+    from services.prefill.server import PrefillNode
+
+    cfg = EngineConfig(
+        model=str(llama4), device="cpu", dtype="float32", parallel=ParallelConfig(tensor_parallel_size=2)
+    )
+    cls = PrefillNode if role == "prefill" else DecodeNode
+    with pytest.raises(ConfigError, match=f"tp=2 on {role} node n0: TP with KV transfer is not supported"):
+        cls(NodeSpec.for_test(name="n0", role=role, engine=cfg))

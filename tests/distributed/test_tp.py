@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from pdserve.config.engine import ParallelConfig
-from pdserve.distributed.tp_worker import TPWorkerError
+from pdserve.distributed.workers import TPWorkerError
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError
 
 # 8 prompts of mixed lengths (3..66 tokens); a 32-token step budget chunks the long ones.
@@ -48,6 +49,27 @@ def test_tp2_matches_tp1(tiny_models: Any, arch: str) -> None:
     assert seeded1 != greedy1  # the seeded run really sampled
 
 
+def test_tp2_async_matches_tp1_sync(tiny_models: Any) -> None:
+    """Asynchronous scheduling under TP 2: rank 0 launches step N+1 before reading step N and the
+    worker rank repeats that order (grammar rows: step N's tokens advance the matchers before
+    N+1's masks). Greedy, seeded and regex-constrained rows give the synchronous TP 1 tokens."""
+    regex = [
+        SamplingParams(temperature=0.9, seed=7 + i, max_tokens=12, structured=("regex", "[ab]{3,20}"))
+        for i in range(2)
+    ]
+    params = [GREEDY, SEEDED[1], regex[0], GREEDY, SEEDED[4], regex[1]]
+    prompts = PROMPTS[: len(params)]
+    outs = {}
+    for tp, mode in ((1, False), (2, True)):
+        with LLM(str(tiny_models["llama"]), tensor_parallel_size=tp, async_scheduling=mode, **COMMON) as llm:
+            assert llm.engine.async_scheduling is mode
+            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            llm.engine.kv.process_deferred_frees()
+            assert llm.engine.kv.pool.num_used_blocks == 0
+    assert outs[2] == outs[1]
+    assert all(3 <= len(outs[1][i]) <= 12 for i in (2, 5))
+
+
 def test_tp_size_must_divide_heads(tiny_models: Any) -> None:
     # 2 KV heads cannot be split over 4 ranks; refused before any worker starts.
     with pytest.raises(ConfigError, match=r"num_key_value_heads=2.*use a tensor_parallel_size.*\[1, 2\]"):
@@ -64,9 +86,9 @@ def test_parallel_config_validation() -> None:
 
 def test_worker_exits_on_close_and_loss_is_reported(tiny_models: Any) -> None:
     llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **COMMON)
-    group = llm.engine._tp_group
-    assert group is not None
-    (proc,) = group._procs
+    runner = llm.engine.runner
+    assert isinstance(runner, TPModelRunner)
+    (proc,) = runner.workers._procs
     assert proc.is_alive()
     proc.kill()  # a lost rank surfaces as an error at the next call, not a hang
     proc.join(10)
@@ -74,10 +96,10 @@ def test_worker_exits_on_close_and_loss_is_reported(tiny_models: Any) -> None:
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
     llm.close()  # idempotent
-    assert llm.engine._tp_group is None
+    assert not proc.is_alive()
 
     with LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **COMMON) as llm2:
-        group2 = llm2.engine._tp_group
-        assert group2 is not None
+        runner2 = llm2.engine.runner
+        assert isinstance(runner2, TPModelRunner)
         assert llm2.generate(PROMPTS[:2], GREEDY)[0].outputs[0].token_ids
-    assert not any(p.is_alive() for p in group2._procs)
+    assert not any(p.is_alive() for p in runner2.workers._procs)
