@@ -31,10 +31,9 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.engine.structured import check_size
 from pdserve.errors import EngineDeadError, EngineWedgedError
-from pdserve.kvtransfer.params import KVTransferParams
+from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

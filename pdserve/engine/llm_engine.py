@@ -51,9 +51,9 @@ from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import KVLoadSpec, SchedulerOutput
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
-from pdserve.kvtransfer.params import KVTransferParams
+from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,8 @@ from pdserve.config.engine import SchedulerConfig
 from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus, next_arrival_seq
-from pdserve.engine.scheduler_output import KVLoadSpec, ScheduledChunk, SchedulerOutput
-from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.kvtransfer.params import KVLoadSpec, RemoteDecodeParams, RemotePrefillParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
-from pdserve.kvtransfer.params import RemotePrefillParams
+from pdserve.kvtransfer.params import KVLoadSpec
 
 
 @dataclass(slots=True)
@@ -18,16 +18,6 @@ class ScheduledChunk:
     # it is the KV cache manager's own, valid while the step is built)
     block_ids: Sequence[int]
     sample: bool  # the chunk reaches the last known token: sample the next one
-
-
-@dataclass
-class KVLoadSpec:
-    """Remote KV a decode node must pull before the request can run."""
-
-    request_id: str
-    block_ids: list[int]  # destination blocks, covering num_tokens positions from position 0
-    num_tokens: int
-    params: RemotePrefillParams  # the request's (peer address, transfer_id)
 
 
 @dataclass

@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pdserve.config.choices import KvLoadFailurePolicy
-from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
 from pdserve.kvtransfer.keepalive import LeaseKeeper
 from pdserve.kvtransfer.load_policy import engine_policy
+from pdserve.kvtransfer.params import KVLoadSpec
 from pdserve.kvtransfer.peer import PeerCallError, PrefillPeer, PullReply, PullRequest
 from pdserve.kvtransfer.pull_record import PullRecord, PullTable, TransferState
 from pdserve.kvtransfer.regions import Region

@@ -38,3 +38,13 @@ class RemotePrefillParams:
 
 
 KVTransferParams = RemoteDecodeParams | RemotePrefillParams
+
+
+@dataclass
+class KVLoadSpec:
+    """Remote KV a decode node must pull before the request can run."""
+
+    request_id: str
+    block_ids: list[int]  # destination blocks, covering num_tokens positions from position 0
+    num_tokens: int
+    params: RemotePrefillParams  # the request's (peer address, transfer_id)

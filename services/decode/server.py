@@ -19,13 +19,12 @@ from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.config.node_spec import NodeSpec
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.consumer import KVConsumer
 from pdserve.kvtransfer.handshake import HandshakeError
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
-from pdserve.kvtransfer.params import RemotePrefillParams
+from pdserve.kvtransfer.params import KVLoadSpec, RemotePrefillParams
 from pdserve.kvtransfer.peer import PeerCallError
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb

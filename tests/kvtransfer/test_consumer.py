@@ -11,10 +11,9 @@ from dataclasses import dataclass, replace
 import pytest
 
 from pdserve.config.choices import KvLoadFailurePolicy
-from pdserve.engine.scheduler_output import KVLoadSpec
 from pdserve.kvtransfer.consumer import KVConsumer
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo
-from pdserve.kvtransfer.params import RemotePrefillParams
+from pdserve.kvtransfer.params import KVLoadSpec, RemotePrefillParams
 from pdserve.kvtransfer.peer import KeepAliveReply, PeerCallError, PullReply, PullRequest
 from pdserve.kvtransfer.pull_record import TransferState
 from pdserve.kvtransfer.regions import Region
