@@ -253,7 +253,7 @@ class NodePool:
         return any(n.available for n in self.decode)
 
     # -- choosing nodes ---------------------------------------------------------------------------
-    def _pick(
+    def pick(
         self, nodes: list[NodeHandle], key: bytes | None, exclude: frozenset[str] | set[str] = frozenset()
     ) -> NodeHandle:
         live = [n for n in nodes if n.available and n.name not in exclude] or [
