@@ -223,7 +223,6 @@ def serve(
             registry_ttl_s=cluster.registry_ttl_s,
             advertise_address=f"{advertise_host or n.host}:{n.grpc_port}",
             frontend_port=n.steps_port(),
-            frontend=n.steps_frontend() or "socket",
             steps_hello_timeout_s=n.steps_hello_timeout_s,
             steps_max_pending_per_peer=n.steps_max_pending_per_peer,
             allow_unauthenticated_kv_ports=cluster.allow_unauthenticated_kv_ports,
