@@ -3,14 +3,20 @@
 ``PDFlow.run`` walks one sequence through these states; each transition is made in one place,
 by the handler of the state it leaves::
 
-    start ──────────────► LOCAL ─────────────────────────────────────────────► DONE
-      │                     ▲ every prefill node failed (local_fallback)
-      ├──► PREFILL_EARLY ───┤──► DECODE_EARLY ──┐
-      │        │ failed: the early leg dropped  │
-      │        ▼                                ├─ KV_LOAD_FAILED ─► REPREFILL ─► DECODE
-      └──► PREFILL ─────────┴──► DECODE ────────┘                                   │
-                                   │  ▲─────────────── a failed pull again ─────────┘
-                                   └──► DONE (also: the first token finished the request)
+    state          -> next state         when
+    (start)        -> LOCAL              the path chosen is local (PDBackend.prefill_locally)
+                   -> PREFILL_EARLY      router.pd_decode_leg with_prefill, no images
+                   -> PREFILL            otherwise
+    PREFILL(_EARLY)-> DECODE(_EARLY)     the first token came back (the client gets it)
+                   -> DONE               that token finished the request (prefill's KV freed)
+                   -> PREFILL            the leg failed, a prefill node is left (serial now)
+                   -> LOCAL              the leg failed, none is left (local_fallback)
+                   -> (raises)           INVALID_ARGUMENT, RESOURCE_EXHAUSTED, image failures
+    DECODE(_EARLY) -> DONE               the decode leg ended (finished, or an error delta)
+                   -> REPREFILL          decode's KV pull failed (KV_LOAD_FAILED)
+    REPREFILL      -> DECODE             another prefill node holds the KV again, or decode
+                                         recomputes it (reprefill / reprefill_local)
+    LOCAL          -> DONE               the decode leg ended
 
 - LOCAL: the decode node prefills the prompt itself (a short prompt, one whose blocks the decode
   node recently saw, no prefill node, or every prefill node failed).
