@@ -318,17 +318,15 @@ def proc_cpu_s(pid: int) -> float:
 def _variant(v: str) -> str:
     topology, *mods = v.split("+")
     ok = topology in ("colocated", "pd") and all(
-        m in ("per_request", "inline", "process", "nodedetok", "serial")
+        m in ("nodedetok", "serial")
         or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
         or (m[:2] == "sf" and m[2:].isdigit())
         for m in mods
     )
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"variant {v!r}: colocated | pd, then optionally +per_request, +wN (router workers), "
+            f"variant {v!r}: colocated | pd, then optionally +wN (router workers), "
             "+sfN (router.stream_flush_ms N), "
-            "+inline (the decode-capable node serves its Steps streams on its gRPC port: frontend: "
-            "inline), +process (through a front-end process: frontend: process), "
             "+nodedetok (the nodes make the text: router.detokenize: node), +serial (P/D: the "
             "decode leg after the prefill leg, router.pd_decode_leg: after_prefill)"
         )
@@ -359,7 +357,6 @@ class Cluster:
         if args.kv_transport != "tcp":
             node["kv_transport"] = args.kv_transport
         topology, *mods = kind.split("+")
-        transport = "per_request" if "per_request" in mods else ""
         workers = next((int(m[1:]) for m in mods if m[:1] == "w" and m[1:].isdigit()), args.router_workers)
         # A prefill node keeps its role's own step budget (PREFILL_MAX_NUM_BATCHED_TOKENS) unless
         # --prefill-max-batched sets one: P/D measured as it is deployed.
@@ -381,12 +378,7 @@ class Cluster:
                 ),
                 dict(node, name="decode-0", role="decode", grpc_port=free_port(), metrics_port=free_port()),
             ]
-        for m in ("inline", "process"):  # colo-0 / decode-0: Steps on its gRPC port / a front-end process
-            if m in mods:
-                nodes[-1]["frontend"] = m
         router: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "local_prefill_max_tokens": 0}
-        if transport:
-            router["decode_stream"] = transport
         if workers > 1:
             router["workers"] = workers
         if "nodedetok" in mods:
@@ -606,13 +598,8 @@ def main() -> None:
         nargs="+",
         default=["colocated", "pd"],
         type=_variant,
-        help="colocated | pd, each optionally with +per_request (the router's decode_stream "
-        "per_request: one Decode stream per leg, the other decode_stream setting, instead of the "
-        "multiplexed Steps stream), +wN (N router worker processes, router.workers), +sfN "
-        "(router.stream_flush_ms N: streamed tokens merged per N ms), +inline (the "
-        "node's Steps streams on its own gRPC server, frontend: inline), +process (through a "
-        "front-end process over gRPC, frontend: process; the default is the node's Steps socket, "
-        "frontend: socket), +nodedetok (the nodes make the text, router.detokenize: node; the default "
+        help="colocated | pd, each optionally with +wN (N router worker processes, router.workers), "
+        "+sfN (router.stream_flush_ms N: streamed tokens merged per N ms), +nodedetok (the nodes make the text, router.detokenize: node; the default "
         "is the router) and +serial (P/D: the decode leg opens after the prefill leg's answer, "
         "router.pd_decode_leg: after_prefill; the default opens both at once)",
     )

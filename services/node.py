@@ -33,14 +33,12 @@ from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.engine_watchdog import EngineWatchdog
 from services.memwatch import resident_bytes, start_memwatch
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
-from services.steps_frontend import FrontendProcess
 from services.steps_socket import StepsFront
 
 logger = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the process exits with it after its engine thread died
 ENGINE_DEATH_LINGER_S = 1.0  # NOT_SERVING is visible this long before the process exits
 STAGE_WATCH_S = 0.5  # how often the node checks that its pipeline stage processes live
-FRONTEND_STALL_S = 5.0  # a front-end process silent this long takes the node out of service
 
 
 class InjectedEngineFault(BaseException):
@@ -77,11 +75,6 @@ class NodeBase:
             raise ConfigError(
                 f"tp={tp} on {opts.role} node {opts.name}: TP with KV transfer is not supported yet "
                 "(docs/architecture.md, Tensor parallelism); use tp: 1 on prefill and decode nodes"
-            )
-        if opts.frontend not in ("socket", "process"):
-            raise ConfigError(
-                f"frontend {opts.frontend!r} of node {opts.name}: use socket or process (with "
-                "frontend_port), or no frontend_port for the node's own gRPC port"
             )
         if opts.frontend_port is not None:
             if opts.role is Role.PREFILL:
@@ -130,13 +123,11 @@ class NodeBase:
         self.drain_gate: DrainGate | None = None  # set by serve(); Steps admits through it too
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(self))
-        # Set once the Steps port listens (frontend_port): LoadReport.steps_address (a front-end
-        # process, gRPC) or steps_socket (this process's Steps socket).
-        self.steps_address = ""
+        # Decode / colocated: set once the Steps socket listens (LoadReport.steps_socket).
         self.steps_socket = ""
-        self.frontend: FrontendProcess | StepsFront | None = None
+        self.frontend: StepsFront | None = None
         # Set with readiness (health SERVING): until then GetLoad answers UNAVAILABLE, so a router
-        # polling a starting node never takes it before its front end's steps_address is known.
+        # polling a starting node never takes it before its Steps socket is known.
         self.started = False
         self.engine_watchdog: EngineWatchdog | None = (
             None  # set by serve(): step_timeout_s on the engine thread
@@ -256,14 +247,14 @@ class NodeBase:
                 registry=self.registry,
                 max_receive_bytes=self.receive_limit_bytes(),
                 metrics_token=self.opts.shared_token if self.opts.metrics_require_token else None,
-                ready=False,  # SERVING below, once the front end (GetLoad's steps_address) is up
+                ready=False,  # SERVING below, once the Steps socket (GetLoad's steps_socket) listens
             )
             self._health = health_servicer
-            if self.opts.frontend_port is not None:
+            if getattr(self, "steps_servicer", None) is not None:  # decode / colocated
                 frontend = self.frontend = await self._start_frontend()
             membership = await start_membership(self)
         except BaseException:
-            # A port in use, a front end that did not start, Redis unreachable: undo what started
+            # A port in use, a Steps socket that did not start, Redis unreachable: undo what started
             # (the transfer engine's threads at interpreter exit otherwise crash the process, and
             # a supervisor would read SIGSEGV instead of the error just logged).
             if frontend is not None:
@@ -299,17 +290,12 @@ class NodeBase:
         watchdog = None
         if isinstance(self.engine.runner, (PipelineRunner, TPModelRunner)):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
-        fe_watch = None
-        if isinstance(frontend, FrontendProcess):
-            fe_watch = asyncio.create_task(self._watch_frontend(frontend, health_servicer))
         await stop.wait()
         engine_watch.cancel()
         for t in mem_tasks:
             t.cancel()
         if watchdog is not None:
             watchdog.cancel()
-        if fe_watch is not None:
-            fe_watch.cancel()
         if self._drain_on_stop:
             await drain(self, gate, health_servicer, membership)
         elif membership is not None:
@@ -379,57 +365,26 @@ class NodeBase:
         self.exit_code = 1
         self._stop_event.set()
 
-    async def _start_frontend(self) -> FrontendProcess | StepsFront:
-        """The Steps port (``frontend: socket``: this process's TCP port; ``process``: a
-        front-end process, services/steps_frontend.py); returns once it listens, raises OSError
-        naming the port if it cannot."""
+    async def _start_frontend(self) -> StepsFront:
+        """The Steps socket (services/steps_socket.py) on ``frontend_port`` (None or 0: any free
+        port); returns once it listens, raises OSError naming the port if it cannot."""
         servicer = getattr(self, "steps_servicer", None)
-        assert servicer is not None, "frontend_port on a node without a Steps servicer"
-        assert self.opts.frontend_port is not None
-        fe: FrontendProcess | StepsFront
-        if self.opts.frontend == "socket":
-            fe = StepsFront(
-                servicer,
-                self.opts.host,
-                self.opts.frontend_port,
-                self.opts.shared_token,
-                hello_timeout_s=self.opts.steps_hello_timeout_s,
-                max_pending_per_peer=self.opts.steps_max_pending_per_peer,
-            )
-        else:
-            fe = FrontendProcess(
-                servicer,
-                self.opts.host,
-                self.opts.frontend_port,
-                self.opts.shared_token,
-                max_receive_bytes=self.receive_limit_bytes(),
-            )
+        assert servicer is not None, "a Steps socket on a node without a Steps servicer"
+        fe = StepsFront(
+            servicer,
+            self.opts.host,
+            self.opts.frontend_port or 0,
+            self.opts.shared_token,
+            hello_timeout_s=self.opts.steps_hello_timeout_s,
+            max_pending_per_peer=self.opts.steps_max_pending_per_peer,
+        )
         await fe.start()
         host = (self.opts.advertise_address or f"{self.opts.host}:{self.opts.grpc_port}").rsplit(":", 1)[0]
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 literal
-        address = f"{host}:{fe.port}"
-        if isinstance(fe, StepsFront):
-            self.steps_socket = address
-        else:
-            self.steps_address = address
-        logger.info("node %s: %s on %s", self.opts.name, fe.describe(), address)
+        self.steps_socket = f"{host}:{fe.port}"
+        logger.info("node %s: Steps socket on %s", self.opts.name, self.steps_socket)
         return fe
-
-    async def _watch_frontend(self, fe: FrontendProcess, health_servicer: Any) -> None:
-        """A dead front-end process takes the node out of service, as a dead stage does; so does
-        one that stopped answering its heartbeat for FRONTEND_STALL_S (SIGSTOP, a wedged loop):
-        the router's streams through it are stuck, and a supervisor restarts the node whole."""
-        while fe.alive():
-            silent = fe.heartbeat()
-            if silent > FRONTEND_STALL_S:
-                await self._out_of_service(
-                    f"its Steps front-end process (pid {fe.pid}) has not answered for {silent:.0f} s",
-                    health_servicer,
-                )
-                return
-            await asyncio.sleep(STAGE_WATCH_S)
-        await self._out_of_service(f"its Steps front-end process exited ({fe.exitcode})", health_servicer)
 
     def request_stop(self, drain: bool = False) -> None:
         """Stop serving; ``drain`` as on SIGTERM (tests of the drain), else at once (other tests)."""
@@ -472,7 +427,6 @@ class NodeBase:
             block_size=eng.kv.block_size,
             stages=self.stage_loads(pb),
             num_ec_reservations=self.ec_reservations(),
-            steps_address=self.steps_address,
             steps_socket=self.steps_socket,
         )
 
@@ -557,10 +511,9 @@ class _NodeCollector:
         if n.frontend is not None:
             yield counter(
                 "frontend_steps_sessions",
-                "Steps streams served on the node's Steps port (its socket or front-end process)",
+                "Steps streams served on the node's Steps socket",
                 n.frontend.sessions_total,
             )
-        if isinstance(n.frontend, StepsFront):
             yield counter(
                 "steps_socket_refused",
                 "Connections to the Steps socket closed before a stream: no hello in time, a wrong "

@@ -1,9 +1,7 @@
 """The engine thread writes a Steps stream's tokens to the stream's socket itself.
 
-With the Steps socket (``frontend: socket``, the default; services/steps_socket.py) the node's
-side of each stream is the router's TCP connection; with a front-end process (``frontend:
-process``, services/steps_frontend.py) it is a Unix socket to that process. Plain token deltas of that stream do not go
-through the node's event loop: after a step the engine thread builds the stream's ``StepBatch``,
+On the Steps socket (services/steps_socket.py) the node's side of each stream is the router's
+TCP connection. Plain token deltas of that stream do not go through the node's event loop: after a step the engine thread builds the stream's ``StepBatch``,
 serializes it and hands the frame to the socket (non-blocking). The event loop is not woken per
 step, so it does not take the GIL from the engine thread once per step (the stall that cost the
 served path 20-30% at low concurrency on CPU, docs/benchmarks.md, "The served path on CPU").
@@ -14,7 +12,7 @@ bookkeeping (the request's task ends, the engine loop releases it) -- the finish
 is written here, in step order with the request's other deltas. Non-streaming requests' flush
 interval is kept here too (``DirectSteps.hold``).
 
-The engine never waits for the front end: what the socket does not take at once is kept, in
+The engine never waits for the router: what the socket does not take at once is kept, in
 order, and the event loop writes it when the socket is writable again; while anything waits,
 later frames queue behind it.
 """
@@ -35,7 +33,7 @@ from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 
 logger = logging.getLogger(__name__)
-# Bytes queued for a front end that does not read (stopped, wedged) before the session is given
+# Bytes queued for a router connection that does not read (stopped, wedged) before the session is given
 # up: its requests are aborted instead of the engine's frames piling up in memory.
 MAX_PENDING_BYTES = 64 << 20
 
@@ -45,8 +43,7 @@ MAX_FRAME = channel.MAX_MESSAGE_BYTES
 
 
 def frame(data: bytes) -> bytes:
-    """One frame of a Steps socket (the front end's Unix socket, or the router's TCP connection
-    with ``frontend: socket``): a 4-byte big-endian length, then ``data``."""
+    """One frame of a Steps socket connection: a 4-byte big-endian length, then ``data``."""
     return len(data).to_bytes(4, "big") + data
 
 
@@ -121,7 +118,7 @@ class SocketFrames:
                 data = data[sent:]
             self._pending += data
             if len(self._pending) > self._max_pending:
-                self._fail(OSError(f"the front end read nothing while {len(self._pending)} bytes queued"))
+                self._fail(OSError(f"the router read nothing while {len(self._pending)} bytes queued"))
                 return
             if not self._watching:
                 self._watching = True
@@ -130,7 +127,7 @@ class SocketFrames:
     def _fail(self, e: OSError) -> None:  # under the lock
         if self.closed:
             return
-        logger.info("Steps socket write failed (the front end went away?): %r", e)
+        logger.info("Steps socket write failed (the router went away?): %r", e)
         self.closed = True
         self._pending.clear()
         if self._on_fail is not None:

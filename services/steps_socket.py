@@ -1,28 +1,24 @@
-"""A node's Steps streams on plain sockets: the session, and the router's TCP port.
+"""A node's Steps socket: the router's token streams, on a TCP port of length-prefixed frames.
 
 A decode or colocated node serves the router's token streams (``Steps``: commands in, one
-``StepBatch`` per engine step out) in one of three shapes (``nodes[].frontend``):
+``StepBatch`` per engine step out) here, and only here::
 
-    socket   (the default)  router --TCP, length-prefixed frames--> node (this module)
-    process                 router --gRPC--> front-end process --Unix socket frames--> node
-                            (services/steps_frontend.py)
-    inline                  router --gRPC--> the node's own gRPC server
+    router --TCP, length-prefixed frames (one connection = one stream)--> node
 
-On both sockets the node's end is :class:`StepsSocketServer`: its event loop reads
-``StepCommand`` frames (admissions, aborts) and its **engine thread writes each step's token
-deltas to the socket itself** (services/steps_direct.py), so neither the event loop nor any
-HTTP/2 work sits between a step and the router. ``frontend: socket`` drops the front-end
-process and gRPC's per-message work on both ends of the hot stream: on the 2-core VM the time
-to first token at one stream fell from 6.2 to 4.1 ms in a hop probe and its p50 from 6.1 to
-5.1 ms through bench/served.py (docs/benchmarks.md, "The Steps socket"). Everything else between router
-and node stays gRPC (GetLoad, Abort, Decode, PushKV).
+The node's end is :class:`StepsSocketServer`: its event loop reads ``StepCommand`` frames
+(admissions, aborts) and its **engine thread writes each step's token deltas to the socket
+itself** (services/steps_direct.py), so neither the event loop nor any HTTP/2 work sits between
+a step and the router. Against gRPC through a front-end process, on the 2-core VM the time to
+first token at one stream fell from 6.2 to 4.1 ms in a hop probe and its p50 from 6.1 to 5.1
+ms through bench/served.py (docs/benchmarks.md, "The Steps socket"). Everything else between
+router and node stays gRPC (GetLoad, Abort, PushKV).
 
 The TCP port speaks, per connection (one connection = one Steps stream):
 
     router -> node   StepsHello {token}              first frame, within hello_timeout_s
     node -> router   StepsWelcome {code, details}    OK, or UNAUTHENTICATED and the node closes
-    router -> node   StepCommand frames              as on the gRPC stream
-    node -> router   StepBatch frames                as on the gRPC stream; a batch with
+    router -> node   StepCommand frames              starts and aborts of decode legs
+    node -> router   StepBatch frames                each step's deltas and ends; a batch with
                                                      ``stream_end`` is the last (the stream's status)
 
 Frames: a 4-byte big-endian length, then the message. Before the hello is accepted a frame may
@@ -42,7 +38,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -90,34 +85,17 @@ def end_frame(code: grpc.StatusCode, details: str) -> bytes:
 
 
 class StepsSocketServer:
-    """The node's end of Steps streams on sockets: each connection ``serve`` gets is one stream
-    of ``servicer`` (``DecodeServicer.steps_session``)."""
+    """The node's end of Steps streams: each connection ``serve`` gets is one stream of
+    ``servicer`` (``DecodeServicer.steps_session``)."""
 
     def __init__(self, servicer: Any) -> None:
         self.servicer = servicer
-        self._server: asyncio.AbstractServer | None = None
         self.sessions_total = 0
 
-    async def start_unix(self, path: str) -> None:
-        """Listen on a Unix socket only this user reaches (the front-end process connects)."""
-        self._server = await asyncio.start_unix_server(self.serve, path=path)
-        os.chmod(path, 0o600)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-
-    async def serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, eof_ends: bool = False
-    ) -> None:
-        """One Steps stream on an accepted connection, until either side ends it.
-
-        End of stream from the peer: with ``eof_ends`` (the router's own TCP connection, which
-        closes only when it is done with the stream) every request of the stream is aborted at
-        once; without it (the front end relaying a gRPC half-close) the requests that run
-        finish first."""
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One Steps stream on an accepted connection, until either side ends it. The router
+        closes its connection only when it is done with the stream: end of stream from it aborts
+        every request of the stream at once."""
         self.sessions_total += 1
         session = asyncio.current_task()
         ending: str | None = None  # why this side ends the stream (the peer is gone, or erred)
@@ -149,9 +127,8 @@ class StepsSocketServer:
                 try:
                     data = await read_frame(reader)
                     if data is None:
-                        if eof_ends:
-                            end("the router closed the stream")
-                        return  # else: a half-close; what runs finishes first
+                        end("the router closed the stream")
+                        return
                     cmd = pb.StepCommand.FromString(data)
                 except DecodeError as e:
                     end(f"malformed StepCommand: {e}", grpc.StatusCode.INVALID_ARGUMENT)
@@ -185,12 +162,11 @@ class StepsSocketServer:
 
 
 class StepsFront:
-    """``frontend: socket``: the router's Steps streams straight to the node on a TCP port.
+    """The Steps socket: the router's Steps streams straight to the node on a TCP port.
 
     Each connection starts with StepsHello / StepsWelcome (the shared token, if the cluster has
     one; without one any hello is taken, as the gRPC ports take any call), then is one
-    :class:`StepsSocketServer` stream. The node's ``_start_frontend`` uses this or a
-    ``FrontendProcess`` (``frontend: process``) through the same few members."""
+    :class:`StepsSocketServer` stream. The node's ``_start_frontend`` starts it."""
 
     def __init__(
         self,
@@ -268,7 +244,7 @@ class StepsFront:
             finally:
                 self._waiting.pop(writer, None)
             if ok and not self._stopping:
-                await self.sessions.serve(reader, writer, eof_ends=True)
+                await self.sessions.serve(reader, writer)
         except asyncio.CancelledError:
             if not self._stopping:
                 raise

@@ -9,7 +9,7 @@ nodes are :class:`~pdserve.config.cluster.ClusterConfig`'s.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -55,6 +55,13 @@ class FaultsConfig(_Frozen):
 
 
 class NodeConfig(_Frozen):
+    REMOVED_KEYS = {
+        "frontend": (
+            "decode and colocated nodes serve the router's token streams on their own Steps socket "
+            "(TCP frames; its port: frontend_port), the engine thread writing each step's tokens "
+            "to it; the front-end process and the Steps streams on the gRPC port are gone"
+        ),
+    }
     name: str
     role: Role  # service type
     model: str  # checkpoint folder; filled from the file's top-level `model` when omitted
@@ -123,33 +130,19 @@ class NodeConfig(_Frozen):
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
-    # Decode / colocated: who serves the router's Steps streams (the token streams).
-    #   socket (the default there): the node itself, on a TCP port of length-prefixed frames
-    #     (services/steps_socket.py); the engine thread writes token deltas to the router's
-    #     connection directly, no gRPC and no other process on the hot path;
-    #   process: a front-end process speaking gRPC to the router (services/steps_frontend.py);
-    #     the engine thread writes token deltas to it over a Unix socket;
-    #   inline: the node's own gRPC server, one process.
-    # None: socket on decode and colocated nodes; prefill nodes serve no Steps streams.
-    frontend: Literal["socket", "process", "inline"] | None = None
-    # The Steps port (socket, process); None or 0: any free port (the router learns it from GetLoad).
+    # Decode / colocated: the port of the node's Steps socket, where the router's token streams
+    # come (TCP, length-prefixed frames; services/steps_socket.py); None or 0: any free port (the
+    # router learns it from GetLoad). Prefill nodes serve no Steps streams.
     frontend_port: int | None = Field(default=None, ge=0, le=65535)
-    # The Steps socket (frontend: socket): a connection must send its hello within
+    # The Steps socket: a connection must send its hello within
     # steps_hello_timeout_s, and at most steps_max_pending_per_peer connections from one peer
     # address wait for theirs (a newer one closes the oldest; services/steps_socket.py).
     steps_hello_timeout_s: float = Field(default=1.0, gt=0, le=1.0)
     steps_max_pending_per_peer: int = Field(default=4, ge=1, le=1024)
 
-    def steps_frontend(self) -> str | None:
-        """Who serves this node's Steps streams on ``steps_port``: socket | process; None: the
-        node's own gRPC port (inline), or no Steps streams at all (prefill)."""
-        if not self.role.decodes or self.frontend == "inline":
-            return None
-        return self.frontend or "socket"
-
     def steps_port(self) -> int | None:
-        """The port of this node's Steps socket or front-end process (0: any free one); None: none."""
-        return None if self.steps_frontend() is None else (self.frontend_port or 0)
+        """The port of this node's Steps socket (0: any free one); None: it serves none (prefill)."""
+        return (self.frontend_port or 0) if self.role.decodes else None
 
     @field_validator("name")
     @classmethod
@@ -193,25 +186,14 @@ class NodeConfig(_Frozen):
                 f"node {self.name!r}: gpu_memory_utilization {self.gpu_memory_utilization} is not used "
                 f"({why}); remove it"
             )
-        if not self.role.decodes:
-            for key, value in (("frontend", self.frontend), ("frontend_port", self.frontend_port)):
-                if value is not None:
-                    raise ConfigError(
-                        f"node {self.name!r}: {key} {value} is for decode and colocated nodes (the "
-                        f"router's Steps streams); a {self.role} node serves none: remove it"
-                    )
-        elif self.frontend == "inline" and self.frontend_port is not None:
-            raise ConfigError(
-                f"node {self.name!r}: frontend_port {self.frontend_port} with frontend: inline (the "
-                "node's own gRPC port serves the Steps streams): remove frontend_port or set "
-                "frontend: socket or process"
-            )
         steps_keys = {"steps_hello_timeout_s", "steps_max_pending_per_peer"} & self.model_fields_set
-        if steps_keys and self.steps_frontend() != "socket":
+        if self.frontend_port is not None:
+            steps_keys.add("frontend_port")
+        if self.steps_port() is None and (set_keys := sorted(steps_keys)):
             raise ConfigError(
-                f"node {self.name!r}: {sorted(steps_keys)} act on the Steps socket (decode and "
-                f"colocated nodes with frontend: socket), which a {self.role} node with frontend "
-                f"{self.frontend} does not serve: remove them"
+                f"node {self.name!r}: {', '.join(set_keys)} act on the Steps socket (the router's "
+                f"token streams) of decode and colocated nodes; a {self.role} node serves none: "
+                "remove them"
             )
         expected = KV_ROLE_OF_ROLE[self.role]
         if self.kv_role is not None and self.kv_role != expected:

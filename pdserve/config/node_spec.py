@@ -177,14 +177,8 @@ class NodeSpec:
     def ec_fetch_timeout_s(self) -> float:
         return self.node.ec_fetch_timeout_s
 
-    # The router's Steps streams (decode / colocated): "socket" (this process's TCP port of
-    # length-prefixed frames, services/steps_socket.py) or "process" (a front-end process's gRPC
-    # port, services/steps_frontend.py) on frontend_port (0: any free port); frontend_port None:
-    # the node's own gRPC port serves them.
-    @property
-    def frontend(self) -> str:
-        return self.node.steps_frontend() or "socket"
-
+    # The router's Steps streams (decode / colocated): the Steps socket (services/steps_socket.py)
+    # on frontend_port (0: any free port); None: the node serves none (prefill).
     @property
     def frontend_port(self) -> int | None:
         return self.node.steps_port()

@@ -15,6 +15,12 @@ from pdserve.errors import ConfigError
 
 
 class RouterConfig(_Frozen):
+    REMOVED_KEYS = {
+        "decode_stream": (
+            "the router always carries decode legs on each decode node's Steps socket (one stream "
+            "per node, each step's tokens of all its legs in one frame)"
+        ),
+    }
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)  # OpenAI HTTP API and /metrics
     api_key: str | None = None  # clients send "Authorization: Bearer <api_key>" when set
@@ -60,21 +66,19 @@ class RouterConfig(_Frozen):
     # node, which makes their text.
     detokenize: Literal["router", "node"] = "router"
     encode_timeout_s: float = Field(default=60.0, gt=0)  # router -> encoder Encode call
-    # How decode legs reach a node: multiplexed = one Steps stream per node carrying
-    # batched deltas of every leg; per_request = one Decode stream per leg (a message per token).
-    decode_stream: Literal["multiplexed", "per_request"] = "multiplexed"
-    # Non-streaming requests on the multiplexed stream: the node holds their tokens and sends them
+    # Non-streaming requests (decode legs travel on one Steps stream per decode node, batched
+    # deltas of every leg, services/router/step_mux.py): the node holds their tokens and sends them
     # at most every this many ms (and at their end) instead of with every step; 0 = every step.
     # Must stay well under inter_token_timeout_s, which also bounds the gap between their messages.
     nonstream_flush_ms: int = Field(default=100, ge=0, le=60_000)
-    # Streaming requests on the multiplexed stream, likewise (vLLM's stream_interval, in time):
+    # Streaming requests, likewise (vLLM's stream_interval, in time):
     # the first token at once, then a stream's tokens merged into one message and one SSE event
     # at most every this many ms, and the finish at once; 0 = every engine step. A stream whose
     # tokens come slower than this (most GPU serving) is not touched; a faster one (a small model,
     # a CPU host) gets them in groups, at 100 events/s at most by default, and its node, router
     # and client spend that much less per token (docs/benchmarks.md, "Streamed tokens grouped").
     stream_flush_ms: int = Field(default=10, ge=0, le=60_000)
-    # When a P/D request's decode leg opens (multiplexed only): with_prefill = together with the
+    # When a P/D request's decode leg opens: with_prefill = together with the
     # prefill leg, so decode allocates and asks for the KV while the prompt is prefilled and the
     # pull brings the first token; after_prefill = once the first token is back (one leg, then
     # the other). A failed early pull is re-driven by the router as a failed pull is under
@@ -86,27 +90,8 @@ class RouterConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> RouterConfig:
-        # Both have non-zero defaults, which per_request does without; an explicit one is refused.
-        held = {
-            "nonstream_flush_ms": "nonstream_flush_ms" in self.model_fields_set,
-            "stream_flush_ms": "stream_flush_ms" in self.model_fields_set and self.stream_flush_ms > 0,
-        }
-        if (
-            self.decode_stream == "per_request"
-            and self.pd_decode_leg == "with_prefill"
-            and ("pd_decode_leg" in self.model_fields_set)
-        ):
-            raise ConfigError(
-                "router.pd_decode_leg with_prefill needs router.decode_stream multiplexed (the Steps "
-                "stream); per_request opens the decode leg after the prefill leg"
-            )
-        for name, asked in held.items():
+        for name in ("nonstream_flush_ms", "stream_flush_ms"):
             ms = getattr(self, name)
-            if self.decode_stream == "per_request" and asked:
-                raise ConfigError(
-                    f"router.{name} ({ms}) needs router.decode_stream multiplexed (the Steps "
-                    "stream); per_request sends every step's tokens"
-                )
             if ms / 1000.0 > self.inter_token_timeout_s / 2:
                 raise ConfigError(
                     f"router.{name} ({ms}) is over half of router.inter_token_timeout_s "

@@ -411,7 +411,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations", "steps_address", "steps_socket")
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "stages", "num_ec_reservations", "steps_socket")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -427,7 +427,6 @@ class LoadReport(_message.Message):
     NUM_PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_EC_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
-    STEPS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEPS_SOCKET_FIELD_NUMBER: _ClassVar[int]
     node: str
     role: str
@@ -444,9 +443,8 @@ class LoadReport(_message.Message):
     num_pushes_in_flight: int
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     num_ec_reservations: int
-    steps_address: str
     steps_socket: str
-    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_address: _Optional[str] = ..., steps_socket: _Optional[str] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_socket: _Optional[str] = ...) -> None: ...
 
 class StepsHello(_message.Message):
     __slots__ = ("token",)

@@ -486,11 +486,6 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_rpc_dot_node__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_rpc_dot_node__pb2.Delta.FromString,
                 _registered_method=True)
-        self.Steps = channel.stream_stream(
-                '/pdserve.rpc.DecodeService/Steps',
-                request_serializer=pdserve_dot_rpc_dot_node__pb2.StepCommand.SerializeToString,
-                response_deserializer=pdserve_dot_rpc_dot_node__pb2.StepBatch.FromString,
-                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.rpc.DecodeService/Abort',
                 request_serializer=pdserve_dot_rpc_dot_node__pb2.AbortRequest.SerializeToString,
@@ -507,13 +502,9 @@ class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Steps(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """One request's deltas on its own stream: for clients of a node alone (tests, bench/serve.py);
+        the router's decode legs travel on the Steps socket (StepCommand / StepBatch frames).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -537,11 +528,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_rpc_dot_node__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_rpc_dot_node__pb2.Delta.SerializeToString,
-            ),
-            'Steps': grpc.stream_stream_rpc_method_handler(
-                    servicer.Steps,
-                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.StepCommand.FromString,
-                    response_serializer=pdserve_dot_rpc_dot_node__pb2.StepBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -581,33 +567,6 @@ class DecodeService:
             '/pdserve.rpc.DecodeService/Decode',
             pdserve_dot_rpc_dot_node__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_rpc_dot_node__pb2.Delta.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Steps(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/pdserve.rpc.DecodeService/Steps',
-            pdserve_dot_rpc_dot_node__pb2.StepCommand.SerializeToString,
-            pdserve_dot_rpc_dot_node__pb2.StepBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -230,26 +230,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             node.kv_consumer.forget(request.request_id)
             await gen.aclose()
 
-    async def Steps(
-        self, request_iterator: AsyncIterator[pb.StepCommand], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.StepBatch]:
-        """Every request of one router connection on one stream (see node.proto's StepBatch)."""
-        async for batch in self.steps_session(request_iterator):
-            yield batch
-
     async def steps_session(
-        self, request_iterator: AsyncIterator[pb.StepCommand], direct: DirectSteps | None = None
+        self, request_iterator: AsyncIterator[pb.StepCommand], direct: DirectSteps
     ) -> AsyncIterator[pb.StepBatch]:
-        """One Steps stream, whatever carries it: this node's gRPC server, or the front-end
-        process's socket (services/steps_frontend.py).
+        """One Steps stream: one router connection to the Steps socket (services/steps_socket.py),
+        every decode leg the router has on this node.
 
-        Each request runs as a task that merges its deltas into the outbox; the writer sends the
-        whole outbox as one batch whenever the previous write is done. The engine thread never
-        waits for this: a slow reader only makes the next batch larger. The stream ending (the
-        router went away) cancels every request's task, which aborts it on the engine.
-
-        ``direct`` (the front end's socket): the engine thread writes the requests' token deltas
-        itself (services/steps_direct.py); what this yields is only ends and error deltas."""
+        The engine thread writes the requests' token deltas to the connection itself
+        (``direct``, services/steps_direct.py). Each request runs as a task whose ends, refusals
+        and error deltas go into the outbox; this yields the outbox as one batch whenever the
+        previous write is done. The stream ending (the router went away) cancels every request's
+        task, which aborts it on the engine."""
         outbox = Outbox()
         tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -296,12 +287,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 t.cancel()
             await asyncio.gather(reader, *pending, return_exceptions=True)
 
-    async def _step_request(
-        self, request: pb.DecodeRequest, outbox: Outbox, direct: DirectSteps | None = None
-    ) -> None:
-        """One request of a Steps stream: admit it, then let the engine loop hand its deltas
-        straight to the outbox (a callback per step, no task wake-up per step); this task only
-        waits for the end. Cancelling it (router abort, stream gone) aborts the request."""
+    async def _step_request(self, request: pb.DecodeRequest, outbox: Outbox, direct: DirectSteps) -> None:
+        """One request of a Steps stream: admit it; the engine thread writes its token deltas
+        (``direct``) and hands the rest to the outbox (a callback per step, no task wake-up per
+        step); this task only waits for the end. Cancelling it (router abort, stream gone)
+        aborts the request."""
         node = self.node
         rid = request.request_id
         gate = node.drain_gate
@@ -317,13 +307,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             assert loop is not None
             ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             interval = request.flush_interval_ms / 1000.0
-            if direct is not None and interval > 0:
+            if interval > 0:
                 direct.hold(rid, interval)  # merged on the engine thread, as Outbox would
 
             def on_delta(d: GenerationDelta) -> None:
                 if ended.done():
                     return
-                if direct is not None and direct.takes(d):
+                if direct.takes(d):
                     # the engine thread wrote it; only its end is this callback's (finishing deltas)
                     if d.finish_reason is not None:
                         ended.set_result(None)
@@ -360,8 +350,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             # every exit drops the request's KV record: a refusal, a failed admit, the end, and a
             # cancellation while admitting (the router aborted or its stream went away)
             node.kv_consumer.forget(rid)
-            if direct is not None:
-                direct.forget(rid)
+            direct.forget(rid)
             if gate is not None:
                 gate.active -= 1
 

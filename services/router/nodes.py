@@ -22,7 +22,7 @@ from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.breaker import CircuitBreaker, is_node_fault
-from services.router.step_mux import GrpcSteps, SocketSteps, StepMux, StepsStream
+from services.router.step_mux import STEPS_CONNECT_TIMEOUT_S, SocketSteps, StepMux, status_error
 
 logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.5
@@ -46,11 +46,7 @@ class NodeHandle:
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
     pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
     mux: StepMux | None = None  # decode-capable nodes: the shared Steps stream (made on first use)
-    # GetLoad's steps_socket / steps_address: where the node's Steps streams go when not to its
-    # gRPC port (node frontend_port: its Steps socket, or its front-end process's gRPC port)
-    steps_socket: str = ""
-    steps_address: str = ""
-    steps_channel: grpc.aio.Channel | None = None  # a front-end process's gRPC channel
+    steps_socket: str = ""  # GetLoad's steps_socket: where the node's Steps streams go ("host:port")
 
     @property
     def available(self) -> bool:
@@ -79,18 +75,13 @@ class RouterPolicy:
     inter_token_timeout_s: float = 15.0  # between two deltas of a decode stream
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
-    # multiplexed: every decode leg on a node shares one Steps stream (batched deltas);
-    # per_request: one Decode stream per leg (one message per token).
-    decode_stream: str = "multiplexed"
-    nonstream_flush_ms: int = 100  # multiplexed, BackendRequest.streamed false: node-side batching
-    stream_flush_ms: int = 0  # multiplexed, streamed: the same batching when > 0 (router.stream_flush_ms)
-    # with_prefill: a P/D request's decode leg opens with its prefill leg (multiplexed only);
+    nonstream_flush_ms: int = 100  # BackendRequest.streamed false: node-side batching
+    stream_flush_ms: int = 0  # streamed: the same batching when > 0 (router.stream_flush_ms)
+    # with_prefill: a P/D request's decode leg opens with its prefill leg;
     # after_prefill: once the first token is back (router.pd_decode_leg)
     pd_decode_leg: str = "after_prefill"
 
     def __post_init__(self) -> None:
-        if self.decode_stream not in ("multiplexed", "per_request"):
-            raise ValueError(f"decode_stream {self.decode_stream!r}: use multiplexed or per_request")
         if self.pd_decode_leg not in ("with_prefill", "after_prefill"):
             raise ValueError(f"pd_decode_leg {self.pd_decode_leg!r}: use with_prefill or after_prefill")
 
@@ -177,8 +168,6 @@ class NodePool:
             if n.mux is not None:
                 await n.mux.close()
             await n.channel.close()
-            if n.steps_channel is not None:
-                await n.steps_channel.close()
 
     async def _poll_one(self, n: NodeHandle) -> None:
         stub = (
@@ -193,18 +182,11 @@ class NodePool:
             n.block_size = rep.block_size or n.block_size
             n.num_blocks_total = rep.num_blocks_total
             n.pp_size = max(1, len(rep.stages))
-            if (rep.steps_socket, rep.steps_address) != (n.steps_socket, n.steps_address):
-                # A (re)started node with another Steps port, or none any more: the next leg
-                # opens its Steps stream there (a stream still open ends with its node).
-                n.steps_socket, n.steps_address = rep.steps_socket, rep.steps_address
-                old, n.steps_channel = n.steps_channel, None
-                if rep.steps_address and not rep.steps_socket:
-                    n.steps_channel = grpc.aio.insecure_channel(rep.steps_address, options=channel.OPTIONS)
+            if rep.steps_socket != n.steps_socket:
+                # A (re)started node with another Steps port: the next leg opens its Steps
+                # stream there (a stream still open ends with its node).
+                n.steps_socket = rep.steps_socket
                 n.mux = None
-                if old is not None:
-                    closing = asyncio.get_running_loop().create_task(old.close(grace=30.0))
-                    self._tasks.add(closing)
-                    closing.add_done_callback(self._tasks.discard)
             if rep.epoch and rep.epoch != n.epoch:
                 if n.epoch:
                     note_new_epoch(n, rep.epoch)
@@ -253,7 +235,7 @@ class NodePool:
         return any(n.available for n in self.decode)
 
     # -- choosing nodes ---------------------------------------------------------------------------
-    def _pick(
+    def pick(
         self, nodes: list[NodeHandle], key: bytes | None, exclude: frozenset[str] | set[str] = frozenset()
     ) -> NodeHandle:
         live = [n for n in nodes if n.available and n.name not in exclude] or [
@@ -281,17 +263,25 @@ class NodePool:
             n.mux = StepMux(self._steps_connector(n), on_open=opened.inc, on_break=broken.inc)
         return n.mux
 
-    def _steps_connector(self, n: NodeHandle) -> Callable[[], Awaitable[StepsStream]]:
-        """How ``n``'s StepMux opens a stream: its Steps socket, or gRPC (front end or own port)."""
-        address, token, md = n.steps_socket, self._token, self._md
-        if address:
-            return lambda: SocketSteps.connect(address, token)
-        ch = n.steps_channel or n.channel
+    def _steps_connector(self, n: NodeHandle) -> Callable[[], Awaitable[SocketSteps]]:
+        """How ``n``'s StepMux opens a stream: a connection to its Steps socket, at the address
+        its GetLoad reports (asked here when no poll has answered yet: a leg right after start)."""
+        token, md = self._token, self._md
 
-        async def grpc_steps() -> StepsStream:
-            return GrpcSteps(ch, md)
+        async def connect() -> SocketSteps:
+            if not n.steps_socket:
+                rep = await pb_grpc.DecodeServiceStub(n.channel).GetLoad(
+                    pb.LoadRequest(), timeout=STEPS_CONNECT_TIMEOUT_S, metadata=md
+                )
+                n.steps_socket = rep.steps_socket
+            if not n.steps_socket:
+                raise status_error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"node {n.name} reports no Steps socket: is it a decode or colocated node?",
+                )
+            return await SocketSteps.connect(n.steps_socket, token)
 
-        return grpc_steps
+        return connect
 
 
 def record_leg_result(n: NodeHandle, code: grpc.StatusCode) -> None:

@@ -1,12 +1,16 @@
-"""The router's real backend: runs the request lifecycle over prefill and decode nodes (docs/design.md §2).
+"""The router's real backend: the request lifecycle over prefill and decode nodes (docs/design.md §2).
 
     ACCEPTED -> DISPATCHED(P, D, transfer_id) -> STREAMING -> DONE | FAILED | CANCELLED
 
 1. pick a path: prompts shorter than ``local_prefill_max_tokens`` (or whose leading blocks the
    decode node has recently seen) are prefilled on the decode node; the rest go to a prefill node;
 2. P.Prefill(transfer_id) returns the first token while P holds the KV under a lease;
-3. D.Decode(transfer_id, first token) pulls the KV from P and streams the rest;
+3. the decode leg (a start on the node's Steps stream, services/router/step_mux.py) pulls the KV
+   from P and streams the rest;
 4. on client disconnect, error or timeout the other leg is cancelled at once (P.Abort / D.Abort).
+
+The order of the legs, retries, fallbacks and re-prefills is ``PDFlow``'s state machine
+(services/router/pd_flow.py); this module makes the legs' calls and keeps their metrics.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
@@ -33,6 +36,7 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
 from services.router.nodes import NodeHandle, NodePool, RouterPolicy, record_leg_result
+from services.router.pd_flow import KVLoadFailedError, PDFlow
 from services.router.step_mux import StepLeg
 
 logger = logging.getLogger(__name__)
@@ -103,144 +107,42 @@ class PDBackend(NodePool):
         seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
         return bool(hashes) and seen >= self.policy.local_prefill_min_hit_frac * len(hashes)
 
-    # -- the lifecycle --------------------------------------------------------------------------
+    # -- the lifecycle (services/router/pd_flow.py) ----------------------------------------------
     async def generate(self, req: BackendRequest) -> AsyncGenerator[GenerationDelta, None]:
         self.start()
-        ids = req.prompt_token_ids
         bs = self.decode[0].block_size
         # Embeddings have no token ids to hash (and image placeholders are the same ids for every
         # image): no affinity, no "seen on decode" shortcut.
-        hashes = hash_prompt_blocks(ids, bs) if req.prompt_embeds is None and not req.mm_items else []
+        hashes = (
+            hash_prompt_blocks(req.prompt_token_ids, bs)
+            if req.prompt_embeds is None and not req.mm_items
+            else []
+        )
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
-        d_node = self._pick(self.decode, key)
+        d_node = self.pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
                 "image_url requests need a prefill node (it fetches or computes the embeddings); none is up"
             )
-        if self.prefill_locally(req, hashes, d_node):
-            self.path_total.labels("local").inc()
-            async for d in self._decode_leg(d_node, req, None, None, []):
-                yield d
+
+        def remember() -> None:
             for h in hashes:
                 d_node.remember_prefix(h)
-            return
-        self.path_total.labels("disaggregated").inc()
-        transfer_id = uuid.uuid4().hex
-        tried: set[str] = set()
-        first: GenerationDelta | None = None
-        p_node: NodeHandle | None = None
-        # router.pd_decode_leg with_prefill: the decode leg opens with the first prefill leg;
-        # dropped if that leg fails (the retries and fallbacks below are serial, as before).
-        early: tuple[Any, str] | None = None
-        try:
-            while first is None:
-                p_node = self._pick(self.prefill, key, tried)
-                if not tried:
-                    early = self._open_early(d_node, req, transfer_id, p_node)
-                tried.add(p_node.name)
-                try:
-                    first = await self._prefill_leg(p_node, req, transfer_id, d_node.pp_size)
-                    p_node.breaker.record_success()
-                except grpc.aio.AioRpcError as e:
-                    if early is not None:
-                        dropping, early = early, None
-                        await self._drop_early(d_node, dropping)
-                    self.leg_failures.labels("prefill", e.code().name).inc()
-                    record_leg_result(p_node, e.code())
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise InvalidRequestError(e.details() or "invalid request") from e
-                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise CapacityError(e.details() or "prefill node is full") from e
-                    if req.mm_items and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        # The image's embedding could not be fetched (encoder gone, entry expired).
-                        raise CapacityError(e.details() or "image embeddings unavailable") from e
-                    p_node.healthy = e.code() not in (
-                        grpc.StatusCode.UNAVAILABLE,
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                    )
-                    logger.warning(
-                        "prefill leg of %s on %s failed: %s %s",
-                        req.request_id,
-                        p_node.name,
-                        e.code().name,
-                        e.details(),
-                    )
-                    if len(tried) >= len(self.prefill) and req.mm_items:
-                        raise CapacityError(
-                            f"every prefill node failed this image request (last: {p_node.name}: "
-                            f"{e.code().name}); retry later"
-                        ) from e
-                    if len(tried) >= len(self.prefill):
-                        # Every prefill node failed: prefill on the decode node instead (no transfer).
-                        self.path_total.labels("local_fallback").inc()
-                        async for d in self._decode_leg(d_node, req, None, None, []):
-                            yield d
-                        return
-        except BaseException:
-            if early is not None:  # cancelled (client gone) or failed while prefilling
-                await asyncio.shield(self._drop_early(d_node, early))
-            raise
-        assert p_node is not None
-        leg: tuple[NodeHandle, str] | None = (p_node, transfer_id)
-        try:
-            yield first
-            if first.finish_reason is not None:
-                if early is not None:
-                    dropping, early = early, None
-                    await self._drop_early(d_node, dropping)
-                await self._abort_prefill(p_node, transfer_id)  # EOS or max_tokens=1: nobody will pull
-                return
-            while True:
-                try:
-                    opened, early = early, None  # read by the first decode leg only
-                    async for d in self._decode_leg(
-                        d_node,
-                        req,
-                        leg[1] if leg else None,
-                        leg[0] if leg else None,
-                        first.token_ids,
-                        opened,
-                    ):
-                        yield d
-                    break
-                except KVLoadFailedError:
-                    # Decode's pull failed under kv_load_failure_policy reprefill (or an early
-                    # pull failed): another prefill node computes the KV again (or, with none
-                    # left, decode prefills it itself) and decode gets the first token this time.
-                    leg = await self._reprefill(req, key, tried, d_node.pp_size)
-        finally:
-            if early is not None:  # the client left before the decode leg was read
-                await asyncio.shield(self._drop_early(d_node, early))
-            p_node.epoch_by_transfer.pop(transfer_id, None)  # when no decode leg read it
-            if leg is not None:
-                leg[0].epoch_by_transfer.pop(leg[1], None)
-        for h in hashes:
-            d_node.remember_prefix(h)
 
-    async def _reprefill(
-        self, req: BackendRequest, key: bytes | None, tried: set[str], d_pp: int = 1
-    ) -> tuple[NodeHandle, str] | None:
-        """A new prefill leg on a node not tried yet; None: decode recomputes (local path)."""
-        while len(tried) < len(self.prefill):
-            p = self._pick(self.prefill, key, tried)
-            tried.add(p.name)
-            tid = uuid.uuid4().hex
-            try:
-                # Its sampled token is dropped: the client has the first one, decode gets that one.
-                await self._prefill_leg(p, req, tid, d_pp)
-            except grpc.aio.AioRpcError as e:
-                self.leg_failures.labels("prefill", e.code().name).inc()
-                record_leg_result(p, e.code())
-                continue
-            p.breaker.record_success()
-            self.path_total.labels("reprefill").inc()
-            return p, tid
-        if req.mm_needs_ec:
-            raise CapacityError("the KV pull failed and no other prefill node can fetch the images")
-        self.path_total.labels("reprefill_local").inc()
-        return None
+        flow = PDFlow(
+            self, req, d_node, key, local=self.prefill_locally(req, hashes, d_node), on_done=remember
+        )
+        async for d in flow.run():
+            yield d
 
-    async def _prefill_leg(
+    # -- pd_flow.LegClient (pick: NodePool's) -------------------------------------------------
+    def count_path(self, path: str) -> None:
+        self.path_total.labels(path).inc()
+
+    def count_leg_failure(self, role: str, code: str) -> None:
+        self.leg_failures.labels(role, code).inc()
+
+    async def prefill_leg(
         self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
     ) -> GenerationDelta:
         stub = pb_grpc.PrefillServiceStub(p.channel)
@@ -264,7 +166,7 @@ class PDBackend(NodePool):
                 resp = await call
             except asyncio.CancelledError:
                 call.cancel()
-                await self._abort_prefill(p, transfer_id)
+                await self.abort_prefill(p, transfer_id)
                 raise
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -276,7 +178,7 @@ class PDBackend(NodePool):
                         p.name,
                         self.policy.prefill_timeout_s,
                     )
-                    self._background(self._abort_prefill(p, transfer_id))
+                    self._background(self.abort_prefill(p, transfer_id))
                 raise
         finally:
             p.in_flight -= 1
@@ -320,32 +222,19 @@ class PDBackend(NodePool):
             first_token_from_prefill=early,
         )
 
-    def _open_call(self, d_node: NodeHandle, msg: pb.DecodeRequest) -> Any:
-        if self.policy.decode_stream == "multiplexed":
-            return self.steps_mux(d_node).open(msg, self.policy.request_timeout_s)
-        stub = pb_grpc.DecodeServiceStub(d_node.channel)  # per_request only: not on the hot path
-        return stub.Decode(msg, timeout=self.policy.request_timeout_s, metadata=self._md)
-
-    def _open_early(
+    def open_early_leg(
         self, d_node: NodeHandle, req: BackendRequest, transfer_id: str, p_node: NodeHandle
-    ) -> tuple[Any, str] | None:
-        """The decode leg opened with the prefill leg (router.pd_decode_leg with_prefill): decode
-        allocates and asks prefill for the KV at once; the pull brings the first token. None
-        where it does not apply (per_request streams, image requests: their legs stay serial)."""
-        if (
-            self.policy.pd_decode_leg != "with_prefill"
-            or self.policy.decode_stream != "multiplexed"
-            or req.mm_items
-        ):
-            return None
+    ) -> tuple[StepLeg, str]:
+        """The decode leg opened with the prefill leg (PDFlow's PREFILL_EARLY): decode allocates
+        and asks prefill for the KV at once; the pull brings the first token."""
         d_node.in_flight += 1
         msg = self._decode_msg(req, transfer_id, p_node, [], early=True)
         # Its own id on the node: a leg opened after it for the same request (another prefill
         # node, the local fallback, a re-prefill) never meets its abort or its bookkeeping.
         msg.request_id = f"{req.request_id}/early"
-        return self._open_call(d_node, msg), msg.request_id
+        return self.steps_mux(d_node).open(msg, self.policy.request_timeout_s), msg.request_id
 
-    async def _drop_early(self, d_node: NodeHandle, early: tuple[Any, str]) -> None:
+    async def drop_early_leg(self, d_node: NodeHandle, early: tuple[StepLeg, str]) -> None:
         """An early decode leg nobody will read (its prefill failed, or the first token ended the
         request, or the client left): stop it and abort it on the node, which frees its blocks
         once its pull ends."""
@@ -354,22 +243,26 @@ class PDBackend(NodePool):
         call.cancel()
         await self._abort_both(d_node, d_rid, None, None)
 
-    async def _decode_leg(
+    async def decode_leg(
         self,
         d_node: NodeHandle,
         req: BackendRequest,
         transfer_id: str | None,
         p_node: NodeHandle | None,
         first_tokens: list[int],
-        early: tuple[Any, str] | None = None,
+        early: tuple[StepLeg, str] | None = None,
     ) -> AsyncGenerator[GenerationDelta, None]:
-        call: Any
+        """One decode leg on ``d_node``'s Steps stream: its deltas, the leg deadlines, and on any
+        end other than the request's finish both legs aborted (the client left) or prefill's hold
+        released (decode failed)."""
+        call: StepLeg
         if early is not None:  # opened with the prefill leg (in_flight counted then), its own id
             call, d_rid = early
         else:
             d_node.in_flight += 1
             d_rid = req.request_id
-            call = self._open_call(d_node, self._decode_msg(req, transfer_id, p_node, first_tokens))
+            msg = self._decode_msg(req, transfer_id, p_node, first_tokens)
+            call = self.steps_mux(d_node).open(msg, self.policy.request_timeout_s)
         # From here (the prefill leg's answer, on the P/D path) to decode's first delta.
         first_delta = self._first_delta_by_path["disaggregated" if transfer_id is not None else "local"]
         t_open = time.monotonic()
@@ -378,10 +271,7 @@ class PDBackend(NodePool):
         try:
             while True:
                 try:
-                    if isinstance(call, StepLeg):  # one timer for both deadlines, none if queued
-                        m = await call.read(deadline)
-                    else:
-                        m = await asyncio.wait_for(call.read(), deadline)
+                    m = await call.read(deadline)  # one timer for both deadlines, none if queued
                 except TimeoutError:
                     # A frozen (SIGSTOPped) or wedged decode node: noticed within the leg's
                     # deadline, not by the request timeout; both legs are cancelled below.
@@ -396,8 +286,6 @@ class PDBackend(NodePool):
                         f"decode node {d_node.name} sent nothing for {deadline:g} s; the request was cancelled",
                     )
                     return
-                if m is grpc.aio.EOF:
-                    break
                 deadline = self.policy.inter_token_timeout_s
                 is_first, streamed = not streamed, True
                 d = convert.delta_from_pb(m)
@@ -411,10 +299,6 @@ class PDBackend(NodePool):
                 yield d
                 if finished:
                     return
-            if not finished:
-                finished = errored = True
-                d_node.breaker.record_failure()
-                yield _error_delta(req, "decode node closed the stream without finishing")
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.ABORTED and _kv_load_failed(e):
                 finished = errored = True  # nothing streamed from decode yet; no node fault
@@ -456,14 +340,14 @@ class PDBackend(NodePool):
                 await asyncio.shield(self._abort_both(d_node, d_rid, p_node, transfer_id))
             elif errored and p_node is not None and transfer_id is not None:
                 # Decode failed (maybe before its pull): make sure prefill lets go of the KV now.
-                await asyncio.shield(self._abort_prefill(p_node, transfer_id))
+                await asyncio.shield(self.abort_prefill(p_node, transfer_id))
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _abort_prefill(self, p: NodeHandle, transfer_id: str) -> None:
+    async def abort_prefill(self, p: NodeHandle, transfer_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await pb_grpc.PrefillServiceStub(p.channel).Abort(
                 pb.AbortRequest(transfer_ids=[transfer_id]), timeout=5.0, metadata=self._md
@@ -486,10 +370,6 @@ class PDBackend(NodePool):
         for r in await asyncio.gather(*tasks, return_exceptions=True):
             if isinstance(r, BaseException):
                 logger.warning("abort after disconnect failed: %s", r)
-
-
-class KVLoadFailedError(Exception):
-    """Decode's KV pull failed and its policy is reprefill: the router re-runs the prefill leg."""
 
 
 def _kv_load_failed(e: grpc.aio.AioRpcError) -> bool:

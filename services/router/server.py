@@ -58,7 +58,6 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             inter_token_timeout_s=r.inter_token_timeout_s,
             breaker_failures=r.breaker_failures,
             breaker_open_s=r.breaker_open_s,
-            decode_stream=r.decode_stream,
             nonstream_flush_ms=r.nonstream_flush_ms,
             stream_flush_ms=r.stream_flush_ms,
             pd_decode_leg=r.pd_decode_leg,

@@ -1,22 +1,23 @@
-"""One multiplexed ``Steps`` stream per decode-capable node.
+"""One multiplexed ``Steps`` stream per decode-capable node: the router's only token path.
 
-Every decode leg the router has on a node shares one bidirectional gRPC stream: a leg's start
-and its abort are commands on it, and each batch the node sends holds one merged delta per
-request (all tokens since its previous batch). The router's gRPC work is then per engine step,
-not per token and stream; a leg whose consumer lags reads everything queued as one delta.
+Every decode leg the router has on a node shares one stream: a leg's start and its abort are
+commands on it, and each batch the node sends holds one merged delta per request (all tokens
+since its previous batch). The router's work is then per engine step, not per token and
+stream; a leg whose consumer lags reads everything queued as one delta.
 
-A leg sees the same interface as a ``Decode`` call (``read()``, ``cancel()``, statuses as
-``grpc.aio.AioRpcError``), so ``PDBackend._decode_leg`` keeps one lifecycle for both. When the
-stream breaks (node gone, restart) every open leg fails with its status (UNAVAILABLE), and the
-next leg opens a new stream.
+The stream is a TCP connection of length-prefixed frames to the node's Steps socket (the
+address in ``LoadReport.steps_socket``; services/steps_socket.py), read with plain asyncio
+streams: no HTTP/2 work per batch on either end, and on the node the engine thread writes each
+step's frame itself (services/steps_direct.py). Against a gRPC stream through a front-end
+process it cut the first token at one stream from 6.2 to 4.1 ms on the 2-core VM and raised
+the served path from 0.81-0.85 to 0.88-0.91 of the in-process engine (docs/benchmarks.md, "The
+Steps socket" and "The served path on CPU").
 
-The stream is carried as the node's load report says: a TCP connection of length-prefixed
-frames straight to the node (``LoadReport.steps_socket``; ``frontend: socket``,
-services/steps_socket.py), which the mux reads with plain asyncio streams, no HTTP/2 work per
-batch on either end; or gRPC (``DecodeService.Steps``, at ``steps_address`` -- the node's
-front-end process -- or on the node's own port). A ``stream_end`` from the node fails every open
-leg UNAVAILABLE (the node's code and reason in the details): it is the stream's failure, not the
-clients' requests'.
+A leg (``read()``, ``cancel()``) reports failures as ``grpc.aio.AioRpcError`` statuses, as the
+other legs' gRPC calls do. When the stream breaks (node gone, restart) every open leg fails
+UNAVAILABLE, and the next leg opens a new stream. A ``stream_end`` from the node fails every
+open leg UNAVAILABLE (the node's code and reason in the details): it is the stream's failure,
+not the clients' requests'.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from google.protobuf.message import DecodeError
 
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
 from pdserve.rpc import node_pb2 as pb
-from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.limits import command_split
 from services.steps_direct import frame, read_frame
 from services.steps_socket import HELLO_MAX_BYTES, tune_stream_socket
@@ -71,7 +71,7 @@ STEPS_CONNECT_TIMEOUT_S = 10.0  # TCP connect + hello / welcome of a Steps socke
 
 
 class StepsStream(Protocol):
-    """One open Steps stream, whatever carries it; failures raise ``grpc.aio.AioRpcError``."""
+    """One open Steps stream (``SocketSteps``); failures raise ``grpc.aio.AioRpcError``."""
 
     async def write(self, cmd: pb.StepCommand) -> None: ...
 
@@ -80,24 +80,8 @@ class StepsStream(Protocol):
     def cancel(self) -> None: ...
 
 
-class GrpcSteps:
-    """``DecodeService.Steps`` on a gRPC channel (the node's port, or its front-end process)."""
-
-    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None) -> None:
-        self._call = pb_grpc.DecodeServiceStub(channel).Steps(metadata=metadata)
-
-    async def write(self, cmd: pb.StepCommand) -> None:
-        await self._call.write(cmd)
-
-    def batches(self) -> AsyncIterator[pb.StepBatch]:
-        return self._call.__aiter__()
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
 class SocketSteps:
-    """A Steps stream on the node's Steps socket (``frontend: socket``, services/steps_socket.py)."""
+    """A Steps stream on the node's Steps socket (services/steps_socket.py)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
         self._r, self._w, self._where = reader, writer, where
@@ -157,7 +141,7 @@ class SocketSteps:
 
 
 class StepLeg:
-    """One request on a :class:`StepMux`: reads like a ``Decode`` call."""
+    """One request (a decode leg) on a :class:`StepMux`."""
 
     def __init__(self, mux: StepMux, request_id: str, q: asyncio.Queue[_Item], timeout_s: float) -> None:
         self._mux = mux
@@ -206,7 +190,7 @@ class StepLeg:
 class StepMux:
     """The Steps stream to one node; create and use inside the router's event loop.
 
-    ``connect`` opens a stream (``GrpcSteps`` or ``SocketSteps.connect``); it runs again for the
+    ``connect`` opens a stream (``SocketSteps.connect``); it runs again for the
     first leg after a stream ended. ``on_open``: called for each stream opened; ``on_break``: for
     each stream that ended with legs open, with their count (the router's metrics)."""
 
@@ -310,7 +294,7 @@ class StepMux:
             if writer is not None:
                 writer.cancel()
             if call is not None:
-                call.cancel()  # a socket is closed; a gRPC call already over is left as it is
+                call.cancel()  # the socket is closed
             # No await from here on: a leg opened now must see a fresh stream, not this one.
             queues, self._queues = self._queues, {}
             self._starts, self._aborts = [], []

@@ -232,38 +232,40 @@ def test_bad_node_fields(kw: dict[str, Any], needle: str) -> None:
     assert needle in msg and "p0" in msg
 
 
-def test_the_steps_front_end_is_a_socket_on_decode_nodes_unless_set_otherwise() -> None:
+def test_decode_nodes_serve_a_steps_socket() -> None:
     c = ClusterConfig.from_dict(_1p1d())
     assert c.node("d0").steps_port() == 0  # default: a Steps socket, any free port
-    assert c.node("d0").steps_frontend() == "socket"
     assert c.node("p0").steps_port() is None  # prefill serves no Steps streams
-    assert c.node("p0").steps_frontend() is None
     both = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend_port=50070))
     assert ClusterConfig.from_dict(both).node("d0").steps_port() == 50070
-    proc = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend="process"))
-    assert ClusterConfig.from_dict(proc).node("d0").steps_frontend() == "process"
-    inline = _cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend="inline"))
-    assert ClusterConfig.from_dict(inline).node("d0").steps_port() is None
-    assert ClusterConfig.from_dict(inline).node("d0").steps_frontend() is None
 
 
 @pytest.mark.parametrize(
     ("prefill_kw", "decode_kw", "needle"),
     [
-        ({"frontend": "process"}, {}, "frontend process is for decode and colocated nodes"),
-        ({"frontend_port": 50070}, {}, "frontend_port 50070 is for decode and colocated nodes"),
-        ({}, {"frontend": "inline", "frontend_port": 50070}, "with frontend: inline"),
-        ({}, {"frontend": "thread"}, "frontend"),
+        ({"frontend_port": 50070}, {}, "frontend_port act on the Steps socket"),
         ({}, {"frontend_port": 50062}, "d0.frontend_port"),
     ],
 )
-def test_bad_front_end_settings_are_refused(
+def test_bad_steps_socket_settings_are_refused(
     prefill_kw: dict[str, Any], decode_kw: dict[str, Any], needle: str
 ) -> None:
     msg = _load_error(
         _cluster(_node("p0", "prefill", 50061, **prefill_kw), _node("d0", "decode", 50062, **decode_kw))
     )
     assert needle in msg
+
+
+@pytest.mark.parametrize("value", ["socket", "process", "inline"])
+def test_the_removed_frontend_is_refused_naming_what_the_node_does_now(value: str) -> None:
+    msg = _load_error(_cluster(_node("p0", "prefill", 50061), _node("d0", "decode", 50062, frontend=value)))
+    assert f"nodes[1] ('d0'): frontend ('{value}') was removed" in msg
+    assert "their own Steps socket" in msg and "delete it" in msg
+
+
+def test_the_removed_decode_stream_is_refused_at_load() -> None:
+    msg = _load_error({**_1p1d(), "router": {"decode_stream": "per_request"}})
+    assert "router: decode_stream ('per_request') was removed" in msg and "Steps socket" in msg
 
 
 def test_block_size_must_match_between_kv_peers() -> None:
@@ -582,8 +584,7 @@ def test_metrics_require_token_needs_a_shared_token() -> None:
 def test_steps_socket_settings_only_where_a_steps_socket_listens() -> None:
     msg = _load_error(_1p1d(steps_hello_timeout_s=0.5))
     assert "steps_hello_timeout_s" in msg and "prefill" in msg
-    inline = _node("d0", "decode", 50062, frontend="inline", steps_max_pending_per_peer=2)
-    assert "steps_max_pending_per_peer" in _load_error(_cluster(inline))
+    assert "steps_max_pending_per_peer" in _load_error(_1p1d(steps_max_pending_per_peer=2))
     d0 = _node("d0", "decode", 50062, steps_hello_timeout_s=0.5, steps_max_pending_per_peer=2)
     node = ClusterConfig.from_dict(_cluster(d0)).node("d0")
     assert (node.steps_hello_timeout_s, node.steps_max_pending_per_peer) == (0.5, 2)

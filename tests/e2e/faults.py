@@ -41,15 +41,15 @@ class PhasedBackend(PDBackend):
             self._fired.add((phase, req_id))
             await self.hook(phase, {"request_id": req_id, **info})
 
-    async def _prefill_leg(
+    async def prefill_leg(
         self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
     ) -> GenerationDelta:
         await self._fire("before_prefill", req.request_id, node=p.name, transfer_id=transfer_id)
-        first = await super()._prefill_leg(p, req, transfer_id, d_pp)
+        first = await super().prefill_leg(p, req, transfer_id, d_pp)
         await self._fire("after_prefill", req.request_id, node=p.name, transfer_id=transfer_id)
         return first
 
-    async def _decode_leg(
+    async def decode_leg(
         self, d_node: NodeHandle, req: BackendRequest, *args: Any
     ) -> AsyncGenerator[GenerationDelta, None]:
         transfer_id, p_node = args[0], args[1]
@@ -58,7 +58,7 @@ class PhasedBackend(PDBackend):
             watch = asyncio.ensure_future(self._watch_transfer(p_node, req.request_id, transfer_id))
         n = 0
         try:
-            async for d in super()._decode_leg(d_node, req, *args):
+            async for d in super().decode_leg(d_node, req, *args):
                 n += 1
                 yield d
                 if n == self.decode_hook_after and d.finish_reason is None:

@@ -61,7 +61,7 @@ def _mooncake_ports(log: str) -> set[int]:
     return {int(rpc[0]), int(data[0])}
 
 
-def _decode_steps_address(rc) -> str:
+def _decode_steps_socket(rc) -> str:
     d0 = rc.cluster.node("decode-0")
     with grpc.insecure_channel(d0.grpc_address) as ch:
         rep = pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=10, metadata=AUTH)
@@ -107,7 +107,7 @@ class _IdleFlood:
 def test_200_idle_connections_at_the_steps_socket_do_not_stop_the_routers_streams(nodes_then_router) -> None:
     rc = nodes_then_router
     cfg = rc.run_dir / "cluster.yaml"
-    with _IdleFlood(_decode_steps_address(rc), 200) as flood:
+    with _IdleFlood(_decode_steps_socket(rc), 200) as flood:
         router = start_child(cfg, "router", None, rc.run_dir)
         try:
             # the router's first hello comes while the strangers hold their connections

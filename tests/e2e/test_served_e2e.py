@@ -1,4 +1,4 @@
-"""The served path: router -> multiplexed Steps stream -> node -> engine thread.
+"""The served path: router -> the node's Steps socket -> node -> engine thread.
 
 Token streams through the router equal the in-process engine's for a batch of concurrent
 requests (greedy and seeded, streamed and not), whatever number of tokens each message
@@ -9,7 +9,6 @@ node's queue limit or queue wait a request gets 503 with OpenAI's error body and
 from __future__ import annotations
 
 import asyncio
-import queue
 import random
 import time
 
@@ -17,12 +16,10 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
-from pdserve.rpc import node_pb2_grpc as pb_grpc
 from tests.e2e import cluster as e2e_cluster
 from tests.e2e.cluster import make_cluster_config, running_cluster
+from tests.e2e.steps_client import RawSteps, decode_req
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +38,8 @@ def _own_ports():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, _own_ports):
-    # Two router workers on one port: every request below crosses one of them. decode-0
-    # serves its Steps streams itself (frontend: inline), so this module keeps that path tested;
-    # the front-end process, every other cluster's default, has tests/e2e/test_steps_frontend_e2e.py.
-    cfg = make_cluster_config(
-        tiny_models["llama"],
-        router={"local_prefill_max_tokens": 16, "workers": 2},
-        **{"decode-0": {"frontend": "inline"}},
-    )
+    # Two router workers on one port: every request below crosses one of them.
+    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16, "workers": 2})
     with running_cluster(cfg, tmp_path_factory.mktemp("served-e2e")) as rc:
         yield rc
 
@@ -147,26 +138,21 @@ def assert_streams_equal_in_process(rc, model_dir, seeded: bool) -> None:
 
 
 def test_steps_stream_merges_aborts_refuses_and_ends(cluster) -> None:
-    addr = cluster.node("decode-0").grpc_address
-    cmds: queue.SimpleQueue[pb.StepCommand | None] = queue.SimpleQueue()
-
-    def commands():
-        while (c := cmds.get()) is not None:
-            yield c
-
-    def req(rid: str, n: int, temperature: float = 0.0) -> pb.DecodeRequest:
-        s = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        s.temperature = temperature  # the node validates: -1 is refused
-        return pb.DecodeRequest(request_id=rid, prompt_token_ids=[3, 4, 5, 6], sampling=s)
-
-    with grpc.insecure_channel(addr) as ch:
-        call = pb_grpc.DecodeServiceStub(ch).Steps(commands(), timeout=60)
-        cmds.put(pb.StepCommand(start=[req("a", 40), req("b", 1500), req("bad", 4, temperature=-1.0)]))
+    raw = RawSteps(cluster.load("decode-0").steps_socket)
+    try:
+        assert raw.welcome.code == 0
+        start = [
+            decode_req("a", 40, prompt=[3, 4, 5, 6]),
+            decode_req("b", 1500, prompt=[3, 4, 5, 6]),
+            decode_req("bad", 4, temperature=-1.0),
+        ]
+        raw.send(pb.StepCommand(start=start).SerializeToString())
         toks: dict[str, list[int]] = {"a": [], "b": []}
         finished: dict[str, str] = {}
         ends: dict[str, pb.StepEnd] = {}
         aborted = False
-        for batch in call:
+        while not ("a" in finished and "bad" in ends):
+            batch = raw.batch()
             ids = [d.request_id for d in batch.deltas]
             assert len(ids) == len(set(ids)), "one merged delta per request per batch"
             for d in batch.deltas:
@@ -176,69 +162,16 @@ def test_steps_stream_merges_aborts_refuses_and_ends(cluster) -> None:
             for e in batch.ends:
                 ends[e.request_id] = e
             if toks["b"] and not aborted:
-                cmds.put(pb.StepCommand(abort=["b"]))
+                raw.send(pb.StepCommand(abort=["b"]).SerializeToString())
                 aborted = True
-            if "a" in finished and "bad" in ends:
-                break
         assert finished["a"] == "length" and len(toks["a"]) == 40
         assert (
             ends["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             and "temperature" in ends["bad"].details
         )
         assert "b" not in finished and 0 < len(toks["b"]) < 1500  # aborted mid-way, never finished
-        cmds.put(None)  # the router's side closes: the stream ends once nothing is left
-        assert list(call) == []
-    _wait_free(cluster)
-
-
-def _steps(addr: str, reqs: list[pb.DecodeRequest]) -> dict[str, list[list[int]]]:
-    """Run ``reqs`` on one Steps stream: per request, the token ids of each batch that had some."""
-    cmds: queue.SimpleQueue[pb.StepCommand | None] = queue.SimpleQueue()
-
-    def commands():
-        while (c := cmds.get()) is not None:
-            yield c
-
-    out: dict[str, list[list[int]]] = {r.request_id: [] for r in reqs}
-    left = set(out)
-    with grpc.insecure_channel(addr) as ch:
-        call = pb_grpc.DecodeServiceStub(ch).Steps(commands(), timeout=60)
-        cmds.put(pb.StepCommand(start=reqs))
-        for batch in call:
-            assert not batch.ends, batch.ends
-            for d in batch.deltas:
-                if d.token_ids:
-                    out[d.request_id].append(list(d.token_ids))
-                if d.finish_reason:
-                    left.discard(d.request_id)
-            if not left:
-                break
-        cmds.put(None)
-        assert list(call) == []
-    return out
-
-
-def test_a_flush_interval_batches_tokens_on_the_node_and_changes_none(cluster) -> None:
-    check_flush_interval(cluster, cluster.node("decode-0").grpc_address)
-
-
-def check_flush_interval(cluster, addr: str) -> None:
-    """On one Steps stream at ``addr``: a request with a 150 ms flush interval gets the same
-    tokens as one without, its first at once, the rest in far fewer messages."""
-
-    def req(rid: str, flush_ms: int) -> pb.DecodeRequest:
-        s = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-        return pb.DecodeRequest(
-            request_id=rid, prompt_token_ids=[9, 8, 7], sampling=s, flush_interval_ms=flush_ms
-        )
-
-    got = _steps(addr, [req("every-step", 0), req("held", 150)])
-    every, held = got["every-step"], got["held"]
-    flat = [t for b in every for t in b]
-    assert len(flat) == 200 and [t for b in held for t in b] == flat  # the same tokens
-    assert len(held[0]) == 1  # the first token is not held (time to first token)
-    # 200 tokens over a few 150 ms windows: far fewer messages than steps, the end not delayed
-    assert len(held) < len(every) and len(held) < 40, (len(held), len(every))
+    finally:
+        raw.close()  # the router's side closes: the stream ends
     _wait_free(cluster)
 
 

@@ -1,14 +1,16 @@
-"""The router's Steps streams on the node's Steps socket (``frontend: socket``, the default).
+"""The router's Steps streams on the node's Steps socket (services/steps_socket.py).
 
-Real processes: the router streams to decode-0 over its TCP Steps port (no gRPC, no front-end
-process on the token path) and the tokens equal the in-process engine's; non-streaming flush
-intervals hold; a malformed command ends the stream with INVALID_ARGUMENT and holds nothing; a
-router connection cut mid-generation aborts its requests; with a shared token, a connection
-without it is refused (UNAUTHENTICATED) on the socket and on gRPC, and the router still serves.
+Real processes: the router streams to decode-0 over its TCP Steps port, one long-lived
+connection (tests/e2e/test_served_e2e.py compares the tokens with the in-process engine's);
+router.stream_flush_ms groups streamed tokens and changes none; non-streaming flush intervals
+hold; a malformed command ends the stream with INVALID_ARGUMENT and holds nothing; a router
+connection cut mid-generation aborts its requests; with a shared token, a connection without it
+is refused (UNAUTHENTICATED) on the socket and on gRPC, and the router still serves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import time
@@ -17,96 +19,68 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from tests.e2e.cluster import make_cluster_config, running_cluster
-from tests.e2e.test_served_e2e import _wait_free, assert_streams_equal_in_process
-from tests.e2e.test_steps_frontend_e2e import _metric
+from tests.e2e.steps_client import RawSteps as _Raw
+from tests.e2e.steps_client import decode_req as _req
+from tests.e2e.steps_client import metric as _metric
+from tests.e2e.steps_client import run_to_end as _run
+from tests.e2e.test_served_e2e import _served, _wait_free
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-steps"
+STREAM_FLUSH_MS = 40
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16})
+    cfg = make_cluster_config(
+        tiny_models["llama"],
+        # stream_flush_ms: streamed tokens are held and merged too (test_stream_flush_*)
+        router={"local_prefill_max_tokens": 16, "stream_flush_ms": STREAM_FLUSH_MS},
+    )
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-socket")) as rc:
         yield rc
 
 
-class _Raw:
-    """A blocking Steps socket client: frames in, frames out."""
-
-    def __init__(self, address: str, token: str = "") -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=30)
-        self.send(pb.StepsHello(token=token).SerializeToString())
-        self.welcome = pb.StepsWelcome.FromString(self.recv() or b"")
-
-    def send(self, payload: bytes) -> None:
-        self.sock.sendall(len(payload).to_bytes(4, "big") + payload)
-
-    def _exact(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
-
-    def recv(self) -> bytes | None:
-        head = self._exact(4)
-        return None if head is None else self._exact(int.from_bytes(head, "big"))
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _req(rid: str, max_tokens: int, flush_ms: int = 0) -> pb.DecodeRequest:
-    s = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return pb.DecodeRequest(
-        request_id=rid, prompt_token_ids=[9, 8, 7], sampling=s, flush_interval_ms=flush_ms
-    )
-
-
-def _run(raw: _Raw, reqs: list[pb.DecodeRequest]) -> dict[str, list[list[int]]]:
-    """Start ``reqs`` on the stream; per request, the token ids of each batch that had some."""
-    raw.send(pb.StepCommand(start=reqs).SerializeToString())
-    out: dict[str, list[list[int]]] = {r.request_id: [] for r in reqs}
-    left = set(out)
-    while left:
-        data = raw.recv()
-        assert data is not None, f"the stream ended with {left} open"
-        batch = pb.StepBatch.FromString(data)
-        assert not batch.ends and not batch.HasField("stream_end"), str(batch)
-        for d in batch.deltas:
-            if d.token_ids:
-                out[d.request_id].append(list(d.token_ids))
-            if d.finish_reason:
-                left.discard(d.request_id)
-    return out
-
-
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_streams_through_the_steps_socket_equal_the_in_process_engine(cluster, tiny_models, seeded) -> None:
+def test_the_router_streams_on_one_socket_connection(cluster) -> None:
     d0 = cluster.node("decode-0")
     rep = cluster.load("decode-0")
-    assert rep.steps_address == ""  # no gRPC front end
     port = int(rep.steps_socket.rsplit(":", 1)[1])
     assert rep.steps_socket.startswith("127.0.0.1:") and port not in (d0.grpc_port, d0.metrics_port)
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     before = _metric(metrics, "pdserve:frontend_steps_sessions_total")
-    assert_streams_equal_in_process(cluster, tiny_models["llama"], seeded)
+    bodies = [
+        {"model": cluster.model_name, "prompt": p, "max_tokens": 6, "ignore_eos": True, "temperature": 0.0}
+        for p in ([11, 12, 13], list(range(30, 70)))  # a local prompt and a P/D one
+    ]
+    for stream in (True, False):
+        assert [n for _, n, _ in asyncio.run(_served(cluster, bodies, stream))] == [6, 6]
     # the router's stream is one long-lived connection: opened at most once by these requests
     assert _metric(metrics, "pdserve:frontend_steps_sessions_total") - before <= 1
     assert _metric(metrics, "pdserve:frontend_steps_sessions_total") >= 1
     log = next(c for c in cluster.children if c.name == "decode-0").log_path.read_text()
-    assert "Steps socket (TCP frames" in log and "Steps front end (pid" not in log
+    assert f"Steps socket on {rep.steps_socket}" in log
     router = cluster.cluster.router_url + "/metrics"
     assert _metric(router, 'pdserve:router_steps_streams_opened_total{node="decode-0"}') >= 1
+    _wait_free(cluster)
+
+
+def test_stream_flush_groups_streamed_tokens_and_changes_none(cluster) -> None:
+    """router.stream_flush_ms: a streamed answer (local prompt and P/D prompt) has the same text
+    and token count as the non-streamed one, in far fewer SSE chunks than tokens."""
+    n = 200
+    bodies = [
+        {"model": cluster.model_name, "prompt": p, "max_tokens": n, "ignore_eos": True, "temperature": 0.0}
+        for p in ([11, 12, 13], list(range(30, 70)))  # under / over local_prefill_max_tokens
+    ]
+    streamed = asyncio.run(_served(cluster, bodies, True))
+    whole = asyncio.run(_served(cluster, bodies, False))
+    for (text, count, chunks), (want_text, want_count, _) in zip(streamed, whole, strict=True):
+        assert (text, count) == (want_text, want_count) and count == n
+        # ~n steps of a few ms each, merged per 40 ms window: a handful of chunks, not n
+        assert 2 <= chunks <= n // 4, chunks
     _wait_free(cluster)
 
 

@@ -122,17 +122,16 @@ def test_prefill_engine_death_is_unavailable_for_the_router_to_retry(tiny_models
     asyncio.run(main())
 
 
-def test_readiness_waits_for_the_front_end_and_liveness_does_not(tiny_models, monkeypatch) -> None:
-    """While the Steps front-end process is starting, the node's gRPC server already answers:
-    liveness SERVING, readiness NOT_SERVING, GetLoad UNAVAILABLE (a router polling then would
-    take the node without its front end and open its streams on the node's own server); once
-    the front end listens, readiness turns SERVING and GetLoad names its address (a ready node
-    never reports an empty steps_socket)."""
+def test_readiness_waits_for_the_steps_socket_and_liveness_does_not(tiny_models, monkeypatch) -> None:
+    """While the Steps socket is starting, the node's gRPC server already answers: liveness
+    SERVING, readiness NOT_SERVING, GetLoad UNAVAILABLE (a router polling then would take the
+    node before it can open its token stream); once the socket listens, readiness turns SERVING
+    and GetLoad names its address (a ready node never reports an empty steps_socket)."""
     from services.node import NodeBase
     from services.node_lifecycle import LIVENESS_SERVICE
 
     port = _free_port()
-    node = _colocated_node(tiny_models, port, frontend_port=0)
+    node = _colocated_node(tiny_models, port)  # frontend_port None: the Steps socket on any free port
     gate = asyncio.Event()
     start = NodeBase._start_frontend
 

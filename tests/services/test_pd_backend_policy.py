@@ -39,12 +39,12 @@ def test_least_loaded_prefers_healthy_and_idle() -> None:
         p0, p1, p2 = be.prefill
         for n, load, healthy in ((p0, 5, True), (p1, 1, True), (p2, 0, False)):
             n.reported_load, n.healthy = load, healthy
-        assert be._pick(be.prefill, None).name == "p1"  # p2 is idler but unreachable
+        assert be.pick(be.prefill, None).name == "p1"  # p2 is idler but unreachable
         p1.in_flight = 10
-        assert be._pick(be.prefill, None).name == "p0"
-        assert be._pick(be.prefill, None, {"p0", "p1"}).name == "p2"  # only the unhealthy one left
+        assert be.pick(be.prefill, None).name == "p0"
+        assert be.pick(be.prefill, None, {"p0", "p1"}).name == "p2"  # only the unhealthy one left
         with pytest.raises(CapacityError):
-            be._pick(be.prefill, None, {"p0", "p1", "p2"})
+            be.pick(be.prefill, None, {"p0", "p1", "p2"})
 
     _with_backend(check)
 
@@ -57,11 +57,11 @@ def test_prefix_affinity_is_sticky_and_spreads() -> None:
         counts = {"p0": 0, "p1": 0, "p2": 0}
         for _ in range(60):
             key = hash_prompt_blocks([rng.randrange(500) for _ in range(64)], 16)[-1]
-            first = be._pick(be.prefill, key).name
-            assert all(be._pick(be.prefill, key).name == first for _ in range(3))
+            first = be.pick(be.prefill, key).name
+            assert all(be.pick(be.prefill, key).name == first for _ in range(3))
             counts[first] += 1
             # The owner gone: the key moves, the others stay put (rendezvous hashing).
-            assert be._pick(be.prefill, key, {first}).name != first
+            assert be.pick(be.prefill, key, {first}).name != first
         return counts
 
     counts = _with_backend(check, "prefix_affinity")
@@ -72,7 +72,7 @@ def test_round_robin_cycles() -> None:
     def check(be: PDBackend) -> list[str]:
         for n in be.prefill:
             n.healthy = True
-        return [be._pick(be.prefill, None).name for _ in range(6)]
+        return [be.pick(be.prefill, None).name for _ in range(6)]
 
     names = _with_backend(check, "round_robin")
     assert sorted(names[:3]) == ["p0", "p1", "p2"] and names[:3] == names[3:]
