@@ -24,8 +24,9 @@ Building, caching and loading the module: ``cpu_native_build``.
 
 Numerics (bf16 only; fp16 and fp32 keep the torch twins): elementwise results (rotary, the KV
 store, the residual add) are the twins' bits; the norm's mean of squares and attention's sums
-are added in another order and silu uses the C library's expf, so those can differ from the twin
-by one bf16 rounding step. The CPU bf16 path was not token-identical to ``transformers`` before
+are added in another order, silu uses the C library's expf and attention (AVX2 + FMA where the
+CPU has them, ``cpu_attention.c``; else a scalar loop) a polynomial exp, so those can differ from
+the twin by one bf16 rounding step. The CPU bf16 path was not token-identical to ``transformers`` before
 either (models/linear.py); fp32, the path the token-identity tests hold, does not come here.
 """
 
@@ -385,6 +386,18 @@ def kv_indices_ok(
 def attention_scores(query_lens: list[int], seq_lens: list[int], num_heads: int) -> int:
     """(query, key) pairs x heads of a causal step: the work ``attention`` is capped by."""
     return num_heads * sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(query_lens, seq_lens, strict=True))
+
+
+def attention_simd(enable: bool | None = None) -> bool:
+    """Whether ``attention`` takes the AVX2 + FMA kernel (``cpu_attention.c``) where it applies
+    (head_dim a multiple of 16); on from the load where the CPU has AVX2 and FMA (a cpuid check,
+    so the portable build has it too). ``enable`` False turns it off (the scalar loop), True back
+    on where the CPU has it: tests and paired benchmarks compare the two in one process. False
+    without the library."""
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.attention_simd(-1 if enable is None else int(enable)))
 
 
 def attention(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -387,6 +388,12 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
     got = cpu_native.rms_norm(x, w, 1e-6)
     assert got is not None
     _within_one_step(got, rms_norm_torch(x, w, 1e-6))
+    # the AVX2 attention is in the portable build too, behind its cpuid check
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has_avx2_fma = any(
+        ln.startswith("flags") and {"avx2", "fma"} <= set(ln.split()) for ln in flags.splitlines()
+    )
+    assert cpu_native.attention_simd() is (platform.machine() in ("x86_64", "AMD64") and has_avx2_fma)
 
 
 @pytest.mark.usefixtures("native")
