@@ -13,7 +13,8 @@
  *     separate ops compute it (no fused multiply-add).
  * Elementwise functions (rotary, the KV store, the residual add) give the twins' bits. The
  * reductions (the norm's mean of squares, attention's dot products and softmax) sum in another
- * order, silu uses the C library's expf and the AVX2 attention a polynomial exp and FMA: those can
+ * order, silu and attention use the C library's expf here and a polynomial exp and FMA in their
+ * AVX2 loops (cpu_activation.c, cpu_attention.c; taken where cpuid finds AVX2 + FMA): those can
  * differ from the twin by one bf16 step.
  *
  * Layouts are the engine's: rows with a stride (elements), a layer's KV cache view
@@ -28,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_activation.h"
 #include "cpu_attention.h"
 #include "cpu_gemm.h"
 
@@ -82,7 +84,13 @@ static void pd_add_rms_norm_bf16(const bf16 *x, long x_stride, const bf16 *res, 
 }
 
 /* out[r, i] = bf16(bf16(silu(gate)) * up), gate = gu[r, i], up = gu[r, inter + i]; out [rows, inter] */
+static int silu_simd = 0; /* set at import: cpu_activation.c's AVX2 loop runs on this CPU */
+
 static void pd_silu_mul_bf16(const bf16 *gu, long gu_stride, bf16 *out, long rows, long inter) {
+    if (silu_simd) {
+        pd_silu_mul_bf16_avx2(gu, gu_stride, out, rows, inter);
+        return;
+    }
     for (long r = 0; r < rows; r++) {
         const bf16 *g = gu + r * gu_stride, *u = g + inter;
         bf16 *o = out + r * inter;
@@ -310,7 +318,7 @@ static int pd_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride
 
 /* ------------------------------------------------------------------------- the Python module */
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 
 /* args[i] as a C long / pointer / float; *bad set on a wrong type (Python's error is set) */
 static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {
@@ -515,8 +523,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdserve_cpu_native",
 
 PyMODINIT_FUNC PyInit_pdserve_cpu_native(void) {
     attention_simd = pd_attention_simd_supported();
+    silu_simd = pd_silu_simd_supported();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0 ||
+                      PyModule_AddIntConstant(m, "SILU_SIMD", silu_simd) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -29,9 +29,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # Compiled with SOURCE into the one module (its header too: all of them name the cached build).
-EXTRA_SOURCES = (Path(__file__).with_name("cpu_gemm.c"), Path(__file__).with_name("cpu_attention.c"))
-HEADERS = (Path(__file__).with_name("cpu_gemm.h"), Path(__file__).with_name("cpu_attention.h"))
-ABI_VERSION = 7  # the C side's ABI_VERSION: a module of another is not loaded
+EXTRA_SOURCES = tuple(
+    Path(__file__).with_name(f) for f in ("cpu_gemm.c", "cpu_attention.c", "cpu_activation.c")
+)
+HEADERS = tuple(
+    Path(__file__).with_name(f) for f in ("cpu_gemm.h", "cpu_attention.h", "cpu_activation.h", "cpu_simd.h")
+)
+ABI_VERSION = 8  # the C side's ABI_VERSION: a module of another is not loaded
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 _BUILD_TIMEOUT_S = 120
 
