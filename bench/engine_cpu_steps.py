@@ -3,7 +3,7 @@ long prefill, an operator profile of each, and this CPU's roofline, in one run.
 
     .venv/bin/python bench/engine_cpu_steps.py --model-dir DIR [--dtype bfloat16]
         [--batches 1 4 16 64] [--context-len 128] [--steps 16] [--reps 3] [--prefill-len 512]
-        [--threads 1] [--profile] [--ab] [--out bench/results/engine_cpu_steps.json]
+        [--threads 1] [--profile] [--ab | --ab-attention] [--out bench/results/engine_cpu_steps.json]
 
 - Decode: ``B`` requests of ``--context-len`` random prompt tokens are prefilled, then
   ``--steps`` engine steps of ``B`` decode tokens each are timed (``LLMEngine.step``: schedule,
@@ -14,7 +14,9 @@ long prefill, an operator profile of each, and this CPU's roofline, in one run.
 - ``--ab``: the same engine and requests on the routes before the packed GEMM (``old``: the
   ``Linear`` layers' packed bf16 weights detached, the native decode attention's cap as before)
   and on the current ones (``new``), alternating per repetition (the decode cases' prefills run
-  ``new``); the table gives the median of the per-repetition ratios.
+  ``new``); the table gives the median of the per-repetition ratios. ``--ab-attention``: the
+  same pairing with ``old`` = the current routes but the native attention's scalar loop
+  (``cpu_native.attention_simd(False)``) instead of its AVX2 kernel.
 - ``--profile``: ``torch.profiler`` over a few steps of each case; the top operators by self
   CPU time go to the JSON and the log, first the share outside torch operators (the native
   kernels, which the profiler does not see, and Python).
@@ -63,9 +65,11 @@ def make_engine(model_dir: Path, dtype: str, threads: int, kv_bytes: int, max_se
 class Routes:
     """Switches an engine between its CPU bf16 routes (``new``) and the ones before the packed
     GEMM (``old``: the Linear layers' packed copies detached, the native attention's decode cap
-    back at MAX_ATTENTION_SCORES) between steps."""
+    back at MAX_ATTENTION_SCORES) between steps; with ``attention_only``, ``old`` is the current
+    routes with the native attention's scalar loop instead of its AVX2 kernel."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, attention_only: bool = False) -> None:
+        self.attention_only = attention_only
         from pdserve.models.linear import Linear
 
         self.layers = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
@@ -77,6 +81,9 @@ class Routes:
     def set(self, name: str) -> None:
         from pdserve.kernels import cpu_native
 
+        if self.attention_only:
+            cpu_native.attention_simd(name == "new")
+            return
         for m, p in zip(self.layers, self.packed, strict=True):
             m.weight_packed = p if name == "new" else None
         # the native decode attention's cap on such a host (score_cap): the old one for "old"
@@ -208,8 +215,13 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=512, help="KV cache")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab", action="store_true", help="also the route before the packed weights, interleaved")
+    ap.add_argument(
+        "--ab-attention", action="store_true", help="--ab with old = the native attention's scalar loop"
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
+    if args.ab and args.ab_attention:
+        ap.error("--ab and --ab-attention are two different pairings: give one")
 
     import torch
 
@@ -223,7 +235,8 @@ def main() -> None:
         args.model_dir, args.dtype, args.threads, args.kv_mib << 20, max(args.batches), max_len
     )
     startup_s = time.monotonic() - t0
-    routes = Routes(engine)
+    routes = Routes(engine, attention_only=args.ab_attention)
+    args.ab = args.ab or args.ab_attention
     names = ["new", "old"] if args.ab else ["new"]
     model = engine.runner.model
     params = sum(p.numel() for p in model.parameters())

@@ -13,7 +13,9 @@
  *     separate ops compute it (no fused multiply-add).
  * Elementwise functions (rotary, the KV store, the residual add) give the twins' bits. The
  * reductions (the norm's mean of squares, attention's dot products and softmax) sum in another
- * order, and silu uses the C library's expf: those can differ from the twin by one bf16 step.
+ * order, silu and attention use the C library's expf here and a polynomial exp and FMA in their
+ * AVX2 loops (cpu_activation.c, cpu_attention.c; taken where cpuid finds AVX2 + FMA): those can
+ * differ from the twin by one bf16 step.
  *
  * Layouts are the engine's: rows with a stride (elements), a layer's KV cache view
  * [num_blocks, 2, block_size, num_kv_heads, head_dim] whose inner four dims are contiguous and
@@ -27,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_activation.h"
+#include "cpu_attention.h"
 #include "cpu_gemm.h"
 
 typedef uint16_t bf16;
@@ -80,7 +84,13 @@ static void pd_add_rms_norm_bf16(const bf16 *x, long x_stride, const bf16 *res, 
 }
 
 /* out[r, i] = bf16(bf16(silu(gate)) * up), gate = gu[r, i], up = gu[r, inter + i]; out [rows, inter] */
+static int silu_simd = 0; /* set at import: cpu_activation.c's AVX2 loop runs on this CPU */
+
 static void pd_silu_mul_bf16(const bf16 *gu, long gu_stride, bf16 *out, long rows, long inter) {
+    if (silu_simd) {
+        pd_silu_mul_bf16_avx2(gu, gu_stride, out, rows, inter);
+        return;
+    }
     for (long r = 0; r < rows; r++) {
         const bf16 *g = gu + r * gu_stride, *u = g + inter;
         bf16 *o = out + r * inter;
@@ -210,14 +220,15 @@ static inline float dot_tree(const float *a, const float *b, long n) {
     return s;
 }
 
-/* Causal attention over the paged cache, this step's K/V already stored. Request b's query tokens
+/* The portable loop of causal attention over the paged cache, this step's K/V already stored
+ * (cpu_attention.c has the AVX2 kernel, same contract; pd_attention_bf16 picks). Request b's query tokens
  * are rows query_start[b] .. query_start[b + 1] - 1 of q and out ([T, nh, d] contiguous); they
  * are the last of its seq_lens[b] positions, and token i of n sees positions 0 .. seq_len - n + i.
  * K and V of query head h are those of KV head h / (nh / nkv); the query heads that share a KV
  * head go together, each cached key and value row widened to fp32 once for all of them. A decode
  * step is the case of one query per request. Returns 0, or -1 when the scratch could not be
  * allocated (nothing written). */
-static int pd_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride, long block_size, long nkv,
+static int pd_attention_bf16_scalar(const bf16 *q, const bf16 *cache, long block_stride, long block_size, long nkv,
                              long d, const int32_t *block_tables, long bt_stride, const int32_t *query_start,
                              const int32_t *seq_lens, long batch, long nh, float scale, bf16 *out) {
     long max_len = 0;
@@ -290,9 +301,24 @@ static int pd_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride
     return 0;
 }
 
+/* Whether attention takes cpu_attention.c's AVX2 path where it applies (head_dim a multiple of 16):
+ * set at import to whether this CPU has AVX2 + FMA; attention_simd(0) turns it off (tests and the
+ * paired benchmarks compare the two paths in one process). */
+static int attention_simd = 0;
+
+static int pd_attention_bf16(const bf16 *q, const bf16 *cache, long block_stride, long block_size, long nkv,
+                             long d, const int32_t *block_tables, long bt_stride, const int32_t *query_start,
+                             const int32_t *seq_lens, long batch, long nh, float scale, bf16 *out) {
+    if (attention_simd && d % 16 == 0 && d <= MAX_HEAD_DIM && nh / nkv <= MAX_HEADS_PER_KV)
+        return pd_attention_bf16_avx2(q, cache, block_stride, block_size, nkv, d, block_tables, bt_stride,
+                                      query_start, seq_lens, batch, nh, scale, out);
+    return pd_attention_bf16_scalar(q, cache, block_stride, block_size, nkv, d, block_tables, bt_stride,
+                                    query_start, seq_lens, batch, nh, scale, out);
+}
+
 /* ------------------------------------------------------------------------- the Python module */
 
-#define ABI_VERSION 6
+#define ABI_VERSION 8
 
 /* args[i] as a C long / pointer / float; *bad set on a wrong type (Python's error is set) */
 static long arg_l(PyObject *const *args, Py_ssize_t i, int *bad) {
@@ -398,6 +424,17 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* attention_simd(flag): flag 1 turns the AVX2 attention on (where the CPU has it), 0 off, -1 asks;
+ * returns whether it is on */
+static PyObject *py_attention_simd(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (!nargs_ok("attention_simd", n, 1)) return NULL;
+    int bad = 0;
+    long flag = arg_l(args, 0, &bad);
+    if (bad) return NULL;
+    if (flag >= 0) attention_simd = flag > 0 && pd_attention_simd_supported();
+    return PyBool_FromLong(attention_simd);
+}
+
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (!nargs_ok("linear", n, 8)) return NULL;
     int bad = 0;
@@ -478,14 +515,18 @@ static PyMethodDef methods[] = {
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},
     {"rotary_store", (PyCFunction)(void (*)(void))py_rotary_store, METH_FASTCALL, NULL},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL, NULL},
+    {"attention_simd", (PyCFunction)(void (*)(void))py_attention_simd, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdserve_cpu_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit_pdserve_cpu_native(void) {
+    attention_simd = pd_attention_simd_supported();
+    silu_simd = pd_silu_simd_supported();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0 ||
+                      PyModule_AddIntConstant(m, "SILU_SIMD", silu_simd) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -24,8 +24,9 @@ Building, caching and loading the module: ``cpu_native_build``.
 
 Numerics (bf16 only; fp16 and fp32 keep the torch twins): elementwise results (rotary, the KV
 store, the residual add) are the twins' bits; the norm's mean of squares and attention's sums
-are added in another order and silu uses the C library's expf, so those can differ from the twin
-by one bf16 rounding step. The CPU bf16 path was not token-identical to ``transformers`` before
+are added in another order, and silu and attention use a polynomial exp (their AVX2 + FMA loops,
+``cpu_activation.c`` and ``cpu_attention.c``, where the CPU has both) or the C library's expf (the
+scalar loops), so those can differ from the twin by one bf16 rounding step. The CPU bf16 path was not token-identical to ``transformers`` before
 either (models/linear.py); fp32, the path the token-identity tests hold, does not come here.
 """
 
@@ -50,9 +51,11 @@ MODES = ("auto", "torch", "native")
 
 # Caps on one call's work: past them torch's kernels (vectorised, threaded) are as fast or faster.
 MAX_ROW_ELEMENTS = 1 << 16  # norms: rows x width
-# silu * up: the C side calls the C library's scalar expf, torch's kernel is vectorised: the
-# native call wins only at one small row (1 x 512: 4.7 against 5.1 us; 16 x 512: 25.4 against 8.2)
+# silu * up: the portable C loop calls the C library's scalar expf, torch's kernel is vectorised:
+# the native call wins only at one small row (1 x 512: 4.7 against 5.1 us; 16 x 512: 25.4 against 8.2)
 MAX_SILU_ELEMENTS = 512
+# ... and the AVX2 loop (cpu_activation.c, on a CPU with AVX2 + FMA: the module's SILU_SIMD)
+MAX_SILU_ELEMENTS_SIMD = 1 << 20
 MAX_HEAD_DIM = 512  # the C side's stack buffers
 MAX_HEADS_PER_KV = 64  # attention: query heads sharing one KV head (likewise)
 MAX_ATTENTION_SCORES = 1 << 15  # attention: (query, key) pairs x heads of one call
@@ -199,6 +202,11 @@ def fused_add_rms_norm(
     return out, new_residual
 
 
+def silu_cap(lib: ModuleType) -> int:
+    """The most gate + up elements one ``silu_mul`` call takes (the AVX2 loop's cap or the scalar one's)."""
+    return MAX_SILU_ELEMENTS_SIMD if lib.SILU_SIMD else MAX_SILU_ELEMENTS
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu_and_mul_torch`` in one call ([..., 2 I] -> [..., I]), or None."""
     lib = _lib if _loaded else library()
@@ -208,7 +216,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if rows is None:
         return None
     n, width = rows.shape
-    if width == 0 or width % 2 or n * width > MAX_SILU_ELEMENTS:
+    if width == 0 or width % 2 or n * width > silu_cap(lib):
         return None
     inter = width // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=_BF16)
@@ -385,6 +393,18 @@ def kv_indices_ok(
 def attention_scores(query_lens: list[int], seq_lens: list[int], num_heads: int) -> int:
     """(query, key) pairs x heads of a causal step: the work ``attention`` is capped by."""
     return num_heads * sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(query_lens, seq_lens, strict=True))
+
+
+def attention_simd(enable: bool | None = None) -> bool:
+    """Whether ``attention`` takes the AVX2 + FMA kernel (``cpu_attention.c``) where it applies
+    (head_dim a multiple of 16); on from the load where the CPU has AVX2 and FMA (a cpuid check,
+    so the portable build has it too). ``enable`` False turns it off (the scalar loop), True back
+    on where the CPU has it: tests and paired benchmarks compare the two in one process. False
+    without the library."""
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.attention_simd(-1 if enable is None else int(enable)))
 
 
 def attention(

@@ -5,7 +5,9 @@ The library is cached under ``$PDSERVE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pd
 ``-march=native``) the CPU, so a changed source or another host builds anew; a build takes ~1 s.
 Built with ``-march=native`` where a compiler is at hand; a portable build already in the cache
 (``python -m pdserve.kernels.cpu_native --portable``, as the container image does at build time)
-serves a host without one. Always ``-ffp-contract=off``.
+serves a host without one. Always ``-ffp-contract=off``. ``cpu_attention.c``'s AVX2 + FMA attention
+is in every x86-64 build (its functions carry their own target attribute) and runs where cpuid
+says the CPU has both, so the portable build uses it too without needing them.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # Compiled with SOURCE into the one module (its header too: all of them name the cached build).
-EXTRA_SOURCES = (Path(__file__).with_name("cpu_gemm.c"),)
-HEADERS = (Path(__file__).with_name("cpu_gemm.h"),)
-ABI_VERSION = 6  # the C side's ABI_VERSION: a module of another is not loaded
+EXTRA_SOURCES = tuple(
+    Path(__file__).with_name(f) for f in ("cpu_gemm.c", "cpu_attention.c", "cpu_activation.c")
+)
+HEADERS = tuple(
+    Path(__file__).with_name(f) for f in ("cpu_gemm.h", "cpu_attention.h", "cpu_activation.h", "cpu_simd.h")
+)
+ABI_VERSION = 8  # the C side's ABI_VERSION: a module of another is not loaded
 _BASE_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 _BUILD_TIMEOUT_S = 120
 

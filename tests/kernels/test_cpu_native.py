@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def _within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_the_norms_and_silu_match_their_twins(
     rows: int, width: int, strided: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The silu kernel past the size it is used at (MAX_SILU_ELEMENTS, raised here), too."""
+    """The silu kernel (the AVX2 loop where the CPU has it) past the size it is used at
+    (``silu_cap``, raised here), too."""
     gen = torch.Generator().manual_seed(rows * width)
 
     def make(cols: int, scale: float = 3.0) -> torch.Tensor:
@@ -72,9 +74,12 @@ def test_the_norms_and_silu_match_their_twins(
     want_normed, want_residual = fused_add_rms_norm_torch(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, want_residual)  # one elementwise add: the same bits
     _within_one_step(normed, want_normed)
-    if gate_up.numel() > cpu_native.MAX_SILU_ELEMENTS:
+    lib = cpu_native.library()
+    assert lib is not None
+    if gate_up.numel() > cpu_native.silu_cap(lib):
         assert cpu_native.silu_and_mul(gate_up) is None  # torch's vectorised kernel is faster there
     monkeypatch.setattr(cpu_native, "MAX_SILU_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(cpu_native, "MAX_SILU_ELEMENTS_SIMD", 1 << 20)
     act = cpu_native.silu_and_mul(gate_up)
     assert act is not None
     _within_one_step(act, silu_and_mul_torch(gate_up))
@@ -84,6 +89,24 @@ def test_the_norms_and_silu_match_their_twins(
     assert torch.equal(kernels.rms_norm(x, weight, 1e-6), got)
     with kernels.use_backend("torch"):
         assert torch.equal(kernels.rms_norm(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6))
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("inter", [1, 15, 17, 40, 1536])
+def test_silu_rows_of_any_width_and_special_values_match_the_twin(inter: int) -> None:
+    """The vector loop's 16-element steps and its scalar tail; +-inf, NaN, large negatives (exp
+    past its range) in the gate give what the twin gives."""
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(3, 2 * inter + 5, generator=gen) * 4).to(BF16)[:, : 2 * inter]
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), -100.0, 100.0, -88.5, 0.0])
+    k = min(inter, len(specials))
+    gate_up[1, :k] = specials[:k].to(BF16)
+    got = cpu_native.silu_and_mul(gate_up)
+    assert got is not None
+    want = silu_and_mul_torch(gate_up)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    _within_one_step(torch.where(finite, got, 0), torch.where(finite, want, 0))
 
 
 @pytest.mark.usefixtures("native")
@@ -220,8 +243,9 @@ def test_cases_not_for_the_native_kernels_get_none() -> None:
     assert cpu_native.rms_norm(x.to(BF16)[:, ::2], w[:32].to(BF16), 1e-6) is None  # strided columns
     assert cpu_native.rms_norm(x.to(BF16).requires_grad_(), w.to(BF16), 1e-6) is None
     assert cpu_native.silu_and_mul(torch.randn(2, 7).to(BF16)) is None  # odd width
-    big = torch.randn(1, cpu_native.MAX_ROW_ELEMENTS + 2).to(BF16)
-    assert cpu_native.silu_and_mul(big) is None
+    lib = cpu_native.library()
+    assert lib is not None
+    assert cpu_native.silu_and_mul(torch.zeros(1, cpu_native.silu_cap(lib) + 2, dtype=BF16)) is None
     qkv = torch.randn(3, 8, HEAD_DIM).to(BF16)
     cache = torch.zeros(4, 2, BLOCK, 2, HEAD_DIM, dtype=BF16)
     cos_sin = rotary_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2) / HEAD_DIM), 16)
@@ -387,6 +411,12 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
     got = cpu_native.rms_norm(x, w, 1e-6)
     assert got is not None
     _within_one_step(got, rms_norm_torch(x, w, 1e-6))
+    # the AVX2 attention is in the portable build too, behind its cpuid check
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has_avx2_fma = any(
+        ln.startswith("flags") and {"avx2", "fma"} <= set(ln.split()) for ln in flags.splitlines()
+    )
+    assert cpu_native.attention_simd() is (platform.machine() in ("x86_64", "AMD64") and has_avx2_fma)
 
 
 @pytest.mark.usefixtures("native")
