@@ -165,11 +165,14 @@ class LLMEngine:
         )
 
     def _resolve_async(self, config: EngineConfig) -> bool:
-        """On by default on CUDA, with TP ranks (they launch each step as rank 0 did) and pipeline
-        stages (stage 0 waits for the previous step's samples; the engine processes that step
-        while the later stages compute the next)."""
+        """On by default on one CUDA device. With TP ranks (they launch each step as rank 0 did)
+        or pipeline stages (stage 0 waits for the previous step's samples; the engine processes
+        that step while the later stages compute the next) it is tested on CPU ranks (gloo) only,
+        so there it runs when set explicitly (``async_scheduling: true``)."""
         if config.async_scheduling is None:
-            return self.runner.device.type == "cuda"
+            p = config.parallel
+            single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1
+            return self.runner.device.type == "cuda" and single
         return config.async_scheduling
 
     def close(self) -> None:
