@@ -69,7 +69,7 @@ def ports_free(host: str, ports: list[int]) -> bool:
 
 
 # Linux hands out ephemeral ports (outgoing connections, ``bind(0)`` listeners such as a node's
-# front-end socket) from 32768 up: a block picked there can be taken between the check and the
+# Steps socket) from 32768 up: a block picked there can be taken between the check and the
 # bind, so the fallback blocks stay below it.
 EPHEMERAL_LOW = 32768
 

@@ -397,9 +397,8 @@ class NodeBase:
 
     async def answer_load(self, pb: Any, context: grpc.aio.ServicerContext) -> Any:
         """GetLoad: the report; UNAVAILABLE while the node is starting (its readiness is not
-        SERVING yet: a router that took it then would open its streams on the node's own server,
-        not on the front end whose address the report carries once it listens) and once the
-        engine died (the router drops the node)."""
+        SERVING yet: the report carries the Steps socket's address only once it listens) and
+        once the engine died (the router drops the node)."""
         if not self.started:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.opts.name} is starting")
         try:

@@ -179,7 +179,7 @@ async def start_grpc_server(
     nothing), then ``interceptors``; the servicers, standard health (readiness ``""`` and
     liveness), ``/metrics`` on ``metrics_port``. Returns (server, health servicer, address).
     ``ready=False`` leaves readiness NOT_SERVING (liveness SERVING) until the caller sets it,
-    once whatever else it starts (a front-end process, membership) is up. ``max_receive_bytes``:
+    once whatever else it starts (the Steps socket, membership) is up. ``max_receive_bytes``:
     the largest message a call may send (pdserve/rpc/limits.py; None: MAX_MESSAGE_BYTES);
     ``metrics_token``: ``/metrics`` answers only a request with ``Authorization: Bearer`` it."""
     from grpc_health.v1 import health_pb2_grpc

@@ -99,8 +99,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     # Schedule step N+1 while step N runs on the device (its tokens fed on the device); the
     # host's scheduling, input building and output processing then hide behind the GPU. None:
-    # on for CUDA (TP ranks and pipeline stages included), off elsewhere (on the CPU the forward
-    # itself blocks the host, so there is nothing to hide).
+    # on for one CUDA device, off with TP ranks or pipeline stages (there it runs when set: it is
+    # tested on CPU ranks only) and off on the CPU (the forward itself blocks the host, so there
+    # is nothing to hide).
     async_scheduling: bool | None = None
     # Longest a step's device work may take before the engine gives up on it (a hung kernel or
     # device then fails the requests with an error instead of blocking the node forever).

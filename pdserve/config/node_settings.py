@@ -104,7 +104,7 @@ class NodeConfig(_Frozen):
     kv_checksum: bool = False  # decode: verify a digest of every pulled transfer (kvtransfer/checksum.py)
     max_model_len: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
-    async_scheduling: bool | None = None  # None: on for CUDA (see EngineConfig.async_scheduling)
+    async_scheduling: bool | None = None  # None: on for one CUDA device (EngineConfig.async_scheduling)
     step_timeout_s: float = Field(default=300.0, gt=0)  # a device step taking longer fails its requests
     # Structured outputs: a constraint (JSON schema, regex, grammar) longer than this is refused
     # (the router's own router.max_grammar_bytes refuses it first), and one whose grammar does not

@@ -2,7 +2,7 @@
 
 Single-threaded; services drive it from one engine thread (see ``pdserve.engine.engine_loop``).
 
-With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA) a step
+With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on one CUDA device) a step
 launches its device work and then post-processes the *previous* step, whose samples are ready
 by then, so the host's work hides behind the GPU's:
 
