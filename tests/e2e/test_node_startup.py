@@ -3,6 +3,7 @@ node die with SIGSEGV after the bind error: the transfer engine's threads were s
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 
@@ -16,7 +17,15 @@ from tests.e2e.cluster import make_cluster_config
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("which", ["metrics_port", "grpc_port", "frontend_port"])
+# CI takes the Steps socket's port; PDSERVE_FULL_TESTS=1 adds the other two (~10 s each on 2 cores)
+PORTS = (
+    ["metrics_port", "grpc_port", "frontend_port"]
+    if os.environ.get("PDSERVE_FULL_TESTS")
+    else ["frontend_port"]
+)
+
+
+@pytest.mark.parametrize("which", PORTS)
 def test_a_decode_node_whose_port_is_taken_exits_with_the_port_named(tiny_models, tmp_path, which) -> None:
     cluster = make_cluster_config(tiny_models["llama"])
     if which == "frontend_port":  # the decode node's Steps socket listens there

@@ -15,45 +15,12 @@ from services.launcher import ports_free
 pytestmark = pytest.mark.slow
 
 
-def test_up_answers_a_request_and_exits(tiny_models, tmp_path) -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--model",
-            str(tiny_models["llama"]),
-            "--base-port",
-            "32100",
-            "--run-dir",
-            str(tmp_path),
-            "--example-request",
-            "--exit-after-example",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "pdserve is up" in r.stdout and "answered:" in r.stdout
-    assert (tmp_path / "cluster.yaml").exists()
-
-
-def test_up_stops_everything_on_sigterm(tiny_models, tmp_path) -> None:
+def test_up_answers_a_request_then_stops_everything_on_sigterm(tiny_models, tmp_path) -> None:
+    """The README's first command as a user runs it: the cluster comes up, answers the example
+    request, keeps serving, and SIGTERM (Ctrl-C) stops every child with exit 0 and frees every port."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--model",
-            str(tiny_models["llama"]),
-            "--base-port",
-            "32200",
-            "--run-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_models["llama"])]
+        + ["--base-port", "32200", "--run-dir", str(tmp_path), "--example-request"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -61,12 +28,15 @@ def test_up_stops_everything_on_sigterm(tiny_models, tmp_path) -> None:
     assert proc.stdout is not None
     deadline = time.monotonic() + 240
     seen = ""
-    while "Ctrl-C stops everything" not in seen:
+    while not ("Ctrl-C stops everything" in seen and "answered:" in seen):
         line = proc.stdout.readline()
         assert line or proc.poll() is None, seen
         seen += line
         assert time.monotonic() < deadline, seen
+    assert "pdserve is up" in seen
+    assert (tmp_path / "cluster.yaml").exists()
     base = int(seen.split("http://127.0.0.1:")[1].split("/")[0])
+    assert proc.poll() is None, "up exited after the example request without --exit-after-example"
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     time.sleep(0.5)
