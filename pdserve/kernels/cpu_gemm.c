@@ -14,17 +14,16 @@
  * widening ops and 6 broadcasts feeding 12 FMAs. Rows go in chunks of ROW_CHUNK so that a panel
  * (16 x K x 2 bytes) stays in L1/L2 while the chunk's rows pass over it, and the next panel is
  * prefetched (a 56 MB LM head at 16 rows: 66 -> 72 GFLOP/s, 4 rows 43 -> 49). One thread.
+ *
+ * Built into every x86-64 module: the vector kernel carries target("avx2,fma") and runs only where
+ * cpuid finds both (checked once), so a portable build (the container image's) uses it on such a
+ * CPU and the scalar loop elsewhere.
  */
 #include "cpu_gemm.h"
 
 #include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PD_GEMM_AVX2 1
-#else
-#define PD_GEMM_AVX2 0
-#endif
+#include "cpu_simd.h"
 
 #define PANEL 16
 #ifndef ROW_BLOCK
@@ -32,7 +31,12 @@
 #endif
 #define ROW_CHUNK 48
 
-int pd_gemm_simd(void) { return PD_GEMM_AVX2; }
+static int simd_state = -1; /* -1: not asked yet; else pd_avx2_fma_supported() */
+
+int pd_gemm_simd(void) {
+    if (simd_state < 0) simd_state = pd_avx2_fma_supported();
+    return simd_state;
+}
 
 void pd_gemm_pack(const uint16_t *w, long n, long k, uint16_t *packed) {
     long panels = (n + PANEL - 1) / PANEL;
@@ -49,8 +53,8 @@ void pd_gemm_pack(const uint16_t *w, long n, long k, uint16_t *packed) {
 
 /* acc[r][0..15] (columns 16p + j: j < 8 in the low vector, j >= 8 in the high one) for rows
  * x[0..rows) of one panel; rows <= ROW_BLOCK, a compile-time constant after inlining. */
-#if PD_GEMM_AVX2
-static inline __attribute__((always_inline)) void panel_block(const float *x, long k, const uint32_t *wp, int rows,
+#if PD_X86
+AVX2_INLINE void panel_block(const float *x, long k, const uint32_t *wp, int rows,
                                                               float *acc) {
     __m256 lo[ROW_BLOCK], hi[ROW_BLOCK];
     for (int r = 0; r < ROW_BLOCK; r++) lo[r] = hi[r] = _mm256_setzero_ps();
@@ -75,8 +79,8 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, lo
 }
 #endif
 
-static void panel_rows(const float *x, long k, const uint16_t *wpanel, int rows, float *acc) {
-#if PD_GEMM_AVX2
+#if PD_X86
+AVX2_FN static void panel_rows_avx2(const float *x, long k, const uint16_t *wpanel, int rows, float *acc) {
     const uint32_t *wp = (const uint32_t *)wpanel;
     switch (rows) {
 #if ROW_BLOCK >= 6
@@ -90,7 +94,18 @@ static void panel_rows(const float *x, long k, const uint16_t *wpanel, int rows,
         case 2: panel_block(x, k, wp, 2, acc); return;
         default: panel_block(x, k, wp, 1, acc); return;
     }
+}
+#endif
+
+static void panel_rows(const float *x, long k, const uint16_t *wpanel, int rows, float *acc, int simd) {
+#if PD_X86
+    if (simd) {
+        panel_rows_avx2(x, k, wpanel, rows, acc);
+        return;
+    }
 #else
+    (void)simd;
+#endif
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) acc[r * PANEL + j] = 0.0f;
     for (long i = 0; i < k; i++) {
@@ -104,7 +119,6 @@ static void panel_rows(const float *x, long k, const uint16_t *wpanel, int rows,
             }
         }
     }
-#endif
 }
 
 int pd_gemm_bf16w(const uint16_t *x, long x_stride, long m, long k, const uint16_t *packed, long n,
@@ -114,6 +128,7 @@ int pd_gemm_bf16w(const uint16_t *x, long x_stride, long m, long k, const uint16
     for (long r = 0; r < m; r++)
         for (long i = 0; i < k; i++) xf[r * k + i] = pd_bf2f(x[r * x_stride + i]);
     long panels = (n + PANEL - 1) / PANEL;
+    int simd = pd_gemm_simd();
     float acc[ROW_BLOCK * PANEL];
     for (long r0 = 0; r0 < m; r0 += ROW_CHUNK) {
         long r_end = r0 + ROW_CHUNK < m ? r0 + ROW_CHUNK : m;
@@ -122,7 +137,7 @@ int pd_gemm_bf16w(const uint16_t *x, long x_stride, long m, long k, const uint16
             long c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
             for (long r = r0; r < r_end; r += ROW_BLOCK) {
                 int rows = (int)(r_end - r < ROW_BLOCK ? r_end - r : ROW_BLOCK);
-                panel_rows(xf + r * k, k, wpanel, rows, acc);
+                panel_rows(xf + r * k, k, wpanel, rows, acc, simd);
                 for (int rr = 0; rr < rows; rr++) {
                     uint16_t *o = out + (r + rr) * out_stride + c0;
                     const float *a = acc + rr * PANEL;

@@ -22,7 +22,7 @@ static inline uint16_t pd_f2bf(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* 1 when built with AVX2 + FMA (the vector kernel), 0 for the portable scalar loop. */
+/* 1 when this CPU runs the vector kernel (AVX2 + FMA, by cpuid), 0: the scalar loop. */
 int pd_gemm_simd(void);
 
 /* packed := w ([n, k] row-major bf16) in the kernel's layout: ceil(n / 16) * 16 * k elements,

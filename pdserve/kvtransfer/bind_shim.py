@@ -19,13 +19,14 @@ node starts without it and the rule of exposure.py applies (loopback hosts only,
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
-
-from pdserve.kernels.cpu_native_build import _compiler, cache_dir
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("bind_shim.c")
@@ -33,13 +34,28 @@ ENV_ADDRESS = "PDSERVE_WILDCARD_BIND"
 _BUILD_TIMEOUT_S = 60
 
 
+@cache
+def _native_build() -> ModuleType:
+    """``pdserve/kernels/cpu_native_build.py`` (its cache directory and compiler lookup), loaded
+    from its file: importing it through the ``pdserve.kernels`` package imports torch (~1.5 s of
+    CPU), in a process that only re-executes itself under the shim. The module needs only the
+    standard library."""
+    path = Path(__file__).parents[1] / "kernels" / "cpu_native_build.py"
+    spec = importlib.util.spec_from_file_location("pdserve_cpu_native_build_for_shim", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build() -> Path | None:
     """The shim's shared library (built now if not cached); None without a working compiler."""
+    nb = _native_build()
     code = SOURCE.read_bytes()
-    target = cache_dir() / f"bind_shim-{hashlib.sha256(code).hexdigest()[:16]}.so"
+    target = nb.cache_dir() / f"bind_shim-{hashlib.sha256(code).hexdigest()[:16]}.so"
     if target.exists():
         return target
-    cc = _compiler()
+    cc = nb._compiler()
     if cc is None:
         logger.warning("no C compiler: Mooncake's ports stay on every interface (bind_shim.py)")
         return None

@@ -3,6 +3,7 @@ captured graphs give the same greedy tokens as the eager engine."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -83,6 +84,11 @@ def test_cuda_graphs_equal_eager(
 
 
 @pytest.mark.skipif(CUDA, reason="the CUDA tests above cover this with real kernels")
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="~20 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it; on a GPU (bench/h200.sh pytest) the "
+    "tests above run these paths with real kernels",
+)
 def test_triton_path_and_padding_under_interpreter(tiny_models, make_llm) -> None:
     """CPU, TRITON_INTERPRET=1: the Triton attention/norm path, eager and through the padded static
     buffers, gives the torch path's tokens (prefill chunks, decodes, padding rows)."""

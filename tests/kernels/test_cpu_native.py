@@ -417,6 +417,24 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
         ln.startswith("flags") and {"avx2", "fma"} <= set(ln.split()) for ln in flags.splitlines()
     )
     assert cpu_native.attention_simd() is (platform.machine() in ("x86_64", "AMD64") and has_avx2_fma)
+    # and the packed GEMM's vector kernel, behind the same check: the portable module runs it
+    simd = platform.machine() in ("x86_64", "AMD64") and has_avx2_fma
+    assert bool(lib.gemm_simd()) is simd
+    if simd:
+        from pdserve.kernels import cpu_gemm
+
+        xg, wg = torch.randn(5, 96).to(BF16), torch.randn(40, 96).to(BF16)
+        packed = cpu_gemm.pack(wg)
+        assert packed is not None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the kernel is taken at one torch thread (models/linear.py)
+        try:
+            got_mm = cpu_gemm.linear(xg, packed, None)
+        finally:
+            torch.set_num_threads(threads)
+        assert got_mm is not None
+        want_mm = (xg.float() @ wg.float().T).to(BF16)
+        torch.testing.assert_close(got_mm.float(), want_mm.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.usefixtures("native")
