@@ -166,12 +166,7 @@ class WorkerGroup:
             self.check_alive()
             if time.monotonic() > deadline:
                 raise self.error(f"{self.label} {rank} did not {what} in {timeout_s:.0f} s")
-        try:
-            reply = conn.recv()
-        except EOFError:
-            raise self.error(f"{self.label} {rank} exited ({self._exit_code(rank)})") from None
-        if isinstance(reply, WorkerFailed):
-            raise self.error(f"{self.label} {rank} failed ({reply.kind}):\n{reply.traceback}")
+        reply = self._read(rank, conn)
         if conn is self._conns[rank - 1]:
             self._awaited[rank - 1] -= 1
         return reply
@@ -185,6 +180,17 @@ class WorkerGroup:
         except (BrokenPipeError, OSError) as e:
             raise self.error(f"{self.label} {rank} is gone: {e}") from e
         return self.recv(rank, timeout_s, conn=conn, what=what)
+
+    def _read(self, rank: int, conn: Connection) -> Any:
+        """One message of worker ``rank`` from ``conn``; the group's error type for end-of-file
+        (the worker is gone) or a failure report."""
+        try:
+            reply = conn.recv()
+        except EOFError:
+            raise self.error(f"{self.label} {rank} exited ({self._exit_code(rank)})") from None
+        if isinstance(reply, WorkerFailed):
+            raise self.error(f"{self.label} {rank} failed ({reply.kind}):\n{reply.traceback}")
+        return reply
 
     def _exit_code(self, rank: int) -> str:
         proc = self._procs[rank - 1]
@@ -211,12 +217,7 @@ class WorkerGroup:
             if (
                 not self._awaited[rank - 1] and conn.poll()
             ):  # a failure report, or end-of-file when the worker is gone
-                try:
-                    reply = conn.recv()
-                except EOFError:
-                    raise self.error(f"{self.label} {rank} exited ({self._exit_code(rank)})") from None
-                if isinstance(reply, WorkerFailed):
-                    raise self.error(f"{self.label} {rank} failed ({reply.kind}):\n{reply.traceback}")
+                reply = self._read(rank, conn)
                 raise AssertionError(f"{self.label} {rank} sent an unexpected {reply!r}")
             if not proc.is_alive():
                 raise self.error(f"{self.label} {rank} exited ({self._exit_code(rank)})")
