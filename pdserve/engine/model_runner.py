@@ -17,6 +17,7 @@ here, by ``select_attention_backend``, and carried in every step's ``AttentionMe
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import mmap
@@ -185,6 +186,13 @@ class ModelRunner:
         self.staging = PinnedStaging(self.device, timeout_s=config.step_timeout_s)
         self.sampler = Sampler(self.staging)
         self._generators: dict[str, torch.Generator] = {}
+        # Seeded rows on CUDA draw from a counter-based stream, all in one launch
+        # (kernels/triton_seeded_draw.py); on the CPU, or without Triton, a generator per request.
+        self._counter_draws = (
+            self.device.type == "cuda"
+            and kernels.get_backend() != "torch"
+            and importlib.util.find_spec("triton") is not None
+        )
         # Structured outputs: matchers, bitmask fills (on a thread of their own on CUDA hosts
         # with cores to spare), the masks' host buffers.
         self.grammar = GrammarMasker(
@@ -338,9 +346,17 @@ class ModelRunner:
             row += c.num_tokens
         return out
 
+    def _seed_draw(self, chunk: ScheduledChunk) -> tuple[int, int] | None:
+        """(seed, k) of a seeded row sampling its k-th output token, where seeded rows draw from
+        the counter-based stream (CUDA with Triton); None elsewhere (``_generator`` serves)."""
+        seed = chunk.request.sampling_params.seed
+        if seed is None or not self._counter_draws:
+            return None
+        return seed, chunk.start_pos + chunk.num_tokens - chunk.request.num_prompt_tokens
+
     def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
         seed = request.sampling_params.seed
-        if seed is None:
+        if seed is None or self._counter_draws:
             return None
         g = self._generators.get(request.request_id)
         if g is None:
@@ -513,6 +529,7 @@ class ModelRunner:
                     output_token_ids=c.request.output_token_ids,
                     generator=self._generator(c.request, job.logits.shape[1]),
                     eos_token_ids=c.request.eos_token_ids,
+                    seed_draw=self._seed_draw(c),
                 )
                 for c in job.chunks
             ]

@@ -44,6 +44,10 @@ class SamplerInput:
     # for the request's lifetime. None: the default generator.
     generator: torch.Generator | None
     eos_token_ids: frozenset[int]
+    # Seeded requests on CUDA instead of ``generator``: (seed, k) for the request's k-th sampled
+    # token (k = its output length when this token is sampled); the row's draws are the
+    # counter-based stream of ``kernels.triton_seeded_draw``, all such rows in one launch.
+    seed_draw: tuple[int, int] | None = None
 
 
 @dataclass
@@ -253,11 +257,18 @@ def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch
 
     q = torch.empty_like(x)  # [S, V] ~ Exp(1)
     seeded = [(j, i.generator) for j, i in enumerate(inputs) if i.generator is not None]
-    if len(seeded) < num_rows:
+    counted = [(j, i.seed_draw) for j, i in enumerate(inputs) if i.seed_draw is not None]
+    if len(seeded) + len(counted) < num_rows:
         draw_(q, None)
     for j, gen in seeded:
         assert gen.device.type == device.type, (gen.device, device)
         draw_(q[j], gen)
+    if counted:
+        assert device.type == "cuda", "counter-based seeded draws are Exp(1) values: CUDA only"
+        from pdserve.kernels.triton_seeded_draw import seeded_exponential_
+
+        table = put([[j, sd[0], sd[1]] for j, sd in counted], torch.long)  # [R, 3]
+        seeded_exponential_(q, table[:, 0], table[:, 1], table[:, 2])
     if device.type == "cpu":
         q = torch.log1p(q.neg_()).neg_()  # u in [0, 1) -> -log(1 - u) ~ Exp(1), one vectorised pass
     # Exp(1) draws can be exactly 0 (u == 0); keep log finite so a masked -inf stays -inf.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -49,28 +50,53 @@ def aligned(copies: Sequence[tuple[int, int, int]]) -> bool:
     return all(s % ALIGN == 0 and d % ALIGN == 0 and n % ALIGN == 0 for s, d, n in copies)
 
 
+class _Staging:
+    """A pinned host buffer per stream for the descriptor table, grown when a longer list comes.
+
+    ``batched_copy``'s caller waits for the stream before the next call on it, so the buffer is
+    free again when it is refilled; a fresh ``pin_memory()`` per call cost host time on every
+    transfer."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def fill(self, stream: torch.cuda.Stream, table: np.ndarray) -> torch.Tensor:
+        n = table.shape[0]
+        buf = self._buffers.get(id(stream))
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty((max(n, 256), 3), dtype=torch.int64).pin_memory()
+            self._buffers[id(stream)] = buf
+        view = buf[:n]
+        view.numpy()[:] = table
+        return view
+
+
+_staging = _Staging()
+
+
 def batched_copy(
     copies: Sequence[tuple[int, int, int]], device: torch.device, stream: torch.cuda.Stream
 ) -> None:
-    """Enqueue all ``copies`` (src, dst, bytes) as one kernel on ``stream``; does not wait.
+    """Enqueue all ``copies`` (src, dst, bytes) as one kernel on ``stream``; the caller waits for
+    ``stream`` before calling again with it (the descriptor table's pinned buffer is reused).
 
     The regions must not overlap (copies run in any order). Raises ValueError when a copy is not
     16-byte aligned (the caller's fallback is one memcpy each)."""
     if not copies:
         return
-    if not aligned(copies):
+    # addresses are below 2**63 (user-space virtual addresses), so int64 holds them
+    table = np.asarray(copies, dtype=np.int64).reshape(-1, 3)
+    if (table % ALIGN).any():
         raise ValueError("batched_copy needs 16-byte aligned addresses and lengths")
-    longest = max(n for _, _, n in copies)
+    longest = int(table[:, 2].max())
     per_program = _BLOCK * _CHUNK_ITERS * _WORD
     with torch.cuda.stream(stream):
-        desc = torch.empty((len(copies), 3), dtype=torch.int64, device=device)
+        desc = torch.empty((len(table), 3), dtype=torch.int64, device=device)
         base = desc.data_ptr()  # any 16-byte aligned device address will do as the origin
-        host = torch.tensor(
-            [[(s - base) // ALIGN, (d - base) // ALIGN, n // ALIGN] for s, d, n in copies],
-            dtype=torch.int64,
-        ).pin_memory()
-        desc.copy_(host, non_blocking=True)
-        grid = (len(copies), triton.cdiv(longest, per_program))
+        table[:, :2] -= base
+        table //= ALIGN
+        desc.copy_(_staging.fill(stream, table), non_blocking=True)
+        grid = (len(table), triton.cdiv(longest, per_program))
         _batched_copy_kernel[grid](
             desc, desc.view(torch.int32), BLOCK=_BLOCK, ITERS=_CHUNK_ITERS, num_warps=8
         )

@@ -111,6 +111,7 @@ class _CudaRuntime:
         self._cu = ctypes.CDLL("libcuda.so.1")
         self._streams: dict[int, ctypes.c_void_p] = {}
         self._torch_streams: dict[int, Any] = {}  # device -> torch.cuda.Stream of the batched copy
+        self._copy_locks: dict[int, threading.Lock] = {}  # device -> one batched copy at a time
         self._lock = threading.Lock()
         rt = self._rt
         rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
@@ -229,20 +230,32 @@ class _CudaRuntime:
             _batched_unavailable = f"{type(e).__name__}: {e}"
             logger.warning("cuda_ipc: no batched copy kernel, one memcpy per block: %s", _batched_unavailable)
             return False
-        if not triton_copy.aligned(copies):
-            return False
         dev = torch.device("cuda", device)
         with self._lock:
             stream = self._torch_streams.get(device)
             if stream is None:
                 stream = self._torch_streams[device] = torch.cuda.Stream(dev)
-        try:
-            with torch.cuda.device(dev):
-                triton_copy.batched_copy(copies, dev, stream)
-                stream.synchronize()
-        except RuntimeError as e:  # a launch error is CUDA's: report it like a failed memcpy
-            raise OSError(f"batched copy of {len(copies)} descriptors failed: {e}") from e
+                self._copy_locks[device] = threading.Lock()
+            copy_lock = self._copy_locks[device]
+        # one batched copy at a time per device: they share the stream and its pinned descriptor
+        # table (concurrent writes would run one after the other on that stream anyway)
+        with copy_lock:
+            try:
+                with torch.cuda.device(dev):
+                    triton_copy.batched_copy(copies, dev, stream)
+                    stream.synchronize()
+            except ValueError:  # an address or length not 16-byte aligned: nothing was enqueued
+                return False
+            except RuntimeError as e:  # a launch error is CUDA's: report it like a failed memcpy
+                raise OSError(f"batched copy of {len(copies)} descriptors failed: {e}") from e
         return True
+
+
+def _span(descs: Sequence[Descriptor], side: int) -> tuple[int, int]:
+    """[lowest start, highest end) of the descriptors' source (side 0) or target (side 1) bytes."""
+    lo = min(d[side] for d in descs)
+    hi = max(d[side] + d[2] for d in descs)
+    return lo, hi
 
 
 class _Directory(socketserver.ThreadingTCPServer):
@@ -509,8 +522,17 @@ class CudaIpcBackend(TransferBackend):
     def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
         if self._closed:
             raise TransferError(peer_session, transfer_id, "write", None, "backend is closed")
+        if not descs:
+            return
+        lo, hi = _span(descs, 0)
         with self._lock:
-            bad = self._ranges.first_outside([(s, n) for s, _, n in descs])
+            # one registered range holding every source (the KV cache: the usual case) answers
+            # for all descriptors at once; otherwise each is looked up
+            bad = (
+                None
+                if self._ranges.contains(lo, hi - lo)
+                else self._ranges.first_outside([(s, n) for s, _, n in descs])
+            )
         if bad is not None:
             raise TransferError(
                 peer_session,
@@ -520,12 +542,23 @@ class CudaIpcBackend(TransferBackend):
                 f"source {bad[0]:#x}+{bad[1]} is not registered memory",
             )
         reply, ranges = self._peer_ranges(peer_session, transfer_id)
-        if any(self._find(ranges, d, n) is None for _, d, n in descs):
+        d_lo, d_hi = _span(descs, 1)
+        whole = self._find(ranges, d_lo, d_hi - d_lo)  # one peer range holds every target
+        if whole is None and any(self._find(ranges, d, n) is None for _, d, n in descs):
             reply, ranges = self._peer_ranges(peer_session, transfer_id, fresh=True)  # registered since?
+            whole = self._find(ranges, d_lo, d_hi - d_lo)
         copies: list[Descriptor] = []
         held: list[tuple[str, str]] = []
         shift: dict[int, int] = {}  # id(entry) -> (our address - peer's address) inside that range
         try:
+            if whole is not None:
+                moved = (
+                    self._acquire(peer_session, reply, whole, held)
+                    + int(whole["offset"])
+                    - int(whole["addr"])
+                )
+                self._cuda.copy([(src, dst + moved, n) for src, dst, n in descs], self._device)
+                return
             for src, dst, n in descs:
                 entry = self._find(ranges, dst, n)
                 if entry is None:
