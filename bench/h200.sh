@@ -3,7 +3,7 @@
 #
 #   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest pytest-files
 #                                         kernels attn attn-prefill decode-quick startup prefill ipc
-#                                         pd-ipc served gemv-l2 grammar
+#                                         pd-ipc served gemv-l2 grammar sampling
 #                                   (pytest-files: the tests named in $PYTEST_FILES)
 #                                   (default: decode pd pytest)
 #
@@ -82,6 +82,7 @@ for p in "${parts[@]}"; do
       --concurrency 1 16 64 256 --reps 1 --requests-per-level 2 --client-procs 8 --skip-vllm \
       --kv-transport cuda_ipc ${SERVED_ARGS:-} ;;
     grammar) part grammar "${GRAMMAR_LIMIT:-300}" bash bench/h200_grammar.sh "$OUT" ;;
+    sampling) part gpu_sampling "${SAMPLING_LIMIT:-200}" python3 bench/gpu_sampling.py --out "$OUT" ;;
     kernels) part kernels "${KERNELS_LIMIT:-120}" python3 bench/gpu_kernels.py --out "$OUT/kernels.json" ;;
     *) echo "unknown part $p" >&2 ;;
   esac

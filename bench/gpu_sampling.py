@@ -1,0 +1,117 @@
+"""Decode tok/s of greedy, sampled and seeded rows on a GPU, paired in one run.
+
+    PYTHONPATH=. python3 bench/gpu_sampling.py --out DIR [--batch 64] [--reps 3]
+
+Llama-1B shape in bf16 (bench/gpu_decode.py's model), CUDA graphs, asynchronous scheduling;
+``--batch`` requests of 512 prompt tokens each decode ``--new-tokens`` tokens. Modes:
+
+    greedy          temperature 0
+    sampled         temperature 1, no seed (one Exp(1) draw over the batch)
+    seeded          temperature 1, a seed per request: the counter-based draws, one launch
+                    for all seeded rows (kernels/triton_seeded_draw.py)
+    seeded-gen      the same requests with a torch.Generator per request (one draw call per
+                    seeded row): the path CPU engines take
+
+Each repetition runs the modes in order, then the next in reverse (ABC / CBA), on one engine;
+the decode window is timed from the step that brought every request its first token to the
+last token. Prints each mode's median tok/s and its per-repetition ratio to greedy; writes
+DIR/gpu_sampling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_decode import build_model, make_prompts  # noqa: E402
+
+from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+
+MODES = ("greedy", "sampled", "seeded", "seeded-gen")
+
+
+def _params(mode: str, i: int, new_tokens: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    seed = None if mode == "sampled" else 1000 + i
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=new_tokens, ignore_eos=True)
+
+
+def decode_tok_s(engine: LLMEngine, mode: str, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
+    engine.runner._counter_draws = mode != "seeded-gen" and engine.runner.device.type == "cuda"  # type: ignore[union-attr]
+    rids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+        engine.add_request(p, _params(mode, i, new_tokens), rid)
+    started: set[str] = set()
+    t_open = None
+    count = 0
+    while engine.has_unfinished():
+        deltas = engine.step()
+        now = time.perf_counter()
+        if t_open is not None:
+            count += sum(len(d.token_ids) for d in deltas)
+        started.update(d.request_id for d in deltas if d.token_ids)
+        if t_open is None and len(started) == len(rids):
+            t_open = now
+    assert t_open is not None
+    return count / (time.perf_counter() - t_open)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/pdserve-llama1b-random"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    build_model(args.model_dir)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(args.model_dir),
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=4096,
+            cache=CacheConfig(block_size=16, kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len
+            ),
+        ),
+        load_tokenizer_=False,
+    )
+    for mode in MODES:  # warm-up: graphs captured, kernels compiled
+        decode_tok_s(engine, mode, make_prompts(args.batch, 32, seed=99), 8, f"warm-{mode}")
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    for rep in range(args.reps):
+        order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
+        for mode in order:
+            prompts = make_prompts(args.batch, args.prompt_len, seed=rep)
+            runs[mode].append(decode_tok_s(engine, mode, prompts, args.new_tokens, f"r{rep}-{mode}"))
+        print(f"rep {rep}: " + ", ".join(f"{m} {runs[m][-1]:,.0f}" for m in MODES), flush=True)
+    print(f"\nbatch {args.batch}, {args.new_tokens} new tokens, {torch.cuda.get_device_name()}")
+    print("| mode | tok/s (median) | ÷ greedy per repetition |")
+    print("|---|---|---|")
+    table = {}
+    for mode in MODES:
+        ratios = [a / g for a, g in zip(runs[mode], runs["greedy"], strict=True)]
+        table[mode] = {"tok_s": runs[mode], "ratio_to_greedy": ratios}
+        print(f"| {mode} | {statistics.median(runs[mode]):,.0f} | {' / '.join(f'{r:.2f}' for r in ratios)} |")
+    (args.out / "gpu_sampling.json").write_text(json.dumps({"batch": args.batch, "modes": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
