@@ -11,7 +11,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.lora.config import LoRARequest
 from tests.lora.adapters import make_adapters, peft_greedy
 
-NEW_TOKENS = 12
+NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +22,10 @@ def llama_adapters(tiny_model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(llama_adapters):
-    """(jobs, PeftModel tokens, base-model tokens of the same prompts)."""
+    """(jobs, PeftModel tokens)."""
     model_dir, adapters = llama_adapters
     jobs = _jobs(0, 12)
-    want = peft_greedy(model_dir, adapters, jobs, NEW_TOKENS)
-    base = peft_greedy(model_dir, adapters, [("", p) for _, p in jobs], NEW_TOKENS)
-    return jobs, want, base
+    return jobs, peft_greedy(model_dir, adapters, jobs, NEW_TOKENS)
 
 
 def _jobs(seed: int, count: int) -> list[tuple[str, list[int]]]:
@@ -39,7 +37,7 @@ def _jobs(seed: int, count: int) -> list[tuple[str, list[int]]]:
 @pytest.mark.parametrize("max_loras,apply_mode", [(3, "segmented"), (1, "dense")])
 def test_three_adapters_and_base_in_one_batch(llama_adapters, reference, make_llm, max_loras, apply_mode):
     model_dir, adapters = llama_adapters
-    jobs, want, base = reference
+    jobs, want = reference
     llm = make_llm(
         model_dir,
         kv_cache_memory_bytes=8 << 20,
@@ -54,7 +52,9 @@ def test_three_adapters_and_base_in_one_batch(llama_adapters, reference, make_ll
     outs = llm.generate([p for _, p in jobs], sp, lora_request=[n for n, _ in jobs])
     got = [o.outputs[0].token_ids for o in outs]
     assert got == want
-    # every adapter changes its prompts' tokens (else the comparison above proves little)
+    # every adapter changes its prompts' tokens (else the comparison above proves little); the
+    # base model's tokens equal transformers' (tests/engine/test_engine_parity.py)
+    base = [o.outputs[0].token_ids for o in llm.generate([p for _, p in jobs], sp)]
     for name in ("plain", "rslora", "mlp"):
         assert any(g != b for (n, _), g, b in zip(jobs, got, base, strict=True) if n == name), name
     if max_loras == 1:
