@@ -364,11 +364,11 @@ class LLMEngine:
         deltas = self._admit_compiled() if self._grammar_pending else []
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
             deltas += self._complete_inflight()
-        if self.lora is not None:
-            self.lora.reap(self.scheduler.requests.values())
         sched = self.scheduler.schedule()
         self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
         deltas += self.execute_scheduled(sched)
+        if self.lora is not None:  # adapters unloaded while in use go once their last request ended
+            self.lora.reap(self.scheduler.requests.values())
         self._drop_finished_if_idle()
         return deltas
 

@@ -360,7 +360,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if gate is not None:
                 gate.active -= 1
 
-    async def LoadLoRA(self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext) -> pb.LoRAResponse:
+    async def LoadLoRA(
+        self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
         return await load_lora(self.node.engine_loop, request, context)
 
     async def UnloadLoRA(
