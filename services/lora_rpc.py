@@ -4,9 +4,10 @@ the router named, so KV computed under one adapter is never continued under anot
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
@@ -99,3 +100,28 @@ async def unload_lora(
         return False
 
     return await _on_engine(loop, unload, grpc.StatusCode.NOT_FOUND, context)
+
+
+def lora_metric_families(engine: LLMEngine, labels: list[str], values: list[str]) -> Iterator[Metric]:
+    """The node's LoRA metrics (nothing without lora settings): adapters loaded, admitted
+    requests per adapter, slot loads and evictions."""
+    if engine.lora is None:
+        return
+    lora = engine.lora
+    g = GaugeMetricFamily("pdserve:lora_adapters_loaded", "LoRA adapters loaded on the node", labels=labels)
+    g.add_metric(values, len(lora.names()))
+    yield g
+    per = CounterMetricFamily(
+        "pdserve:lora_requests", "Requests admitted under each LoRA adapter", labels=[*labels, "lora_name"]
+    )
+    for name, n in sorted(lora.requests_total.items()):
+        per.add_metric([*values, name], n)
+    yield per
+    m = lora.manager.metrics
+    for name, doc, value in (
+        ("lora_slot_loads", "Adapters written into a resident slot", m.slot_loads),
+        ("lora_slot_evictions", "Resident adapters evicted to host memory for another", m.slot_evictions),
+    ):
+        c = CounterMetricFamily(f"pdserve:{name}", doc, labels=labels)
+        c.add_metric(values, value)
+        yield c

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from tests.e2e import cluster as cluster_ports
 from tests.e2e.cluster import make_cluster_config, running_cluster
 from tests.lora.adapters import make_adapter, make_adapters, peft_greedy
 
@@ -38,6 +39,8 @@ def setup(tiny_models, tmp_path_factory):
     want = [
         tok.decode(t, skip_special_tokens=True) for t in peft_greedy(model_dir, adapters, jobs, NEW_TOKENS)
     ]
+    # a random port block: test runs of other worktrees on the same host start at the same base
+    cluster_ports._next_base[0] = random.Random().randrange(20000, 31000, 10)
     cfg = make_cluster_config(model_dir, router={"local_prefill_max_tokens": 16})
     data = cfg.model_dump(mode="json", exclude_unset=True)
     # mlp is loaded at run time through the router
@@ -84,6 +87,19 @@ def test_adapters_and_base_together_match_peft(setup):
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda j: _complete(client, j[0] or rc.model_name, j[1]), jobs))
     assert got == want
+    decode = rc.node("decode-0")
+    metrics_url = f"http://{decode.host}:{decode.metrics_port}/metrics"
+    text = httpx.get(metrics_url).text
+    assert 'pdserve:lora_adapters_loaded{node="decode-0",role="decode"} 3.0' in text
+    lora_lines = [ln for ln in text.splitlines() if ln.startswith("pdserve:lora_")]
+    per_adapter = {
+        ln.split('lora_name="')[1].split('"')[0]: float(ln.split()[-1])
+        for ln in lora_lines
+        if ln.startswith("pdserve:lora_requests_total")
+    }
+    assert set(per_adapter) == {"plain", "rslora", "mlp"} and min(per_adapter.values()) >= 2, lora_lines
+    evictions = [ln for ln in lora_lines if ln.startswith("pdserve:lora_slot_evictions_total")]
+    assert evictions and float(evictions[0].split()[-1]) >= 1, lora_lines
 
 
 def test_bad_adapters_400_and_nodes_keep_serving(setup):
