@@ -29,9 +29,11 @@ FUSED_SHARDS: dict[str, tuple[str, ...]] = {
     "o_proj": ("o_proj",),
     "down_proj": ("down_proj",),
 }
-# Below this many distinct adapters in a step the segmented apply wins on the CPU, past it
-# the dense one (bench/lora.py --apply-modes measures the crossover).
-DENSE_MIN_ADAPTERS = 1_000_000
+# From this many distinct adapters in a step the dense apply is used. bench/lora.py
+# --apply-modes segmented dense (CPU, batch 16, rank 16, 16 slots, a host at load 8 on 2 cores):
+# segmented 840 / 497 / 315 tok/s with 1 / 4 / 16 adapters, dense 372 / 410 / 398 (its cost
+# follows max_loras, not the adapters present); the crossover lies between 4 and 16.
+DENSE_MIN_ADAPTERS = 8
 
 
 @dataclass
