@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import random
 
 import grpc
@@ -14,8 +15,10 @@ import httpx
 import openai
 import pytest
 
+from pdserve.config.cluster import ClusterConfig
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.launcher import pick_base_port
 from tests.e2e import cluster as cluster_ports
 from tests.e2e.cluster import make_cluster_config, running_cluster
 from tests.lora.adapters import make_adapter, make_adapters, peft_greedy
@@ -154,3 +157,36 @@ def test_unload_then_404(setup):
         _complete(_client(rc), "mlp", jobs[0][1])
     r = httpx.post(rc.cluster.router_url + "/v1/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=60)
     assert r.status_code == 404, r.text
+
+
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="a second cluster (~20-50 s on 2 cores): PDSERVE_FULL_TESTS=1 runs it; the default run covers "
+    "the node-local prefill path through the P/D cluster's decode node (prompts under 16 tokens)",
+)
+def test_colocated_node_matches_peft(setup, tmp_path):
+    """The same jobs through the router to one colocated node (adapters from the cluster file)."""
+    _, adapters, jobs, want, _, model_dir = setup
+    host = "127.0.0.1"
+    port = pick_base_port(host, random.Random().randrange(20000, 31000, 10), span=3)
+    cfg = ClusterConfig.from_dict(
+        {
+            "model": str(model_dir),
+            "router": {"host": host, "port": port},
+            "lora": {"max_loras": 3, "max_lora_rank": 8, "modules": {n: str(p) for n, p in adapters.items()}},
+            "nodes": [
+                {
+                    "name": "colo-0",
+                    "role": "colocated",
+                    "host": host,
+                    "grpc_port": port + 1,
+                    "metrics_port": port + 2,
+                }
+            ],
+        }
+    )
+    with running_cluster(cfg, tmp_path) as rc:
+        client = _client(rc)
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda j: _complete(client, j[0] or rc.model_name, j[1]), jobs))
+    assert got == want
