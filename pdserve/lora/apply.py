@@ -29,7 +29,7 @@ class LoRAStep:
     """One step's per-row adapter slots (the same for every layer of the step)."""
 
     row_slots: torch.Tensor  # [n] int64, -1 = base model
-    mode: str  # "segmented" | "dense"
+    mode: str  # "segmented" | "dense" | "bgmv"
     num_slots: int
     # segmented: (slot, rows) per slot present; rows a slice when contiguous, else an index tensor
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
@@ -50,6 +50,8 @@ class LoRAStep:
             row_list.extend([slot] * n)
         rows = torch.tensor(row_list, dtype=torch.int64)
         step = cls(rows.to(device), mode, num_slots)
+        if mode == "bgmv":
+            return step
         if mode == "dense":
             onehot = torch.zeros(len(row_list), num_slots, 1, dtype=dtype)
             used = rows >= 0
@@ -123,6 +125,10 @@ class LoRASlots:
         if step is None or x.dim() != 2:
             return y
         assert x.shape[0] == step.row_slots.shape[0], (tuple(x.shape), tuple(step.row_slots.shape))
+        if step.mode == "bgmv":  # CUDA (or the Triton interpreter): pdserve/lora/triton_bgmv.py
+            from pdserve.lora.triton_bgmv import bgmv_add
+
+            return bgmv_add(x.contiguous(), y.contiguous(), self.a, self.b_t, self.scale, step.row_slots)
         xc = x.to(self.a.dtype)
         if step.mode == "dense":
             if step.onehot is None:

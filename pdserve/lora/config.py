@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import ConfigError
 
-APPLY_MODES = ("auto", "segmented", "dense")
+APPLY_MODES = ("auto", "segmented", "dense", "bgmv")
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,10 @@ class LoRAConfig:
     max_lora_rank: int = 16
     modules: tuple[tuple[str, str], ...] = ()
     max_cpu_loras: int | None = None
-    # How a step applies its adapters on the CPU / torch path (pdserve/lora/apply.py): segmented
-    # (rows grouped by adapter, two small GEMMs per adapter) or dense (two GEMMs over every
-    # slot's stacked A / B with a per-row mask); auto picks by the measured crossover.
+    # How a step applies its adapters (pdserve/lora/apply.py): segmented (rows grouped by
+    # adapter, two small GEMMs per adapter), dense (two GEMMs over every slot's stacked A / B
+    # with a per-row mask) or bgmv (the Triton kernels, CUDA); auto: bgmv on CUDA when triton
+    # imports, else segmented or dense by the measured crossover.
     apply_mode: str = "auto"
 
     def __post_init__(self) -> None:

@@ -9,6 +9,8 @@ distinct adapters at once (``Scheduler.max_loras``), so a step's adapters always
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +38,10 @@ FUSED_SHARDS: dict[str, tuple[str, ...]] = {
 DENSE_MIN_ADAPTERS = 8
 
 
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 @dataclass
 class LoRAMetrics:
     slot_loads: int = 0  # adapters written into a slot
@@ -48,6 +54,12 @@ class LoRAManager:
     ) -> None:
         self.config = config
         self.metrics = LoRAMetrics()
+        runs_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        if config.apply_mode == "bgmv" and not (runs_triton and _triton_available()):
+            raise ConfigError(
+                f"lora.apply_mode bgmv runs the Triton kernels: it needs triton and a CUDA device (device "
+                f"{device}); use auto, segmented or dense"
+            )
         self.targets: dict[str, tuple[int, int]] = {}  # HF module name -> (in, out)
         self.layers: list[tuple[str, LoRASlots]] = []  # (our layer name, slots)
         compute_dtype = torch.float32 if device.type == "cpu" else dtype
@@ -162,7 +174,9 @@ class LoRAManager:
         slots = self.activate([name for name, _ in chunk_loras])
         per_chunk = [(slots[name] if name else -1, n) for name, n in chunk_loras]
         mode = self.config.apply_mode
-        if mode == "auto":
+        if mode == "auto" and device.type == "cuda" and _triton_available():
+            mode = "bgmv"
+        elif mode == "auto":
             mode = "dense" if len(slots) >= DENSE_MIN_ADAPTERS else "segmented"
         compute_dtype = self.layers[0][1].a.dtype
         self._set_step(LoRAStep.build(per_chunk, self.config.max_loras, mode, compute_dtype, device))
