@@ -31,6 +31,7 @@ from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.engine_watchdog import EngineWatchdog
+from services.lora_rpc import lora_metric_families
 from services.memwatch import resident_bytes, start_memwatch
 from services.node_lifecycle import DrainGate, drain, start_grpc_server, start_membership
 from services.steps_socket import StepsFront
@@ -499,6 +500,7 @@ class _NodeCollector:
         )
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
+        yield from lora_metric_families(eng, labels, lv)
         entries = GaugeMetricFamily(
             "pdserve:request_state_entries",
             "Entries in a per-request map of the node (0 when idle)",

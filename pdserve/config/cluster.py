@@ -34,6 +34,7 @@ from pdserve.config.cluster_file import (
     write_cluster_config,
 )
 from pdserve.config.frozen import _Frozen
+from pdserve.config.lora_settings import LoRASettings
 from pdserve.config.node_settings import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_ROLE_OF_ROLE,
@@ -87,7 +88,17 @@ class ClusterConfig(_Frozen):
     allow_unauthenticated_kv_ports: bool = False
     # Redis registry: a node's entry expires this long after its last heartbeat (beats every TTL/3).
     registry_ttl_s: float = Field(default=10.0, gt=0)
+    lora: LoRASettings | None = None  # LoRA adapters every node serves (None: the base model only)
     nodes: tuple[NodeConfig, ...]
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> ClusterConfig:
+        if self.lora is not None and self.router.workers > 1:
+            raise ConfigError(
+                f"lora with router.workers={self.router.workers}: the adapter registry lives in one router "
+                "process (load / unload answer there); use router.workers: 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_registry(self) -> ClusterConfig:

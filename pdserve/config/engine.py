@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.lora.config import LoRAConfig
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class EngineConfig:
     # (docs/benchmarks.md, "CPU threads"); on other devices torch's default. A number: that
     # many threads in each of the engine's processes, on any device.
     cpu_threads: int | None = None
+    # Multi-LoRA serving (pdserve/lora): None serves the base model only
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -132,6 +135,13 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.lora is not None and (
+            self.parallel.tensor_parallel_size > 1 or self.parallel.pipeline_parallel_size > 1
+        ):
+            raise ConfigError(
+                "lora: adapters are served with tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                f"only, got {self.parallel.tensor_parallel_size} / {self.parallel.pipeline_parallel_size}"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1 (or unset for auto), got {self.cpu_threads}")
 

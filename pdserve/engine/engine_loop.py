@@ -240,6 +240,7 @@ class EngineLoop:
         priority: int = 0,
         prompt_embeds: Any | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        lora_name: str = "",
     ) -> AsyncGenerator[GenerationDelta, None]:
         """Admit a request and yield its deltas; closing the generator aborts the request."""
         q: asyncio.Queue[GenerationDelta] = asyncio.Queue()
@@ -253,6 +254,7 @@ class EngineLoop:
             priority=priority,
             prompt_embeds=prompt_embeds,
             mm_items=mm_items,
+            lora_name=lora_name,
         )
         finished = False
         try:
@@ -282,6 +284,7 @@ class EngineLoop:
         prompt_embeds: Any | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         direct: DirectSink | None = None,
+        lora_name: str = "",
     ) -> None:
         """Admit a request whose deltas go to ``on_delta`` (on the event loop, in order, the last
         one with a finish_reason); returns once it is admitted, raises if refused.
@@ -314,6 +317,7 @@ class EngineLoop:
                     output_token_ids=output_token_ids,
                     prompt_embeds=prompt_embeds,
                     mm_items=mm_items,
+                    lora_name=lora_name,
                 )
             )
         except asyncio.CancelledError:

@@ -17,6 +17,7 @@ from pdserve.engine.offline import OfflineRequest, PromptType, SampleState, pars
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import EngineStalledError, InvalidRequestError
+from pdserve.lora.offline import LoRARequestLike, lora_config_from_dict, lora_names
 from pdserve.models.resolve import resolve_model_path
 
 
@@ -38,6 +39,8 @@ class LLM:
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
         par_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
         par_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in par_fields}
+        if isinstance(kwargs.get("lora"), Mapping):  # LLM(..., lora={"max_loras": 4, "modules": {...}})
+            kwargs["lora"] = lora_config_from_dict(kwargs["lora"])
         self.config = EngineConfig(
             model=str(resolve_model_path(model)),  # a folder, a .gguf file or an HF id
             cache=CacheConfig(**cache_kw),
@@ -85,6 +88,7 @@ class LLM:
         *,
         priorities: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequestLike | Sequence[LoRARequestLike] = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list, in vLLM's shapes.
 
@@ -101,7 +105,8 @@ class LLM:
                 ids_list.append(self.engine.tokenize(p.text))
             else:
                 ids_list.append(p.token_ids)
-        return self._run([p.text for p in parsed], ids_list, params, priorities, use_tqdm)
+        loras = lora_names(self.engine, lora_request, len(parsed))
+        return self._run([p.text for p in parsed], ids_list, params, priorities, use_tqdm, loras)
 
     def chat(
         self,
@@ -162,6 +167,7 @@ class LLM:
         params: list[SamplingParams],
         priorities: Sequence[int] | None,
         use_tqdm: bool,
+        loras: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
         # Validate everything before admitting anything: a bad request allocates nothing.
         for ids, sp in zip(ids_list, params, strict=True):
@@ -185,7 +191,8 @@ class LLM:
                 if i > 0 and sample_sp.prompt_logprobs is not None:
                     # sample 0 scores the prompt; the others may then take prefix-cache hits
                     sample_sp = dataclasses.replace(sample_sp, prompt_logprobs=None)
-                self.engine.add_request(ids, sample_sp, engine_rid, priority=prio)
+                lora = loras[p] if loras else ""
+                self.engine.add_request(ids, sample_sp, engine_rid, priority=prio, lora_name=lora)
         bar = None
         if use_tqdm:
             from tqdm import tqdm

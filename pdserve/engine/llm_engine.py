@@ -54,6 +54,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
+from pdserve.lora.serving import make_lora_serving
 from pdserve.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class LLMEngine:
             self.fence,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, on_hold_for_transfer)
+        self.lora = make_lora_serving(self.runner, config, self.scheduler)
         self.tokenizer = load_tokenizer(config.model) if load_tokenizer_ else None
         self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = frozenset(arch.eos_token_ids)
@@ -208,9 +210,11 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
         prompt_embeds: Any | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        lora_name: str = "",
     ) -> Request:
         """Admit a request. ``prompt_embeds`` ([n, hidden] tensor) replaces the prompt: ``prompt``
-        is then ignored and n placeholder ids stand in for it."""
+        is then ignored and n placeholder ids stand in for it. ``lora_name``: a loaded adapter
+        the request runs under ("" the base model)."""
         req = self.admission.make_request(
             prompt,
             params,
@@ -221,6 +225,14 @@ class LLMEngine:
             prompt_embeds=prompt_embeds,
             mm_items=mm_items,
         )
+        if lora_name:
+            if self.lora is None:
+                raise InvalidRequestError(
+                    f"model {lora_name!r}: this engine serves no LoRA adapters (no lora settings)",
+                    field="model",
+                )
+            req.cache_salt = self.lora.admit(lora_name) + req.cache_salt
+            req.lora_name = lora_name
         grammar = None
         if params.structured is not None:
             grammar = self.grammar_service().submit(*params.structured)
@@ -355,6 +367,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
         deltas += self.execute_scheduled(sched)
+        if self.lora is not None:  # adapters unloaded while in use go once their last request ended
+            self.lora.reap(self.scheduler.requests.values())
         self._drop_finished_if_idle()
         return deltas
 

@@ -46,6 +46,7 @@ from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.structured import usable_cpus
 from pdserve.errors import ConfigError
+from pdserve.lora.manager import LoRAManager
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors
 from pdserve.models.loader import load_model
@@ -211,6 +212,9 @@ class ModelRunner:
         # next step feeds them to rows whose input token is still in flight.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        self.lora = (
+            LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora is not None else None
+        )
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -287,6 +291,8 @@ class ModelRunner:
             return f"device {self.device}"
         if self.config.enforce_eager:
             return "enforce_eager=True"
+        if self.config.lora is not None:
+            return "LoRA adapters run eagerly (a step's adapter rows vary)"
         if self.attn_backend != "triton":
             return f"attention backend {self.attn_backend!r} writes KV with data-dependent shapes"
         if not (self.model.is_first_stage and self.model.is_last_stage):
@@ -437,6 +443,8 @@ class ModelRunner:
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
             if intermediate is None:  # image embeddings enter the first stage only
                 embeds = substitute_mm_embeds(sched, input_ids, embeds, self.model.model.embed_tokens)
+            if self.lora is not None:
+                self.lora.begin_step([(c.request.lora_name, c.num_tokens) for c in sched.chunks], self.device)
             out = self.model(
                 input_ids, positions, self.layer_caches, meta, intermediate=intermediate, inputs_embeds=embeds
             )

@@ -82,6 +82,9 @@ class Request:
     cache_salt: bytes = b""
     # Images (or other items) whose embeddings replace placeholder runs of the prompt, in order.
     mm_items: tuple[MultiModalItem, ...] = ()
+    # The LoRA adapter the request runs under ("": the base model); its content hash is part of
+    # cache_salt, so blocks never match across adapters.
+    lora_name: str = ""
 
     output_token_ids: list[int] = field(default_factory=list)
     # Counts positions scheduled so far: computed, or being computed by a step in flight (the

@@ -78,6 +78,8 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._step_seq = 0
         self.num_preemptions_total = 0
+        # LoRA: at most this many distinct adapters among running requests (the resident slots)
+        self.max_loras: int | None = None
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, req: Request, *, wait_for_grammar: bool = False) -> None:
@@ -253,6 +255,8 @@ class Scheduler:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_name and self.max_loras is not None and self._lora_slots_full(req.lora_name):
+                break  # its adapter needs a slot no running request's adapter gives up yet
             params = req.kv_transfer_params
             if (
                 isinstance(params, RemotePrefillParams)
@@ -292,6 +296,13 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._chunk(req, num_new)
             budget -= num_new
+
+    def _lora_slots_full(self, lora_name: str) -> bool:
+        """Whether admitting a request of ``lora_name`` would make the running adapters exceed max_loras."""
+        active = {r.lora_name for r in self.running if r.lora_name}
+        active.update(r.lora_name for r in self.waiting_for_kv.values() if r.lora_name)
+        assert self.max_loras is not None
+        return lora_name not in active and len(active) >= self.max_loras
 
     # -- after the step --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

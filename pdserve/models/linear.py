@@ -29,12 +29,17 @@ reference the tests hold to).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_gemm, cpu_native
 from pdserve.kernels.backend import HALF_DTYPES, wants_native
+
+if TYPE_CHECKING:
+    from pdserve.lora.apply import LoRASlots
 
 SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
 SMALL_GEMM_MAX_ROWS = 16  # past it the fp32 route loses (1 x 128 x 384 at 64 rows: 48 -> 79 us)
@@ -50,8 +55,15 @@ class Linear(nn.Linear):
     bias_fp32: torch.Tensor | None = None
     # The packed bf16 copy kernels.cpu_gemm reads (CPUs without bf16 GEMM hardware).
     weight_packed: cpu_gemm.PackedWeight | None = None
+    # The slot stacks of served LoRA adapters (pdserve.lora.manager attaches them); each row of
+    # a step adds its own adapter's delta.
+    lora: LoRASlots | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._forward_base(x)
+        return y if self.lora is None else self.lora.add_delta(x, y)
+
+    def _forward_base(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_packed is not None and wants_native(x):  # None when x is not for it
             y = cpu_gemm.linear(x, self.weight_packed, self.bias_fp32)
             if y is not None:

@@ -109,30 +109,36 @@ class PromptLogprobs(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("transfer_id", "prompt_token_ids", "sampling", "need_send", "prompt_embeds", "mm_items")
+    __slots__ = ("transfer_id", "prompt_token_ids", "sampling", "need_send", "prompt_embeds", "mm_items", "lora_name", "lora_ident")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NEED_SEND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDENT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     need_send: int
     prompt_embeds: Tensor
     mm_items: _containers.RepeatedCompositeFieldContainer[MmItem]
-    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., need_send: _Optional[int] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ...) -> None: ...
+    lora_name: str
+    lora_ident: str
+    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., need_send: _Optional[int] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ..., lora_name: _Optional[str] = ..., lora_ident: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first", "kv_held", "epoch")
+    __slots__ = ("first", "kv_held", "epoch", "lora_ident")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     KV_HELD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDENT_FIELD_NUMBER: _ClassVar[int]
     first: Delta
     kv_held: bool
     epoch: str
-    def __init__(self, first: _Optional[_Union[Delta, _Mapping]] = ..., kv_held: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
+    lora_ident: str
+    def __init__(self, first: _Optional[_Union[Delta, _Mapping]] = ..., kv_held: _Optional[bool] = ..., epoch: _Optional[str] = ..., lora_ident: _Optional[str] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("layer_name", "occurrence", "base_addr", "block_stride_bytes", "block_bytes", "num_blocks")
@@ -275,7 +281,7 @@ class PushKVResponse(_message.Message):
     def __init__(self, ok: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., seconds: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., checksum: _Optional[str] = ..., first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch", "mm_items", "flush_interval_ms", "first_token_from_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "transfer_id", "prefill_address", "prompt_embeds", "prefill_epoch", "mm_items", "flush_interval_ms", "first_token_from_prefill", "lora_name", "lora_ident")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +294,8 @@ class DecodeRequest(_message.Message):
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -300,7 +308,41 @@ class DecodeRequest(_message.Message):
     mm_items: _containers.RepeatedCompositeFieldContainer[MmItem]
     flush_interval_ms: int
     first_token_from_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ..., flush_interval_ms: _Optional[int] = ..., first_token_from_prefill: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    lora_ident: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prompt_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., prefill_epoch: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ..., flush_interval_ms: _Optional[int] = ..., first_token_from_prefill: _Optional[bool] = ..., lora_name: _Optional[str] = ..., lora_ident: _Optional[str] = ...) -> None: ...
+
+class LoRALoadRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoRAUnloadRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterInfo(_message.Message):
+    __slots__ = ("lora_name", "ident", "path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    ident: str
+    path: str
+    def __init__(self, lora_name: _Optional[str] = ..., ident: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoRAResponse(_message.Message):
+    __slots__ = ("adapters", "newly_loaded")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEWLY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapterInfo]
+    newly_loaded: bool
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapterInfo, _Mapping]]] = ..., newly_loaded: _Optional[bool] = ...) -> None: ...
 
 class MmItem(_message.Message):
     __slots__ = ("offset", "length", "key", "embeds", "encoder_address", "image")

@@ -222,6 +222,16 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.rpc.PrefillService/LoadLoRA',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.LoRALoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.rpc.PrefillService/UnloadLoRA',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.LoRAUnloadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -265,6 +275,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +319,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveRequest.FromString,
                     response_serializer=pdserve_dot_rpc_dot_node__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRALoadRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRAUnloadRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -471,6 +503,60 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.PrefillService/LoadLoRA',
+            pdserve_dot_rpc_dot_node__pb2.LoRALoadRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.PrefillService/UnloadLoRA',
+            pdserve_dot_rpc_dot_node__pb2.LoRAUnloadRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -495,6 +581,16 @@ class DecodeServiceStub:
                 '/pdserve.rpc.DecodeService/GetLoad',
                 request_serializer=pdserve_dot_rpc_dot_node__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_rpc_dot_node__pb2.LoadReport.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.rpc.DecodeService/LoadLoRA',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.LoRALoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.rpc.DecodeService/UnloadLoRA',
+                request_serializer=pdserve_dot_rpc_dot_node__pb2.LoRAUnloadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
                 _registered_method=True)
 
 
@@ -521,6 +617,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -538,6 +646,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoadRequest.FromString,
                     response_serializer=pdserve_dot_rpc_dot_node__pb2.LoadReport.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRALoadRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_rpc_dot_node__pb2.LoRAUnloadRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_node__pb2.LoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -621,6 +739,60 @@ class DecodeService:
             '/pdserve.rpc.DecodeService/GetLoad',
             pdserve_dot_rpc_dot_node__pb2.LoadRequest.SerializeToString,
             pdserve_dot_rpc_dot_node__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.DecodeService/LoadLoRA',
+            pdserve_dot_rpc_dot_node__pb2.LoRALoadRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.DecodeService/UnloadLoRA',
+            pdserve_dot_rpc_dot_node__pb2.LoRAUnloadRequest.SerializeToString,
+            pdserve_dot_rpc_dot_node__pb2.LoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

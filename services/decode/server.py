@@ -32,6 +32,7 @@ from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
 from pdserve.rpc.prefill_client import PrefillClient
 from services.decode.outbox import Outbox
+from services.lora_rpc import load_lora, request_lora_refusal, unload_lora
 from services.node import NodeBase
 from services.steps_direct import DirectSteps
 
@@ -164,6 +165,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             mm_items = to_engine_items(wire, [it.embeds for it in wire])
             # images' tensors not here: a failed pull cannot be recomputed on this node
             no_recompute = any(it.embeds is None for it in wire)
+        assert node.engine_loop is not None
+        why = request_lora_refusal(node.engine_loop.engine, request.lora_name, request.lora_ident)
+        if why is not None:  # never continue KV under other adapter weights than it was made with
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, why)
         kv_params = None
         if request.remote_prefill:
             await self._open_transfer(request, no_recompute)
@@ -177,6 +182,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 output_token_ids=list(request.output_token_ids) or None,
                 prompt_embeds=embeds,
                 mm_items=mm_items,
+                lora_name=request.lora_name,
             ),
         )
 
@@ -353,6 +359,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             direct.forget(rid)
             if gate is not None:
                 gate.active -= 1
+
+    async def LoadLoRA(
+        self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
+        return await load_lora(self.node.engine_loop, request, context)
+
+    async def UnloadLoRA(
+        self, request: pb.LoRAUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
+        return await unload_lora(self.node.engine_loop, request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         assert self.node.engine_loop is not None

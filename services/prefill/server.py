@@ -25,6 +25,7 @@ from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
+from services.lora_rpc import check_request_lora, load_lora, unload_lora
 from services.mm_items import ColocatedEncoder, EmbeddingFetcher, EmbeddingUnavailableError
 from services.node import NodeBase
 
@@ -225,6 +226,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             except EmbeddingUnavailableError as e:
                 # Not this node's fault (no breaker move, no retry elsewhere): the router answers 503.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        lora_ident = await check_request_lora(
+            node.engine_loop, request.lora_name, request.lora_ident, context
+        )
         try:
             transfer.admit()
         except DuplicateTransferError as e:
@@ -239,6 +243,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 kv_transfer_params=kv_params,
                 prompt_embeds=embeds,
                 mm_items=mm_items,
+                lora_name=request.lora_name,
             ):
                 first = d
         except PdserveError as e:
@@ -268,7 +273,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
             first.finish_reason = None  # length of the prefill leg only: decode continues
         held = transfer.finish()
-        return pb.PrefillResponse(first=convert.delta_to_pb(first), kv_held=held, epoch=node.epoch)
+        return pb.PrefillResponse(
+            first=convert.delta_to_pb(first),
+            kv_held=held,
+            epoch=node.epoch,
+            lora_ident=lora_ident,
+        )
 
     async def PushKV(self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
         node = self.node
@@ -293,6 +303,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node = self.node
         stages = [node.stage_info(pb, st) for st in node.stages]
         return pb.HandshakeResponse(info=kv_convert.handshake_to_pb(node.handshake, stages))
+
+    async def LoadLoRA(
+        self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
+        return await load_lora(self.node.engine_loop, request, context)
+
+    async def UnloadLoRA(
+        self, request: pb.LoRAUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
+        return await unload_lora(self.node.engine_loop, request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         node = self.node

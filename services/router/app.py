@@ -30,6 +30,7 @@ from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
 from services.router.errors import APIError, install_error_handlers
 from services.router.limits import DEFAULT_MIN_BODY_BYTES, RequestLimits
+from services.router.lora import RouterLoRA, adapter_models, install_lora_routes
 from services.router.metrics import RouterMetrics
 from services.router.middleware import RequestGuard
 from services.router.prompt_embeds import max_prompt_embeds_bytes
@@ -62,6 +63,7 @@ def create_app(
     image_seq_length: int | None = None,
     generation_defaults: dict[str, float] | None = None,
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -69,7 +71,8 @@ def create_app(
     ``len(tokenizer)``; ``max_body_bytes`` defaults to room for two base64 prompt_embeds of
     ``max_model_len`` float32 rows, and at least 16 MiB (``limits.DEFAULT_MIN_BODY_BYTES``).
     ``generation_defaults``: sampling values for fields a request leaves unset (the model's
-    generation_config.json, ``models.config.generation_defaults``).
+    generation_config.json, ``models.config.generation_defaults``). ``lora_modules``: serve
+    LoRA adapters (name -> path, those the nodes load at start; None: no adapters, no endpoints).
     """
     if not served_model_names:
         raise ValueError("served_model_names is empty: name at least one model to serve")
@@ -97,6 +100,7 @@ def create_app(
         generation_defaults=dict(generation_defaults or {}),
         kv_capacity_tokens=getattr(backend, "kv_capacity_tokens", None),
         max_grammar_bytes=max_grammar_bytes,
+        lora=RouterLoRA(served_model_names[0], dict(lora_modules)) if lora_modules is not None else None,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)
@@ -137,6 +141,8 @@ def create_app(
         return await create_chat_completion(ctx, body, request.receive)
 
     install_tokenize_routes(app, ctx, guarded)
+    if ctx.lora is not None:
+        install_lora_routes(app, backend, ctx.lora, guarded)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:
@@ -150,6 +156,7 @@ def create_app(
             }
             for name in served_model_names
         ]
+        data += adapter_models(ctx.lora, created, ctx.max_len)
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")

@@ -33,6 +33,10 @@ class BackendRequest:
     # False: the client reads the answer only at its end (non-streaming); the decode node may then
     # batch its tokens over time (router.nonstream_flush_ms) instead of sending every step.
     streamed: bool = True
+    # LoRA: the adapter ("" = base model), and the identity (name@hash) prefill computed the KV
+    # under, set from its answer: decode admits the request only under that same content.
+    lora_name: str = ""
+    lora_ident: str = ""
 
     @property
     def mm_needs_ec(self) -> bool:

@@ -101,7 +101,7 @@ async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, receive: Receive
 ) -> Response:
     arrival_s = time.monotonic()
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     body.reject_unsupported()
     requested = body.requested_max_tokens
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -118,7 +118,7 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
 
-    reqs = fan_out(request_id, [prompt], params, [max_tokens])
+    reqs = fan_out(request_id, [prompt], params, [max_tokens], lora_name)
     created = int(time.time())
 
     if body.stream:

@@ -93,7 +93,7 @@ def _decode_embeds(ctx: ServingContext, encoded: list[str]) -> list[Prompt]:
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, receive: Receive) -> Response:
     arrival_s = time.monotonic()
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     body.reject_unsupported()
     # echo with max_tokens 0 (vLLM's convention): the prompt only. The nodes still run one token
     # (the prefill that scores the prompt samples it); it is dropped here.
@@ -109,7 +109,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     await ctx.backend.check_capacity()
 
     request_id = new_request_id("cmpl")
-    reqs = fan_out(request_id, prompts, params, max_tokens)
+    reqs = fan_out(request_id, prompts, params, max_tokens, lora_name)
     n = len(reqs) // len(prompts)
     num_prompt_tokens = sum(p.num_tokens for p in prompts)
     echo = await ctx.offload.run(

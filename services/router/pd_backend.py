@@ -158,6 +158,7 @@ class PDBackend(NodePool):
                     need_send=need_send(1, p.pp_size, 1, d_pp),
                     prompt_embeds=_embeds_pb(req),
                     mm_items=_mm_items_pb(req, with_tensors=True),
+                    lora_name=req.lora_name,
                 ),
                 timeout=self.policy.prefill_timeout_s,
                 metadata=self._md,
@@ -187,6 +188,7 @@ class PDBackend(NodePool):
         d.request_id = req.request_id
         if resp.epoch:
             p.epoch_by_transfer[transfer_id] = resp.epoch  # read (and dropped) by the decode leg
+        req.lora_ident = resp.lora_ident  # the adapter content the KV was computed under
         return d
 
     def _decode_msg(
@@ -220,6 +222,10 @@ class PDBackend(NodePool):
             # streamed ones too when router.stream_flush_ms asks for it.
             flush_interval_ms=self.policy.stream_flush_ms if req.streamed else self.policy.nonstream_flush_ms,
             first_token_from_prefill=early,
+            lora_name=req.lora_name,
+            # KV pulled from prefill: decode must hold the content prefill used (pd_flow opens no
+            # early leg for an adapter request, so prefill has answered by now)
+            lora_ident=req.lora_ident if transfer_id is not None else "",
         )
 
     def open_early_leg(

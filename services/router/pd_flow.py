@@ -154,7 +154,8 @@ class PDFlow:
             legs.count_path("local")
         else:
             legs.count_path("disaggregated")
-            early_ok = legs.policy.pd_decode_leg == "with_prefill" and not req.mm_items
+            # an adapter request's decode leg carries the identity prefill answers with
+            early_ok = legs.policy.pd_decode_leg == "with_prefill" and not req.mm_items and not req.lora_name
             self.phase = Phase.PREFILL_EARLY if early_ok else Phase.PREFILL
         self.history.append(self.phase)
 

@@ -112,6 +112,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         image_seq_length=image_seq_length,
         generation_defaults=generation_defaults(model_dir),
         max_grammar_bytes=r.max_grammar_bytes,
+        lora_modules=dict(cluster.lora.modules) if cluster.lora is not None else None,
     )
     server = uvicorn.Server(
         uvicorn.Config(

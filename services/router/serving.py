@@ -65,6 +65,7 @@ class ServingContext:
     # The nodes' KV capacity in tokens (NodePool.kv_capacity_tokens); None: not known (yet)
     kv_capacity_tokens: Callable[[], int | None] | None = None
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # router.max_grammar_bytes (structured_of)
+    lora: Any | None = None  # services.router.lora.RouterLoRA; None: no adapters served
     token_texts: TokenTexts = field(init=False)
     # The router makes the text of sequences without stop strings (streams.detokenize_here).
     detokenizer: IncrementalDetokenizer | None = field(init=False)
@@ -89,14 +90,19 @@ class ServingContext:
         cap = self.kv_capacity_tokens() if self.kv_capacity_tokens is not None else None
         return self.max_model_len if cap is None else min(self.max_model_len, cap)
 
-    def check_model(self, model: str) -> None:
-        if model not in self.served_model_names:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves {list(self.served_model_names)}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str) -> str:
+        """The LoRA adapter ``model`` names ("" for the base model); 404 for an unknown model."""
+        if model in self.served_model_names:
+            return ""
+        if self.lora is not None and model in self.lora.adapters:
+            return model
+        adapters = list(self.lora.adapters) if self.lora is not None else []
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves {list(self.served_model_names) + adapters}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 @dataclass
@@ -174,7 +180,7 @@ def sampling_params(
 
 
 def fan_out(
-    request_id: str, prompts: list[Prompt], params: SamplingParams, max_tokens: list[int]
+    request_id: str, prompts: list[Prompt], params: SamplingParams, max_tokens: list[int], lora_name: str = ""
 ) -> list[BackendRequest]:
     """One backend request per (prompt, choice); choice i of a seeded request gets seed + i."""
     reqs = []
@@ -183,7 +189,12 @@ def fan_out(
             sp = dataclasses.replace(params.for_sample(i), max_tokens=max_tokens[p])
             reqs.append(
                 BackendRequest(
-                    f"{request_id}-{p}-{i}", prompt.token_ids, sp, prompt.embeds, mm_items=prompt.mm_items
+                    f"{request_id}-{p}-{i}",
+                    prompt.token_ids,
+                    sp,
+                    prompt.embeds,
+                    mm_items=prompt.mm_items,
+                    lora_name=lora_name,
                 )
             )
     return reqs

@@ -1,0 +1,78 @@
+"""Expert LoRA packed into the fused MoE layout reads the stored scale: an rsLoRA adapter (whose
+alpha / r and alpha / sqrt(r) differ) gives the rsLoRA result on the dense path and on the packed
+expert path, against a reference that computes alpha / sqrt(r) itself."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from pdserve.lora.moe import grouped_moe, pack_expert_lora
+from pdserve.lora.peft import load_peft_adapter
+
+E, H, INTER, R, ALPHA, TOP_K = 4, 8, 6, 4, 8.0, 2
+PREFIX = "model.layers.0.mlp.experts"
+
+
+def _rslora_folder(tmp_path, gated: bool):
+    parts = {"gate_proj": (H, INTER), "up_proj": (H, INTER), "down_proj": (INTER, H)}
+    if not gated:
+        del parts["gate_proj"]
+    tensors = {}
+    for x in range(E):
+        for name, (i, o) in parts.items():
+            tensors[f"base_model.model.{PREFIX}.{x}.{name}.lora_A.weight"] = torch.randn(R, i)
+            tensors[f"base_model.model.{PREFIX}.{x}.{name}.lora_B.weight"] = torch.randn(o, R)
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    cfg = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "use_rslora": True, "bias": "none"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    targets = {f"{PREFIX}.{x}.{n}": s for x in range(E) for n, s in parts.items()}
+    return load_peft_adapter("rs", tmp_path, targets, max_lora_rank=8), tensors
+
+
+def _reference(x, logits, w13, w2, tensors, scale, gated):
+    """Per token, per chosen expert, with the LoRA weights and ``scale`` applied explicitly."""
+    out = torch.zeros_like(x)
+    probs = torch.softmax(logits, -1)
+    for t in range(x.shape[0]):
+        w, idx = torch.topk(probs[t], TOP_K)
+        w = w / w.sum()
+        for wk, e in zip(w.tolist(), idx.tolist(), strict=True):
+
+            def lin(v, base, name, e=e):
+                key = f"base_model.model.{PREFIX}.{e}.{name}"
+                a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
+                return v @ base.T + scale * (v @ a.T) @ b.T
+
+            if gated:
+                g = lin(x[t], w13[e, :INTER], "gate_proj")
+                u = lin(x[t], w13[e, INTER:], "up_proj")
+                h = F.silu(g) * u
+            else:
+                h = F.gelu(lin(x[t], w13[e], "up_proj"))
+            out[t] += wk * lin(h, w2[e], "down_proj")
+    return out
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_packed_experts_use_the_stored_rslora_scale(tmp_path, gated):
+    torch.manual_seed(0)
+    adapter, tensors = _rslora_folder(tmp_path, gated)
+    rs, plain = ALPHA / math.sqrt(R), ALPHA / R
+    assert rs != plain
+    # the dense path: each module's stored scale is rsLoRA's
+    assert [m.scale for m in adapter.modules.values()] == pytest.approx([rs] * len(adapter.modules))
+    x = torch.randn(5, H)
+    logits = torch.randn(5, E)
+    w13 = torch.randn(E, (2 if gated else 1) * INTER, H) * 0.3
+    w2 = torch.randn(E, H, INTER) * 0.3
+    packed = pack_expert_lora(adapter.modules, PREFIX, E, H, INTER, max_rank=8, gated=gated)
+    got = grouped_moe(x, logits, w13, w2, TOP_K, renormalize=True, lora=packed, gated=gated)
+    torch.testing.assert_close(got, _reference(x, logits, w13, w2, tensors, rs, gated), rtol=1e-4, atol=1e-4)
+    wrong = _reference(x, logits, w13, w2, tensors, plain, gated)
+    assert (got - wrong).abs().max() > 1e-2  # alpha / r would be visibly different
