@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,11 @@ class EngineConfig:
     # (docs/benchmarks.md, "CPU threads"); on other devices torch's default. A number: that
     # many threads in each of the engine's processes, on any device.
     cpu_threads: int | None = None
+    # Speculative decoding (pdserve.spec_decode): None off; a mapping is read as SpeculativeConfig.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.step_timeout_s <= 0:
