@@ -37,8 +37,8 @@ class NgramProposer:
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 # The latest occurrence followed by k tokens (the most recent continuation that
-                # fills the draft), else the latest one.
+                # fills the draft), else the earliest (the longest continuation there is).
                 full = hits[hits + n + k <= num]
-                start = int(full[-1] if full.size else hits[-1]) + n
+                start = int(full[-1] if full.size else hits[0]) + n
                 return [int(t) for t in arr[start : start + k]]
         return []

@@ -110,10 +110,15 @@ def verify(
         if d_rows:
             logp = x[put(d_rows, torch.long)].log_softmax(dim=-1)
             p_draft = logp.gather(1, put(d_tok, torch.long)[:, None]).exp().squeeze(1).tolist()
-        for i in sampled:  # acceptance draws: the request's generator, else torch's default
-            m = len(groups[i].drafts)
-            gen = groups[i].input.generator
-            uniforms.append(torch.rand(m, generator=gen, device=device).tolist() if m else [])
+        # Acceptance draws: a seeded request's from its generator, the others' in one call.
+        unseeded = [len(groups[i].drafts) for i in sampled if groups[i].input.generator is None]
+        shared = iter(torch.rand(sum(unseeded), device=device).tolist())
+        for i in sampled:
+            m, gen = len(groups[i].drafts), groups[i].input.generator
+            if gen is None:
+                uniforms.append([next(shared) for _ in range(m)])
+            else:
+                uniforms.append(torch.rand(m, generator=gen, device=device).tolist() if m else [])
     # Host decisions.
     tokens: dict[str, list[int]] = {}
     finals: list[tuple[int, int, int | None]] = []  # (group, final row of x, draft to exclude)
