@@ -143,6 +143,7 @@ class ResolvedNode:
             max_grammar_bytes=n.max_grammar_bytes,
             grammar_compile_timeout_s=n.grammar_compile_timeout_s,
             cpu_threads=n.cpu_threads,
+            speculative=n.speculative.engine_config() if n.speculative is not None else None,
             cache=CacheConfig(
                 block_size=n.block_size,
                 kv_cache_memory_bytes=n.kv_cache_memory_bytes,
