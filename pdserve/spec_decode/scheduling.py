@@ -56,8 +56,12 @@ class SpecScheduling:
         """Draft for every running decode row (called before ``Scheduler.schedule``)."""
         for req in running:
             req.spec_token_ids = []
-            if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
-                continue  # still prefilling, or a token in flight
+            if (
+                req.num_output_placeholders
+                or req.num_computed_tokens != req.num_tokens - 1
+                or req.num_computed_tokens < req.num_prompt_tokens
+            ):
+                continue  # still prefilling (the last prompt token too), or a token in flight
             if req.sampling_params.structured is not None:
                 continue  # grammar rows decode without drafts
             m = self.max_drafts(req)

@@ -92,3 +92,17 @@ def test_grammar_rows_get_no_drafts() -> None:
     assert sched.spec is not None
     sched.spec.propose(sched.running)
     assert req.spec_token_ids == []
+
+
+def test_no_drafts_until_the_prompt_is_computed() -> None:
+    """A prompt whose last token is still to compute (a chunk or prefix hit left one) gets no
+    drafts: drafts only ever follow output positions (prompt logprobs, prompt embeddings)."""
+    spec = SpecScheduling(SpeculativeConfig(num_speculative_tokens=4), 64)
+    req = Request("p", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0))
+    req.num_computed_tokens = req.num_prompt_tokens - 1
+    spec.propose([req])
+    assert req.spec_token_ids == []
+    req.output_token_ids.append(3)
+    req.num_computed_tokens = req.num_prompt_tokens
+    spec.propose([req])
+    assert req.spec_token_ids == [1, 2, 3, 1]
