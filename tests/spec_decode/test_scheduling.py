@@ -105,4 +105,4 @@ def test_no_drafts_until_the_prompt_is_computed() -> None:
     req.output_token_ids.append(3)
     req.num_computed_tokens = req.num_prompt_tokens
     spec.propose([req])
-    assert req.spec_token_ids == [1, 2, 3, 1]
+    assert req.spec_token_ids == [1, 2, 3]  # the 4-gram "3 1 2 3" matched: 3 tokens follow it
