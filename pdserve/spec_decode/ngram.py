@@ -10,8 +10,6 @@ tokens that followed it are the draft. The first n that matches wins (longer con
 
 from __future__ import annotations
 
-import numpy as np
-
 from pdserve.spec_decode.config import SpeculativeConfig
 
 
@@ -29,16 +27,28 @@ class NgramProposer:
         num = len(token_ids)
         if k <= 0 or num < self.min_n + 1:
             return []
-        arr = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            suffix = arr[num - n :]
-            # Windows starting at 0 .. num - n - 1 (the suffix itself excluded).
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: num - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
+        toks, last, max_n = token_ids, token_ids[-1], min(self.max_n, num - 1)
+        # Earlier positions holding the last token (list.index: a C scan), then how far back
+        # each match runs, up to max_n: a few comparisons per candidate.
+        ends: list[int] = []
+        lens: list[int] = []
+        i = -1
+        while True:
+            try:
+                i = toks.index(last, i + 1, num - 1)
+            except ValueError:
+                break
+            n = 1
+            while n < max_n and i - n >= 0 and toks[i - n] == toks[num - 1 - n]:
+                n += 1
+            ends.append(i)
+            lens.append(n)
+        for n in range(max_n, self.min_n - 1, -1):
+            hits = [e for e, m in zip(ends, lens, strict=True) if m >= n]  # the n-gram ends there
+            if hits:
                 # The latest occurrence followed by k tokens (the most recent continuation that
                 # fills the draft), else the earliest (the longest continuation there is).
-                full = hits[hits + n + k <= num]
-                start = int(full[-1] if full.size else hits[0]) + n
-                return [int(t) for t in arr[start : start + k]]
+                full = [e for e in hits if e + 1 + k <= num]
+                begin = (full[-1] if full else hits[0]) + 1
+                return list(toks[begin : begin + k])
         return []

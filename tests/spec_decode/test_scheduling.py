@@ -106,3 +106,27 @@ def test_no_drafts_until_the_prompt_is_computed() -> None:
     req.num_computed_tokens = req.num_prompt_tokens
     spec.propose([req])
     assert req.spec_token_ids == [1, 2, 3]  # the 4-gram "3 1 2 3" matched: 3 tokens follow it
+
+
+def test_ngram_proposer_matches_a_brute_force_search() -> None:
+    """The candidate scan against the definition (every window compared), on random sequences
+    over 4 token values (many overlapping matches)."""
+    import random
+
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4))
+
+    def brute(toks: list[int], k: int) -> list[int]:
+        num = len(toks)
+        for n in range(min(p.max_n, num - 1), p.min_n - 1, -1):
+            hits = [s for s in range(num - n) if toks[s : s + n] == toks[num - n :]]
+            if hits:
+                full = [h for h in hits if h + n + k <= num]
+                begin = (full[-1] if full else hits[0]) + n
+                return toks[begin : begin + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(500):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        k = rng.randrange(1, 5)
+        assert p.propose(toks, k) == brute(toks, k), (toks, k)
