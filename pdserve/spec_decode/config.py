@@ -5,6 +5,7 @@ speculative:
   num_speculative_tokens: 3     # k: draft tokens verified per step and request
   prompt_lookup_min: 1          # shortest suffix n-gram looked up in the request's tokens
   prompt_lookup_max: 4          # longest (tried first)
+  disable_by_batch_size: null   # from this many requests running on, no drafts (null: never)
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # Under load a verification step costs more than the tokens it saves (every row computes
+    # 1 + m tokens): from this many running requests on, steps run without drafts. None: never.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_METHODS:
@@ -43,6 +47,10 @@ class SpeculativeConfig:
                 "speculative: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(
+                f"speculative.disable_by_batch_size must be >= 1 or unset, got {self.disable_by_batch_size}"
+            )
 
     @property
     def drafter_identity(self) -> str:
@@ -57,7 +65,13 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, Mapping):
             raise ConfigError(f"speculative must be a mapping of settings, got {type(value).__name__}")
-        fields = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        fields = (
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+        )
         unknown = sorted(set(value) - set(fields))
         if unknown:
             raise ConfigError(f"speculative: unknown setting(s) {unknown}; known: {', '.join(fields)}")

@@ -42,6 +42,7 @@ class SpecScheduling:
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config)
         self.stats = SpecDecodeStats()
+        self.num_steps_off = 0  # steps without drafts because of disable_by_batch_size
 
     def max_drafts(self, req: Request) -> int:
         """Drafts the request may take this step: k, less what would pass max_tokens or
@@ -53,7 +54,14 @@ class SpecScheduling:
         return min(m, self.max_model_len - req.num_tokens - 1)
 
     def propose(self, running: list[Request]) -> None:
-        """Draft for every running decode row (called before ``Scheduler.schedule``)."""
+        """Draft for every running decode row (called before ``Scheduler.schedule``); none from
+        ``disable_by_batch_size`` running requests on."""
+        off = self.config.disable_by_batch_size
+        if off is not None and len(running) >= off:
+            for req in running:
+                req.spec_token_ids = []
+            self.num_steps_off += 1
+            return
         for req in running:
             req.spec_token_ids = []
             if (

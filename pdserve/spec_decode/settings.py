@@ -13,6 +13,7 @@ class SpeculativeSettings(_Frozen):
     num_speculative_tokens: int = 3  # draft tokens verified per step and request
     prompt_lookup_min: int = 1  # n-gram: shortest suffix looked up
     prompt_lookup_max: int = 4  # n-gram: longest suffix looked up (tried first)
+    disable_by_batch_size: int | None = None  # from this many running requests on, no drafts
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeSettings:
@@ -21,5 +22,9 @@ class SpeculativeSettings(_Frozen):
 
     def engine_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(
-            self.method, self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
+            self.method,
+            self.num_speculative_tokens,
+            self.prompt_lookup_min,
+            self.prompt_lookup_max,
+            self.disable_by_batch_size,
         )

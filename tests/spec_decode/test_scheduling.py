@@ -130,3 +130,17 @@ def test_ngram_proposer_matches_a_brute_force_search() -> None:
         toks = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         k = rng.randrange(1, 5)
         assert p.propose(toks, k) == brute(toks, k), (toks, k)
+
+
+def test_speculation_off_under_load() -> None:
+    spec = SpecScheduling(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=2), 64)
+    reqs = [Request(f"r{i}", [1, 2, 1, 2, 1], SamplingParams(temperature=0.0)) for i in range(2)]
+    for r in reqs:
+        r.output_token_ids.append(2)
+        r.num_computed_tokens = 5
+    spec.propose(reqs)
+    assert [r.spec_token_ids for r in reqs] == [[], []] and spec.num_steps_off == 1
+    spec.propose(reqs[:1])
+    assert reqs[0].spec_token_ids == [1, 2]
+    with pytest.raises(ConfigError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=0)
