@@ -9,6 +9,10 @@ warm-up; a level is ``batch`` requests submitted at once and run to completion (
 is for: chat prompts asking to copy a passage back and to rewrite a code snippet with a name
 changed (``copy`` and ``edit`` alternate), 150-300 prompt tokens.
 
+Methods: ``none``, ``ngram`` (k = ``--k``, n-grams of 2-4 tokens) and ``ngram-guard`` (the same
+with ``disable_by_batch_size`` = ``--disable-by-batch-size``: no drafts from that many running
+requests on, the switch-off under load).
+
 Columns: output tokens / wall second, its ratio to no speculation at the same batch, and the
 mean accepted length (tokens a drafted request emits per verification step, 1 + accepted /
 drafts, from pdserve:spec_decode_* counters' engine-side values).
@@ -101,6 +105,9 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=16, help="ngram-guard: no drafts from this many running"
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-dir", type=Path, default=None, help="SmolLM2 checkpoint folder")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
@@ -133,14 +140,16 @@ def main() -> None:
             log(f"{name}: skipped: {why}")
             results["skipped"][name] = why
             continue
-        for method in ("none", "ngram"):
+        for method in ("none", "ngram", "ngram-guard"):
             kw: dict[str, Any] = {
                 "device": args.device,
                 "max_model_len": 1024,
                 "max_num_seqs": max(args.batches),
             }
-            if method != "none":
+            if method == "ngram":
                 kw["speculative"] = spec_cfg
+            elif method == "ngram-guard":
+                kw["speculative"] = {**spec_cfg, "disable_by_batch_size": args.disable_by_batch_size}
             llm = LLM(str(model_dir), **kw)
             run_level(llm, 2, 8)  # warm-up
             for batch in args.batches:
@@ -150,7 +159,7 @@ def main() -> None:
                 results["rows"].append(row)
             llm.close()
     base = {(r["model"], r["batch"]): r["output_tok_s"] for r in results["rows"] if r["method"] == "none"}
-    print(f"\n{'model':8} {'batch':>5} {'method':6} {'tok/s':>8} {'x none':>7} {'acc len':>8} {'load':>6}")
+    print(f"\n{'model':8} {'batch':>5} {'method':11} {'tok/s':>8} {'x none':>7} {'acc len':>8} {'load':>6}")
     for r in results["rows"]:
         ratio = (
             r["output_tok_s"] / base[(r["model"], r["batch"])]
@@ -160,7 +169,7 @@ def main() -> None:
         r["speedup"] = round(ratio, 3)
         acc = r["mean_accepted_len"] if r["mean_accepted_len"] is not None else "-"
         print(
-            f"{r['model']:8} {r['batch']:5d} {r['method']:6} {r['output_tok_s']:8.1f} {ratio:7.2f} {acc!s:>8} {r['loadavg'][0]:6.2f}"
+            f"{r['model']:8} {r['batch']:5d} {r['method']:11} {r['output_tok_s']:8.1f} {ratio:7.2f} {acc!s:>8} {r['loadavg'][0]:6.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
