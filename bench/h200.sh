@@ -3,7 +3,7 @@
 #
 #   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest pytest-files
 #                                         kernels attn attn-prefill decode-quick startup prefill ipc
-#                                         pd-ipc served gemv-l2 grammar sampling
+#                                         pd-ipc served gemv-l2 grammar sampling spec
 #                                   (pytest-files: the tests named in $PYTEST_FILES)
 #                                   (default: decode pd pytest)
 #
@@ -59,6 +59,8 @@ for p in "${parts[@]}"; do
     decode) part gpu_decode "${DECODE_LIMIT:-290}" python3 bench/gpu_decode.py --out "$OUT" \
       --modes graphs graphs-sync --hf-caches ${HF_CACHES:-dynamic} --skip-micro --profile-replays ;;
     pd) part gpu_pd "${PD_LIMIT:-150}" python3 bench/gpu_pd.py --out "$OUT" ;;
+    spec) part spec "${SPEC_LIMIT:-300}" python3 bench/spec.py --device cuda --models tiny smollm2 \
+      --out "$OUT/spec.json" ;;
     pytest) part pytest_gpu "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short ;;
     pytest-async) part pytest_async "${PYTEST_LIMIT:-150}" python3 -m pytest -v -p no:cacheprovider \

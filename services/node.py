@@ -30,6 +30,8 @@ from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
+from pdserve.spec_decode.compat import spec_wire
+from pdserve.spec_decode.metrics import spec_decode_metrics
 from services.engine_watchdog import EngineWatchdog
 from services.lora_rpc import lora_metric_families
 from services.memwatch import resident_bytes, start_memwatch
@@ -101,7 +103,9 @@ class NodeBase:
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
         self.regions = kv_regions_of(runner)  # stage 0's layers
-        self.handshake = handshake_info_of(runner, opts.engine.model, self.epoch, opts.kv_transport)
+        self.handshake = handshake_info_of(
+            runner, opts.engine.model, self.epoch, opts.kv_transport, spec_wire(opts.engine.speculative)
+        )
         # The node's pipeline stages (one when pp = 1): each its layers, session, regions.
         ranges = (
             runner.ranges if isinstance(runner, PipelineRunner) else [(0, self.engine.arch.num_hidden_layers)]
@@ -501,6 +505,7 @@ class _NodeCollector:
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
         yield from lora_metric_families(eng, labels, lv)
+        yield from spec_decode_metrics(eng.spec, labels, lv)
         entries = GaugeMetricFamily(
             "pdserve:request_state_entries",
             "Entries in a per-request map of the node (0 when idle)",

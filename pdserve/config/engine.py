@@ -11,6 +11,7 @@ from typing import Literal
 
 from pdserve.errors import ConfigError
 from pdserve.lora.config import LoRAConfig
+from pdserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,11 @@ class EngineConfig:
     cpu_threads: int | None = None
     # Multi-LoRA serving (pdserve/lora): None serves the base model only
     lora: LoRAConfig | None = None
+    # Speculative decoding (pdserve.spec_decode): None off; a mapping is read as SpeculativeConfig.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.step_timeout_s <= 0:

@@ -103,14 +103,18 @@ def build_host_batch(
             b = start // bs
             slots.append(blocks[b] * bs + start - b * bs)
         else:
-            assert start + n <= req.num_tokens, "only a single-token chunk can start at a fed token"
-            token_ids.extend(req.token_ids_slice(start, start + n))
+            drafts = c.spec_token_ids  # speculative decoding: verified rows after the last known token
+            assert start + n - len(drafts) <= req.num_tokens, (
+                "only a single-token chunk can start at a fed token"
+            )
+            token_ids.extend(req.token_ids_slice(start, start + n - len(drafts)))
+            token_ids.extend(drafts)
             positions.extend(range(start, start + n))
             extend_slots(slots, blocks, start, start + n, bs)
         query_lens.append(n)
         seq_lens.append(start + n)
         if c.sample:
-            sample_idx.append(len(token_ids) - 1)
+            sample_idx.extend(range(len(token_ids) - 1 - len(c.spec_token_ids), len(token_ids)))
         table.extend(blocks)
         table.frombytes(zero_bytes[4 * len(blocks) :])
     return HostBatch(

@@ -178,6 +178,23 @@ class KVCacheManager:
             self.pool.cache_block(st.blocks[i], req.block_hashes[i])
         st.num_hashed_blocks = max(st.num_hashed_blocks, n_full)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Return the request's blocks past those covering ``num_tokens`` positions (the slots of
+        rejected draft tokens, pdserve.spec_decode), behind the fence like ``free``."""
+        st = self._reqs.get(request_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if st is None or len(st.blocks) <= keep:
+            return
+        assert st.num_hashed_blocks <= keep and st.inflight_writes == 0, request_id
+        extra = st.blocks[keep:]
+        del st.blocks[keep:]
+        del st.block_ids[keep:]
+        extra.reverse()
+        if st.last_write_seq <= self.fence.completed_seq:
+            self.pool.free(extra)
+        else:
+            self._deferred.append((st.last_write_seq, extra))
+
     # -- fence and in-flight writes --------------------------------------------------------
     def mark_written(self, request_id: str, step_seq: int) -> None:
         st = self._reqs.get(request_id)

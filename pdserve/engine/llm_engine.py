@@ -56,6 +56,7 @@ from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.lora.serving import make_lora_serving
 from pdserve.models.loader import load_tokenizer
+from pdserve.spec_decode.engine import make_spec_scheduling, spec_async_scheduling
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, on_hold_for_transfer)
         self.lora = make_lora_serving(self.runner, config, self.scheduler)
+        self.spec = make_spec_scheduling(config, self.runner, self.max_model_len)
+        self.scheduler.spec = self.spec
         self.tokenizer = load_tokenizer(config.model) if load_tokenizer_ else None
         self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = frozenset(arch.eos_token_ids)
@@ -171,6 +174,8 @@ class LLMEngine:
         or pipeline stages (stage 0 waits for the previous step's samples; the engine processes
         that step while the later stages compute the next) it is tested on CPU ranks (gloo) only,
         so there it runs when set explicitly (``async_scheduling: true``)."""
+        if config.speculative is not None:
+            return spec_async_scheduling(config)
         if config.async_scheduling is None:
             p = config.parallel
             single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1
@@ -364,6 +369,8 @@ class LLMEngine:
         deltas = self._admit_compiled() if self._grammar_pending else []
         if self._inflight is not None and not self.scheduler.can_schedule_ahead():
             deltas += self._complete_inflight()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
         deltas += self.execute_scheduled(sched)
@@ -501,9 +508,12 @@ class LLMEngine:
         self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
         if out.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(out.prompt_logprobs)
-        touched = self.scheduler.update_from_output(sched, out.sampled)
+        touched = self.scheduler.update_from_output(sched, out.sampled, out.spec_sampled)
+        logprobs: dict[str, TokenLogprob | list[TokenLogprob]] = dict(out.logprobs)
+        if out.spec_logprobs:
+            logprobs.update(out.spec_logprobs)
         if then is None:
-            return self._process(touched, out.logprobs)
+            return self._process(touched, logprobs)
         runner = self.runner
         assert isinstance(runner, ModelRunner)
         # The matchers advance now; the masks' fill (on the runner's filler thread, if any)
@@ -511,7 +521,7 @@ class LLMEngine:
         runner.prepare_deferred(then)
         deltas: list[GenerationDelta] = []
         try:
-            deltas = self._process(touched, out.logprobs)
+            deltas = self._process(touched, logprobs)
         finally:
             try:
                 runner.sample_deferred(then)
@@ -520,7 +530,9 @@ class LLMEngine:
                 raise
         return deltas
 
-    def _process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
+    def _process(
+        self, touched: list[Request], logprobs: dict[str, TokenLogprob | list[TokenLogprob]]
+    ) -> list[GenerationDelta]:
         """Detokenize, check stop strings and build the step's deltas (``OutputProcessor.process``);
         a method here so that the bench's phase timers and the tests can wrap it."""
         return self.output_processor.process(touched, logprobs)

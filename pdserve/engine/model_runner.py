@@ -96,6 +96,9 @@ class RunnerOutput:
     intermediate: IntermediateTensors | None = None  # non-last pipeline stages
     # request id -> (index of the first entry, entries): prompt logprobs computed this step
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Speculative decoding: request id -> tokens a chunk with drafts emitted (and their logprobs)
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,8 +133,16 @@ class PendingStep:
     # Set while the sampler is not launched yet (ModelRunner.sample_deferred launches it).
     deferred: SampleJob | None = None
     taken: bool = False  # result() was called (TP: whether the next launch overlaps this step)
+    # Speculative decoding: (spec_sampled, spec_logprobs) of the verified rows, already on the host
+    spec: tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]] | None = None
 
     def result(self) -> RunnerOutput:
+        out = self._result()
+        if self.spec is not None:
+            out.spec_sampled, out.spec_logprobs = self.spec
+        return out
+
+    def _result(self) -> RunnerOutput:
         self.taken = True
         if self.deferred is not None:  # only on a fault path (the engine failed between the halves)
             masks = self.deferred.masks
@@ -360,9 +371,12 @@ class ModelRunner:
             return None
         return seed, chunk.start_pos + chunk.num_tokens - chunk.request.num_prompt_tokens
 
-    def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
+    def _generator(self, request: Request, vocab_size: int, *, always: bool = False) -> torch.Generator | None:
+        """The seeded request's generator (made on first use); None for unseeded requests, and on
+        the counter-based path unless ``always`` (speculative verification draws a varying number
+        of values per step, which the counter-based stream does not index)."""
         seed = request.sampling_params.seed
-        if seed is None or self._counter_draws:
+        if seed is None or (self._counter_draws and not always):
             return None
         g = self._generators.get(request.request_id)
         if g is None:
@@ -461,6 +475,12 @@ class ModelRunner:
         if prompt is not None and self.staging.pinned:
             prompt = prompt.copy_to_host(self.staging.host_like)  # read after the step's event
         sample_idx = batch.sample_idx
+        if sample_idx and any(c.spec_token_ids for c in sched.chunks):
+            from pdserve.spec_decode.runner import launch_verify
+
+            return launch_verify(
+                self, sched, out[self.staging.to_device(array("q", sample_idx), torch.int64)], prompt
+            )
         if not sample_idx:
             self._prev_sampled, self._prev_rows = None, {}
             return PendingStep(

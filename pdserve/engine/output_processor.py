@@ -11,7 +11,7 @@ step (abort, a failed KV pull, ``fail_all``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import DetokState, IncrementalDetokenizer
@@ -88,7 +88,10 @@ class OutputProcessor:
             if tr is not None and tr.prompt_logprobs is not None:
                 tr.prompt_logprobs[start : start + len(entries)] = entries
 
-    def process(self, touched: list[Request], logprobs: dict[str, TokenLogprob]) -> list[GenerationDelta]:
+    def process(
+        self, touched: list[Request], logprobs: Mapping[str, TokenLogprob | list[TokenLogprob]]
+    ) -> list[GenerationDelta]:
+        """``logprobs``: one entry per request, or a list (a speculative step's several tokens)."""
         deltas: list[GenerationDelta] = []
         tracked = self.tracked
         for req in touched:
@@ -101,9 +104,16 @@ class OutputProcessor:
             new_ids = out_ids[tr.emitted_tokens :]
             tr.emitted_tokens = num_out
             lp = logprobs.get(rid) if logprobs else None
+            lps = lp if isinstance(lp, list) else ([lp] if lp is not None else [])
             text = ""
             if tr.detok is not None and self.detok is not None:
-                text = self.detok.append(tr.detok, new_ids)
+                if len(new_ids) > 1 and tr.detok.stop:
+                    # Several tokens at once (speculative decoding): one at a time, so the tokens
+                    # after the one that completes a stop string are dropped, as without drafts.
+                    text, new_ids = self._append_until_stop(tr.detok, req, new_ids)
+                    num_out = tr.emitted_tokens = len(out_ids)
+                else:
+                    text = self.detok.append(tr.detok, new_ids)
                 if tr.detok.stopped_by is not None and not req.is_finished:
                     req.stop_reason = tr.detok.stopped_by
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -113,7 +123,7 @@ class OutputProcessor:
                 rid,
                 new_ids,
                 text,
-                ([lp] if lp is not None else []) if tr.logprobs else None,
+                lps[: len(new_ids)] if tr.logprobs else None,
                 num_prompt_tokens=len(req.prompt_token_ids),
                 num_output_tokens=len(out_ids),  # a stop string may have ended it: count anew
                 num_cached_tokens=req.num_cached_tokens,
@@ -128,6 +138,16 @@ class OutputProcessor:
                 del tracked[rid]
             deltas.append(delta)
         return deltas
+
+    def _append_until_stop(self, st: DetokState, req: Request, new_ids: list[int]) -> tuple[str, list[int]]:
+        assert self.detok is not None
+        text = ""
+        for i, t in enumerate(new_ids):
+            text += self.detok.append(st, [t])
+            if st.stopped_by is not None:
+                del req.output_token_ids[len(req.output_token_ids) - (len(new_ids) - i - 1) :]
+                return text, new_ids[: i + 1]
+        return text, new_ids
 
     def final_delta(self, req: Request) -> GenerationDelta:
         self.tracked.pop(req.request_id, None)

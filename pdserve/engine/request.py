@@ -101,6 +101,9 @@ class Request:
     # Chained block hashes of this request's full blocks, extended lazily by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival_seq: int = field(default_factory=next_arrival_seq)
+    # Speculative decoding: draft tokens proposed for the next step (pdserve.spec_decode), verified
+    # by it; never part of the token history until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

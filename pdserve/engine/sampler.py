@@ -157,19 +157,11 @@ class Sampler:
         assert logits.dtype == torch.float32, logits.dtype
         if all(argmax_only(x.params, len(x.output_token_ids)) for x in inputs):
             return SampledTensors(kernels.argmax_rows(logits), [], [])  # the common case: one kernel
-        penalised = [i for i, x in enumerate(inputs) if x.params.has_penalties]
-        min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
 
         put = self._to_device(logits.device)
-
-        if penalised or min_tokens:
-            logits = logits.clone()
-            if penalised:
-                _apply_penalties(logits, [inputs[i] for i in penalised], penalised, put)
-            if min_tokens:
-                _mask_stop_tokens(logits, [inputs[i] for i in min_tokens], min_tokens, put)
+        logits = penalise(logits, inputs, put)
 
         token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs
         if sampled:
@@ -240,21 +232,8 @@ def _mask_stop_tokens(
 
 def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the exponential race. ``x`` [S, V] is overwritten."""
-    num_rows, vocab_size = x.shape
-    device = x.device
-    params = [i.params for i in inputs]
-    f = put([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
-    temperature, top_p, min_p = f[:, 0:1], f[:, 1:2], f[:, 2:3]  # each [S, 1]
-    x.div_(temperature)
-
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-        top_k = put(ks, torch.long)[:, None]  # [S, 1]
-        _apply_top_k_top_p(x, top_k, top_p, max(ks))
-    if any(p.min_p > 0.0 for p in params):
-        probs = x.softmax(dim=-1)  # [S, V]
-        x.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-
+    num_rows, device = x.shape[0], x.device
+    apply_sampling_transforms(x, [i.params for i in inputs], put)
     q = torch.empty_like(x)  # [S, V] ~ Exp(1)
     seeded = [(j, i.generator) for j, i in enumerate(inputs) if i.generator is not None]
     counted = [(j, i.seed_draw) for j, i in enumerate(inputs) if i.seed_draw is not None]
@@ -269,11 +248,48 @@ def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch
 
         table = put([[j, sd[0], sd[1]] for j, sd in counted], torch.long)  # [R, 3]
         seeded_exponential_(q, table[:, 0], table[:, 1], table[:, 2])
-    if device.type == "cpu":
+    return race(x, q)
+
+
+def race(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """argmax(x - log q) per row: a sample of softmax(x) from ``q``'s raw draws (``draw_``; on
+    the CPU uniform values, turned into Exp(1) here). ``q`` is overwritten."""
+    if q.device.type == "cpu":
         q = torch.log1p(q.neg_()).neg_()  # u in [0, 1) -> -log(1 - u) ~ Exp(1), one vectorised pass
     # Exp(1) draws can be exactly 0 (u == 0); keep log finite so a masked -inf stays -inf.
     q.clamp_(min=torch.finfo(torch.float32).tiny)
     return kernels.argmax_rows(x - q.log())
+
+
+def penalise(logits: torch.Tensor, inputs: Sequence[SamplerInput], put: ToDevice) -> torch.Tensor:
+    """Penalties and the min_tokens mask of every row (a copy when any applies, else ``logits``):
+    what greedy rows take the argmax of and logprobs describe."""
+    penalised = [i for i, x in enumerate(inputs) if x.params.has_penalties]
+    min_tokens = [i for i, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens]
+    if penalised or min_tokens:
+        logits = logits.clone()
+        if penalised:
+            _apply_penalties(logits, [inputs[i] for i in penalised], penalised, put)
+        if min_tokens:
+            _mask_stop_tokens(logits, [inputs[i] for i in min_tokens], min_tokens, put)
+    return logits
+
+
+def apply_sampling_transforms(x: torch.Tensor, params: list[SamplingParams], put: ToDevice) -> None:
+    """Temperature, top-k, top-p and min-p of sampled rows, in place: softmax(x) is then the
+    distribution a row's token is drawn from."""
+    vocab_size = x.shape[1]
+    f = put([[p.temperature, p.top_p, p.min_p] for p in params], torch.float32)
+    temperature, top_p, min_p = f[:, 0:1], f[:, 1:2], f[:, 2:3]  # each [S, 1]
+    x.div_(temperature)
+
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        top_k = put(ks, torch.long)[:, None]  # [S, 1]
+        _apply_top_k_top_p(x, top_k, top_p, max(ks))
+    if any(p.min_p > 0.0 for p in params):
+        probs = x.softmax(dim=-1)  # [S, V]
+        x.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def draw_(q: torch.Tensor, generator: torch.Generator | None) -> None:
@@ -331,3 +347,16 @@ def _logprobs(
     num_top = min(max(out.num_top), lp.shape[1])
     if num_top > 0:
         out.top_logprobs, out.top_token_ids = lp.topk(num_top, dim=-1)  # [L, num_top], best first
+
+
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, inputs: Sequence[SamplerInput], put: ToDevice
+) -> list[TokenLogprob | None]:
+    """Each row's TokenLogprob for ``token_ids`` (rows whose params ask for logprobs; else None),
+    read back to the host (pdserve.spec_decode's verified rows)."""
+    rows = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
+    if not rows:
+        return [None] * len(inputs)
+    out = SampledTensors(token_ids, [], [])
+    _logprobs(logits, token_ids, inputs, rows, out, put)
+    return out.output().logprobs

@@ -38,6 +38,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus, next_arrival_seq
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.kvtransfer.params import KVLoadSpec, RemoteDecodeParams, RemotePrefillParams
+from pdserve.spec_decode.scheduling import SpecScheduling
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         # LoRA: at most this many distinct adapters among running requests (the resident slots)
         self.max_loras: int | None = None
+        self.spec: SpecScheduling | None = None  # speculative decoding (set by LLMEngine)
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, req: Request, *, wait_for_grammar: bool = False) -> None:
@@ -147,6 +149,8 @@ class Scheduler:
                 i += 1  # its token in flight is its last: nothing to compute ahead
                 continue
             gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
+            num_drafts = self.spec.num_drafts(req, gap, budget) if self.spec is not None else 0
+            gap += num_drafts
             num_new = gap if gap < budget else budget
             if num_new <= 0:
                 i += 1
@@ -171,7 +175,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted itself
                 continue
-            scheduled[req.request_id] = self._chunk(req, num_new)
+            scheduled[req.request_id] = self._chunk(req, num_new, num_drafts)
             budget -= num_new
             i += 1
 
@@ -192,14 +196,15 @@ class Scheduler:
             mark_written(req.request_id, seq)
         return out
 
-    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(
             req,
             start,
             num_new,
             self.kv.block_ids_view(req.request_id),
-            start + num_new == req.num_tokens_with_placeholders,
+            start + num_new - num_drafts == req.num_tokens_with_placeholders,
+            tuple(req.spec_token_ids[:num_drafts]),
         )
 
     def _finishes_by_length(self, req: Request) -> bool:
@@ -305,11 +310,14 @@ class Scheduler:
         return lora_name not in active and len(active) >= self.max_loras
 
     # -- after the step --------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int], spec_sampled: dict[str, list[int]] | None = None
+    ) -> list[Request]:
         """Step ``out`` ran: append its sampled tokens, cache its full blocks, finish what is done.
 
         A request that finished or was aborted since ``out`` was scheduled is skipped: its token
-        (a row computed ahead, asynchronous scheduling) is dropped. Returns touched requests.
+        (a row computed ahead, asynchronous scheduling) is dropped. ``spec_sampled``: the tokens
+        emitted by chunks that carried drafts (``SpecScheduling.apply``). Returns touched requests.
         """
         touched: list[Request] = []
         running = RequestStatus.RUNNING
@@ -320,6 +328,11 @@ class Scheduler:
                 req.num_output_placeholders -= 1
                 assert req.num_output_placeholders >= 0, req.request_id
             if req.status != running:  # finished or aborted meanwhile
+                continue
+            if chunk.spec_token_ids:
+                assert self.spec is not None and spec_sampled is not None
+                self.spec.apply(self, req, chunk, spec_sampled[req.request_id])
+                touched.append(req)
                 continue
             if cache_blocks is not None:
                 cache_blocks(req, chunk.start_pos + chunk.num_tokens)

@@ -18,6 +18,9 @@ class ScheduledChunk:
     # it is the KV cache manager's own, valid while the step is built)
     block_ids: Sequence[int]
     sample: bool  # the chunk reaches the last known token: sample the next one
+    # Draft tokens computed after the last known token (speculative decoding): the chunk's last
+    # len(spec_token_ids) positions; each of its 1 + len rows is verified (pdserve.spec_decode)
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

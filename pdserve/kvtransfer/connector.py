@@ -65,7 +65,7 @@ def kv_regions_of(runner: Any) -> list[Region]:
 
 
 def handshake_info_of(
-    runner: Any, model_dir: str | Path, epoch: str, kv_transport: str = ""
+    runner: Any, model_dir: str | Path, epoch: str, kv_transport: str = "", speculative: str = ""
 ) -> HandshakeInfo:
     a = runner.arch
     return HandshakeInfo(
@@ -77,6 +77,7 @@ def handshake_info_of(
         head_dim=a.head_dim,
         epoch=epoch,
         kv_transport=kv_transport,
+        speculative=speculative,
     )
 
 

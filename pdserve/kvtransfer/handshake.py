@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.errors import PdserveError
+from pdserve.spec_decode.compat import speculative_mismatch
 
 # Bump when the KV tensor layout or the region/descriptor scheme changes meaning.
 KV_LAYOUT_VERSION = 1
@@ -76,6 +77,8 @@ class HandshakeInfo:
     # the data plane (tcp | rdma | cuda_ipc): both ends must speak the same one. Not part of the
     # hash (it does not change what the KV bytes mean); "" = unknown (an older peer), not checked.
     kv_transport: str = ""
+    # the speculative config, ``method|drafter|k`` ("" = none; pdserve.spec_decode.compat)
+    speculative: str = ""
     compat_hash: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,7 @@ class HandshakeInfo:
             "layout_version": self.layout_version,
             "epoch": self.epoch,
             "kv_transport": self.kv_transport,
+            "speculative": self.speculative,
             "compat_hash": self.compat_hash,
         }
 
@@ -120,6 +124,7 @@ class HandshakeInfo:
             layout_version=int(d["layout_version"]),
             epoch=str(d.get("epoch", "")),
             kv_transport=str(d.get("kv_transport", "")),
+            speculative=str(d.get("speculative", "")),
         )
         sent = d.get("compat_hash")
         if sent is not None and sent != info.compat_hash:
@@ -167,6 +172,9 @@ def check_compat(
             remote.kv_transport,
             "prefill and decode must use the same kv_transport (every push would fail)",
         )
+    why = speculative_mismatch(local.speculative, remote.speculative)
+    if why is not None:
+        raise HandshakeError("speculative", local.speculative or "off", remote.speculative or "off", why)
     if expected_remote_epoch is not None and remote.epoch != expected_remote_epoch:
         raise HandshakeError(
             "epoch",

@@ -27,6 +27,7 @@ def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
             "layout_version": m.layout_version,
             "epoch": m.epoch,
             "kv_transport": m.kv_transport,
+            "speculative": m.speculative,
             "compat_hash": m.compat_hash,
         }
     )

@@ -157,7 +157,7 @@ class Region(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., occurrence: _Optional[int] = ..., base_addr: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
-    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport", "stages")
+    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport", "speculative", "stages")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class HandshakeInfo(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
@@ -179,8 +180,9 @@ class HandshakeInfo(_message.Message):
     epoch: str
     compat_hash: str
     kv_transport: str
+    speculative: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ..., speculative: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
 
 class StageInfo(_message.Message):
     __slots__ = ("pp_rank", "tp_rank", "pp_size", "layer_start", "layer_end", "session")

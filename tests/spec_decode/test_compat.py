@@ -1,0 +1,67 @@
+"""The speculative config in the P/D handshake: carried through the gRPC message, an n-gram decode
+node accepted with any prefill (it needs nothing from it), and a drafter that reads prefill's
+state refused on a mismatch with both sides named."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.rpc.kv_convert import handshake_from_pb, handshake_to_pb
+from pdserve.spec_decode.compat import SpecIdentity, spec_wire
+from pdserve.spec_decode.config import SpeculativeConfig
+
+
+def _info(spec: str) -> HandshakeInfo:
+    return HandshakeInfo("tiny", "float32", 16, ("model.layers.0.self_attn",), 2, 16, speculative=spec)
+
+
+NGRAM = spec_wire(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
+# A drafter with weights of its own: its KV for the prompt comes from prefill. The engine refuses
+# to start it today; its identity is what such a node would announce.
+DRAFT_A = SpecIdentity("draft_model", "sha256:aaaa", 3).to_wire()
+DRAFT_B = SpecIdentity("draft_model", "sha256:bbbb", 3).to_wire()
+DRAFT_A_K5 = SpecIdentity("draft_model", "sha256:aaaa", 5).to_wire()
+
+
+def test_speculative_config_crosses_the_wire() -> None:
+    assert NGRAM == "ngram|ngram[1,3]|4" and spec_wire(None) == ""
+    got = handshake_from_pb(handshake_to_pb(_info(NGRAM)))
+    assert got.speculative == NGRAM and got == _info(NGRAM)
+    assert handshake_from_pb(handshake_to_pb(_info(""))).speculative == ""
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill"),
+    [(NGRAM, ""), ("", NGRAM), (NGRAM, spec_wire(SpeculativeConfig())), (DRAFT_A, DRAFT_A)],
+)
+def test_pairs_that_give_the_same_tokens_pass(decode: str, prefill: str) -> None:
+    check_compat(_info(decode), _info(prefill))
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill"), [(DRAFT_A, DRAFT_B), (DRAFT_A, DRAFT_A_K5), (DRAFT_A, ""), ("", DRAFT_A)]
+)
+def test_a_mismatch_that_changes_tokens_is_refused_naming_both(decode: str, prefill: str) -> None:
+    with pytest.raises(HandshakeError, match="speculative") as e:
+        check_compat(_info(decode), _info(prefill))
+    assert (decode or "off") in str(e.value) and (prefill or "off") in str(e.value)
+
+
+def test_cluster_file_setting(tmp_path) -> None:
+    from pdserve.config.cluster import default_local_cluster
+    from pdserve.config.cluster_file import load_cluster_config
+    from pdserve.config.resolver import resolve_node_settings
+
+    data = default_local_cluster(tmp_path, 9000).model_dump(mode="json", exclude_unset=True)
+    data["nodes"][1]["speculative"] = {"method": "ngram", "num_speculative_tokens": 2}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cluster = load_cluster_config(path)
+    eng = resolve_node_settings(cluster, "decode-0", is_multimodal=lambda m: False).engine_config()
+    assert eng.speculative == SpeculativeConfig(num_speculative_tokens=2)
+    data["nodes"][1]["speculative"] = {"method": "mtp"}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(Exception, match=r"speculative.method 'mtp' .*supported: ngram"):
+        load_cluster_config(path)
