@@ -34,6 +34,7 @@ from services.router.metrics import RouterMetrics
 from services.router.middleware import RequestGuard
 from services.router.prompt_embeds import max_prompt_embeds_bytes
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
+from services.router.route_info import RouteHeaders
 from services.router.serving import ServingContext
 from services.router.streams import ClientDisconnected
 from services.router.tokenize import install_tokenize_routes
@@ -125,6 +126,7 @@ def create_app(
         return Response(status_code=_STATUS_CLIENT_CLOSED)
 
     app.add_middleware(RequestGuard, metrics=metrics, max_body_bytes=max_body_bytes)
+    app.add_middleware(RouteHeaders)  # x-pdserve-prefill-node and the like
 
     guarded = [Depends(check_api_key)]
 

@@ -18,10 +18,14 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.errors import CapacityError
+from pdserve.kvevents.index import PrefixIndex
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.router import cache_aware
 from services.router.breaker import CircuitBreaker, is_node_fault
+from services.router.cache_aware import CacheAwareWeights, RouteKey
+from services.router.route_info import note_route
 from services.router.step_mux import STEPS_CONNECT_TIMEOUT_S, SocketSteps, StepMux, status_error
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,7 @@ class NodeHandle:
     reported_load: int = 0  # running + waiting, from the node's last GetLoad
     block_size: int = 16
     num_blocks_total: int = 0  # from GetLoad: the node's KV cache (0 until a report)
+    kv_blocks_used: int = 0  # from GetLoad (its first stage's): blocks in use
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
@@ -66,7 +71,8 @@ class NodeHandle:
 
 @dataclass(frozen=True)
 class RouterPolicy:
-    policy: str = "least_loaded"  # least_loaded | prefix_affinity | round_robin
+    policy: str = "least_loaded"  # least_loaded | prefix_affinity | round_robin | cache_aware
+    cache_aware: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # policy cache_aware
     local_prefill_max_tokens: int = 32
     local_prefill_min_hit_frac: float = 0.9  # decode node already saw this much of the prompt
     prefill_timeout_s: float = 30.0  # P.Prefill call -> first token with the KV held
@@ -103,7 +109,8 @@ class NodePool:
         self._token = shared_token
         self.prefill = [self.new_handle(n, a, "prefill") for n, a in prefill]
         self.decode = [self.new_handle(n, a, "decode") for n, a in decode]
-        self._rr = 0
+        self._rr: dict[str, int] = {}  # round_robin: a turn counter per role (prefill, decode)
+        self.prefix_index: PrefixIndex | None = None  # cache_aware: filled by KV events
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, closing channels)
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
@@ -182,6 +189,7 @@ class NodePool:
             n.block_size = rep.block_size or n.block_size
             n.num_blocks_total = rep.num_blocks_total
             n.pp_size = max(1, len(rep.stages))
+            n.kv_blocks_used = rep.stages[0].blocks_used if rep.stages else 0
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps
                 # stream there (a stream still open ends with its node).
@@ -245,15 +253,25 @@ class NodePool:
             live = [n for n in nodes if n.name not in exclude]  # last resort: try even a down node
         if not live:
             raise CapacityError("no node available for this request; retry later")
-        if self.policy.policy == "prefix_affinity" and key is not None:
+        if (
+            self.policy.policy == "cache_aware"
+            and isinstance(key, RouteKey)
+            and self.prefix_index is not None
+        ):
+            chosen, held = cache_aware.choose(
+                live, key.block_hashes, self.prefix_index, self.policy.cache_aware
+            )
+            note_route(f"{chosen.role}-prefix-hit-tokens", held * chosen.block_size)
+        elif self.policy.policy == "prefix_affinity" and key is not None:
             # Rendezvous hashing: the same leading blocks land on the same node while it lives.
             chosen = max(live, key=lambda n: hashlib.blake2b(key + n.name.encode(), digest_size=8).digest())
         elif self.policy.policy == "round_robin":
-            self._rr += 1
-            chosen = live[self._rr % len(live)]
+            turn = self._rr[nodes[0].role] = self._rr.get(nodes[0].role, -1) + 1
+            chosen = live[turn % len(live)]
         else:
             chosen = min(live, key=lambda n: n.load)
         chosen.breaker.on_dispatch()  # claims the half-open probe, if it is one
+        note_route(f"{chosen.role}-node", chosen.name)
         return chosen
 
     def steps_mux(self, n: NodeHandle) -> StepMux:

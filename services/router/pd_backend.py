@@ -35,8 +35,10 @@ from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
+from services.router.cache_aware import RouteKey
 from services.router.nodes import NodeHandle, NodePool, RouterPolicy, record_leg_result
 from services.router.pd_flow import KVLoadFailedError, PDFlow
+from services.router.route_info import note_route
 from services.router.step_mux import StepLeg
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,13 @@ class PDBackend(NodePool):
             return not self.prefill
         if not self.prefill or req.num_prompt_tokens < self.policy.local_prefill_max_tokens:
             return True
+        if self.policy.policy == "cache_aware" and self.prefix_index is not None:
+            # What the decode node holds (KV events): a follow-up whose history it kept computes
+            # only its new tokens there, with no prefill leg and no transfer.
+            held = self.prefix_index.overlap(d_node.name, hashes)
+            if req.num_prompt_tokens - held * d_node.block_size < self.policy.local_prefill_max_tokens:
+                return True
+            return bool(hashes) and held >= self.policy.local_prefill_min_hit_frac * len(hashes)
         seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
         return bool(hashes) and seen >= self.policy.local_prefill_min_hit_frac * len(hashes)
 
@@ -119,6 +128,8 @@ class PDBackend(NodePool):
             else []
         )
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
+        if key is not None and self.policy.policy == "cache_aware":
+            key = RouteKey(key, hashes)
         d_node = self.pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
@@ -129,9 +140,9 @@ class PDBackend(NodePool):
             for h in hashes:
                 d_node.remember_prefix(h)
 
-        flow = PDFlow(
-            self, req, d_node, key, local=self.prefill_locally(req, hashes, d_node), on_done=remember
-        )
+        local = self.prefill_locally(req, hashes, d_node)
+        note_route("path", "local" if local else "disaggregated")
+        flow = PDFlow(self, req, d_node, key, local=local, on_done=remember)
         async for d in flow.run():
             yield d
 

@@ -1,0 +1,122 @@
+"""A fleet with KV events (real node processes, a real redis-server): cache-aware routing against
+round-robin on multi-turn conversations, measured by the nodes' prefix-cache counters, and a
+killed prefill node leaving the router's index and its rotation within the registry TTL."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from bench.fleet_workload import (
+    Conversation,
+    PieceIds,
+    fleet_cluster,
+    hit_blocks,
+    ideal_hit_blocks,
+    multi_turn,
+    node_counters,
+    run_turn,
+    run_workload,
+)
+from pdserve.models.loader import load_tokenizer
+from tests.e2e.cluster import RunningCluster, running_cluster
+from tests.registry.redis_proc import RedisProcess
+
+BS = 16  # the nodes' block size (the default)
+FULL = pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="2 prefill + 2 decode nodes, twice, 64 requests each (~90 s on 2 cores): PDSERVE_FULL_TESTS=1",
+)
+
+
+@pytest.fixture
+def redis_proc() -> Iterator[RedisProcess]:
+    r = RedisProcess().start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def _client(rc: RunningCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=rc.base_url, api_key="unused", max_retries=0)
+
+
+def _index_blocks(rc: RunningCluster) -> dict[str, float]:
+    with urllib.request.urlopen(rc.cluster.router_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^pdserve:router_prefix_index_blocks\{node="([^"]+)"\} ([0-9.e+]+)$', text, re.M
+        )
+    }
+
+
+def _hit_rate(rc: RunningCluster, model_dir: Path, convs: list[Conversation], seed: int) -> float:
+    before = node_counters(rc.cluster)
+    run_workload(
+        _client(rc), rc.model_name, convs, 32, PieceIds(load_tokenizer(model_dir)), seed, think_s=0.3
+    )
+    return hit_blocks(before, node_counters(rc.cluster)) / ideal_hit_blocks(convs, BS)
+
+
+def test_cache_aware_follow_ups_and_a_killed_prefill_node(
+    tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path
+) -> None:
+    """2 prefill + 1 decode: follow-ups hit their history (>= 0.9 of ideal) and say where they went;
+    a SIGKILLed prefill node leaves the index within the registry TTL and gets no request after."""
+    model_dir = tiny_models["llama"]
+    cluster = fleet_cluster(str(model_dir), redis_proc.url, "cache_aware", 2, 1, 24000, registry_ttl_s=2.0)
+    with running_cluster(cluster, tmp_path) as rc:
+        convs = multi_turn(4, 3, first_len=40, turn_len=12, seed=1)
+        assert _hit_rate(rc, model_dir, convs, seed=2) >= 0.9
+        for c in convs:
+            assert c.routes[0]["x-pdserve-path"] == "disaggregated"  # 40 tokens, nothing cached
+            assert c.routes[0]["x-pdserve-prefill-node"].startswith("prefill-")
+            for r in c.routes[1:]:  # the decode node holds the history: no prefill leg, no transfer
+                assert r["x-pdserve-path"] == "local"
+                assert int(r["x-pdserve-decode-prefix-hit-tokens"]) >= 3 * BS
+        blocks = _index_blocks(rc)
+        assert blocks.get("decode-0", 0) > 0 and blocks.get("prefill-0", 0) + blocks.get("prefill-1", 0) > 0
+
+        victim = rc.children[[n.name for n in cluster.nodes].index("prefill-1")]
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        while "prefill-1" in _index_blocks(rc):
+            assert time.monotonic() - t_kill < cluster.registry_ttl_s + 2.0, "index kept the dead node"
+            time.sleep(0.1)
+        client = _client(rc)
+        pieces = PieceIds(load_tokenizer(model_dir))
+        for conv in multi_turn(4, 1, first_len=40, turn_len=12, seed=3):
+            run_turn(client, rc.model_name, conv, 0, 4, pieces)
+            assert conv.routes[0]["x-pdserve-prefill-node"] == "prefill-0"
+
+
+@FULL
+def test_cache_aware_against_round_robin_two_by_two(
+    tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path
+) -> None:
+    """2 prefill + 2 decode, 16 conversations x 4 turns: prefix hits >= 0.9 of ideal routed
+    cache-aware, <= 0.55 round-robin; the same tokens either way."""
+    model_dir = tiny_models["llama"]
+    outputs = {}
+    rates = {}
+    for policy in ("cache_aware", "round_robin"):
+        cluster = fleet_cluster(str(model_dir), redis_proc.url, policy, 2, 2, 24100)
+        with running_cluster(cluster, tmp_path / policy) as rc:
+            convs = multi_turn(16, 4, first_len=40, turn_len=12, seed=1)
+            rates[policy] = _hit_rate(rc, model_dir, convs, seed=2)
+            outputs[policy] = [c.outputs for c in convs]
+    print("prefix-hit rate / ideal:", rates)
+    assert rates["cache_aware"] >= 0.9
+    assert rates["round_robin"] <= 0.55
+    assert outputs["cache_aware"] == outputs["round_robin"]
