@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve import tracing
 from pdserve.config.choices import Role
 from pdserve.config.node_spec import NodeSpec
 from pdserve.distributed.pp_stage import PipelineRunner, StageEndpoint
@@ -230,6 +231,7 @@ class NodeBase:
     # lifecycle -----------------------------------------------------------------------------------
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        tracing.init_tracing(f"pdserve-{self.opts.role}")  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
         kv = self.engine.kv
         if self.opts.redis_url and kv.enable_prefix_caching:  # KV events for the router's prefix index
             self.kv_events = start_publisher(
@@ -316,6 +318,7 @@ class NodeBase:
             self.backend.close()
         if self.kv_events is not None:
             self.kv_events.stop()
+        tracing.shutdown_tracing()
 
     def inject_engine_death(self) -> None:
         """Test-only (``faults.engine_death_on_sigusr1``): kill the engine thread now."""

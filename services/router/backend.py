@@ -33,6 +33,8 @@ class BackendRequest:
     # False: the client reads the answer only at its end (non-streaming); the decode node may then
     # batch its tokens over time (router.nonstream_flush_ms) instead of sending every step.
     streamed: bool = True
+    # The sequence's root span (pdserve/tracing.py), set by the backend; legs are its children.
+    trace_span: Any = None
 
     @property
     def mm_needs_ec(self) -> bool:

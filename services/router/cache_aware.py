@@ -56,7 +56,7 @@ def choose(
     best: tuple[float, int, NodeHandle] | None = None
     for n in nodes:
         held = index.overlap(n.name, block_hashes)
-        base = n.load * w.load_cost + kv_usage(n) * w.kv_usage_cost
+        base = n.load_estimate * w.load_cost + kv_usage(n) * w.kv_usage_cost
         if n.role == "prefill":
             cost = base + (len(block_hashes) - held) * w.block_cost
         else:

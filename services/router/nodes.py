@@ -42,6 +42,7 @@ class NodeHandle:
     healthy: bool = False  # until a GetLoad answers
     in_flight: int = 0  # sequences the router has on this node now
     reported_load: int = 0  # running + waiting, from the node's last GetLoad
+    in_flight_at_report: int = 0  # in_flight when that GetLoad answered (load_estimate)
     block_size: int = 16
     num_blocks_total: int = 0  # from GetLoad: the node's KV cache (0 until a report)
     kv_blocks_used: int = 0  # from GetLoad (its first stage's): blocks in use
@@ -61,6 +62,12 @@ class NodeHandle:
     @property
     def load(self) -> int:
         return self.in_flight + self.reported_load
+
+    @property
+    def load_estimate(self) -> int:
+        """This router's sequences now, plus what the last report had beyond its own then (other
+        routers' work): a report up to LOAD_POLL_S old no longer counts our finished ones."""
+        return self.in_flight + max(0, self.reported_load - self.in_flight_at_report)
 
     def remember_prefix(self, h: bytes) -> None:
         self.seen_prefixes[h] = None
@@ -186,6 +193,7 @@ class NodePool:
             rep = await stub.GetLoad(pb.LoadRequest(), timeout=2.0, metadata=self._md, wait_for_ready=True)
             n.healthy = True
             n.reported_load = rep.num_running + rep.num_waiting
+            n.in_flight_at_report = n.in_flight
             n.block_size = rep.block_size or n.block_size
             n.num_blocks_total = rep.num_blocks_total
             n.pp_size = max(1, len(rep.stages))

@@ -24,8 +24,10 @@ from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdserve import tracing
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.errors import CapacityError, InvalidRequestError
@@ -38,7 +40,7 @@ from services.router.backend import BackendRequest
 from services.router.cache_aware import RouteKey
 from services.router.nodes import NodeHandle, NodePool, RouterPolicy, record_leg_result
 from services.router.pd_flow import KVLoadFailedError, PDFlow
-from services.router.route_info import note_route
+from services.router.route_info import note_route, route_attributes
 from services.router.step_mux import StepLeg
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class PDBackend(NodePool):
             buckets=LEG_BUCKETS,
             registry=reg,
         )
+        self._decode_leg_spans: dict[str, Any] = {}  # early decode legs' spans, until read
         self._first_delta_by_path = {
             "disaggregated": self.decode_first_delta_seconds.labels("disaggregated"),
             "local": self.decode_first_delta_seconds.labels("local"),
@@ -119,6 +122,7 @@ class PDBackend(NodePool):
     # -- the lifecycle (services/router/pd_flow.py) ----------------------------------------------
     async def generate(self, req: BackendRequest) -> AsyncGenerator[GenerationDelta, None]:
         self.start()
+        t_route = time.monotonic()
         bs = self.decode[0].block_size
         # Embeddings have no token ids to hash (and image placeholders are the same ids for every
         # image): no affinity, no "seen on decode" shortcut.
@@ -142,9 +146,20 @@ class PDBackend(NodePool):
 
         local = self.prefill_locally(req, hashes, d_node)
         note_route("path", "local" if local else "disaggregated")
+        # The root span from here: a refusal above (no node) leaves no trace.
+        root = req.trace_span = tracing.start_span(
+            "router.request",
+            t_route,
+            **{"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens},
+        )
+        tracing.record("router.route", root, t_route, time.monotonic(), **route_attributes())
         flow = PDFlow(self, req, d_node, key, local=local, on_done=remember)
-        async for d in flow.run():
-            yield d
+        try:
+            async for d in flow.run():
+                yield d
+        finally:
+            root.set_attributes(route_attributes())  # with the prefill node PDFlow chose
+            root.end()
 
     # -- pd_flow.LegClient (pick: NodePool's) -------------------------------------------------
     def count_path(self, path: str) -> None:
@@ -159,6 +174,9 @@ class PDBackend(NodePool):
         stub = pb_grpc.PrefillServiceStub(p.channel)
         p.in_flight += 1
         t0 = time.monotonic()
+        leg = self._leg_span("router.prefill_leg", req, p)
+        tp = tracing.traceparent(leg)
+        md = (*(self._md or ()), ("traceparent", tp)) if tp else self._md
         try:
             call = stub.Prefill(
                 pb.PrefillRequest(
@@ -171,7 +189,7 @@ class PDBackend(NodePool):
                     mm_items=_mm_items_pb(req, with_tensors=True),
                 ),
                 timeout=self.policy.prefill_timeout_s,
-                metadata=self._md,
+                metadata=md,
             )
             try:
                 resp = await call
@@ -193,6 +211,7 @@ class PDBackend(NodePool):
                 raise
         finally:
             p.in_flight -= 1
+            leg.end()
         self.prefill_leg_seconds.observe(time.monotonic() - t0)
         d = convert.delta_from_pb(resp.first)
         d.request_id = req.request_id
@@ -207,6 +226,7 @@ class PDBackend(NodePool):
         p_node: NodeHandle | None,
         first_tokens: list[int],
         early: bool = False,
+        traceparent: str = "",
     ) -> pb.DecodeRequest:
         params = req.sampling_params
         if transfer_id is not None and params.prompt_logprobs is not None:
@@ -231,6 +251,7 @@ class PDBackend(NodePool):
             # streamed ones too when router.stream_flush_ms asks for it.
             flush_interval_ms=self.policy.stream_flush_ms if req.streamed else self.policy.nonstream_flush_ms,
             first_token_from_prefill=early,
+            traceparent=traceparent,
         )
 
     def open_early_leg(
@@ -239,10 +260,12 @@ class PDBackend(NodePool):
         """The decode leg opened with the prefill leg (PDFlow's PREFILL_EARLY): decode allocates
         and asks prefill for the KV at once; the pull brings the first token."""
         d_node.in_flight += 1
-        msg = self._decode_msg(req, transfer_id, p_node, [], early=True)
+        leg = self._leg_span("router.decode_leg", req, d_node)
+        msg = self._decode_msg(req, transfer_id, p_node, [], early=True, traceparent=tracing.traceparent(leg))
         # Its own id on the node: a leg opened after it for the same request (another prefill
         # node, the local fallback, a re-prefill) never meets its abort or its bookkeeping.
         msg.request_id = f"{req.request_id}/early"
+        self._decode_leg_spans[msg.request_id] = leg
         return self.steps_mux(d_node).open(msg, self.policy.request_timeout_s), msg.request_id
 
     async def drop_early_leg(self, d_node: NodeHandle, early: tuple[StepLeg, str]) -> None:
@@ -252,6 +275,9 @@ class PDBackend(NodePool):
         call, d_rid = early
         d_node.in_flight -= 1
         call.cancel()
+        span = self._decode_leg_spans.pop(d_rid, None)
+        if span is not None:
+            span.end()
         await self._abort_both(d_node, d_rid, None, None)
 
     async def decode_leg(
@@ -269,10 +295,14 @@ class PDBackend(NodePool):
         call: StepLeg
         if early is not None:  # opened with the prefill leg (in_flight counted then), its own id
             call, d_rid = early
+            leg = self._decode_leg_spans.pop(d_rid, None) or self._leg_span("router.decode_leg", req, d_node)
         else:
             d_node.in_flight += 1
             d_rid = req.request_id
-            msg = self._decode_msg(req, transfer_id, p_node, first_tokens)
+            leg = self._leg_span("router.decode_leg", req, d_node)
+            msg = self._decode_msg(
+                req, transfer_id, p_node, first_tokens, traceparent=tracing.traceparent(leg)
+            )
             call = self.steps_mux(d_node).open(msg, self.policy.request_timeout_s)
         # From here (the prefill leg's answer, on the P/D path) to decode's first delta.
         first_delta = self._first_delta_by_path["disaggregated" if transfer_id is not None else "local"]
@@ -345,6 +375,7 @@ class PDBackend(NodePool):
             yield _error_delta(req, f"decode failed: {e.code().name}: {e.details()}")
         finally:
             d_node.in_flight -= 1
+            leg.end()
             if not finished:
                 # Client gone (cancellation / aclose): cancel both legs at once.
                 call.cancel()
@@ -352,6 +383,11 @@ class PDBackend(NodePool):
             elif errored and p_node is not None and transfer_id is not None:
                 # Decode failed (maybe before its pull): make sure prefill lets go of the KV now.
                 await asyncio.shield(self.abort_prefill(p_node, transfer_id))
+
+    def _leg_span(self, name: str, req: BackendRequest, n: NodeHandle) -> Any:
+        """A leg's span under the sequence's root (a no-op span when tracing is off)."""
+        parent = trace.set_span_in_context(req.trace_span) if req.trace_span is not None else None
+        return tracing.tracer.start_span(name, context=parent, attributes={"pdserve.node": n.name})
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -27,6 +27,11 @@ def route_of_request() -> dict[str, str]:
     return dict(_ROUTE.get() or {})
 
 
+def route_attributes() -> dict[str, str]:
+    """What was noted so far, as span attributes (``pdserve.prefill-node`` and the like)."""
+    return {f"pdserve.{k}": v for k, v in (_ROUTE.get() or {}).items()}
+
+
 class RouteHeaders:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -16,6 +16,7 @@ from typing import Any
 
 import uvicorn
 
+from pdserve import tracing
 from pdserve.config.cluster import ClusterConfig
 from pdserve.kvevents.consumer import ConsumerConfig, KVEventConsumer
 from pdserve.kvevents.index import PrefixIndex
@@ -47,6 +48,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         + [arch.max_position_embeddings]
     )
     r = cluster.router
+    tracing.init_tracing("pdserve-router")  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     metrics = RouterMetrics()
     registry = registry_for(cluster)
     backend = PDBackend(
@@ -153,6 +155,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             await kv_events.close()
         await backend.close()
         await encoders.close()
+        tracing.shutdown_tracing()
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

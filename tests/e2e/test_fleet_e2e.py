@@ -9,7 +9,6 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -35,15 +34,6 @@ FULL = pytest.mark.skipif(
     not os.environ.get("PDSERVE_FULL_TESTS"),
     reason="2 prefill + 2 decode nodes, twice, 64 requests each (~90 s on 2 cores): PDSERVE_FULL_TESTS=1",
 )
-
-
-@pytest.fixture
-def redis_proc() -> Iterator[RedisProcess]:
-    r = RedisProcess().start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def _client(rc: RunningCluster) -> openai.OpenAI:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-
-import pytest
+from collections.abc import Callable
 
 from pdserve.engine.block_pool import BlockPool, hash_prompt_blocks
 from pdserve.kvevents.consumer import ConsumerConfig, KVEventConsumer
@@ -14,15 +12,6 @@ from pdserve.kvevents.publisher import KVEventPublisher, PublisherConfig
 from tests.registry.redis_proc import RedisProcess
 
 BS = 4
-
-
-@pytest.fixture
-def redis_proc() -> Iterator[RedisProcess]:
-    r = RedisProcess().start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def _store(pool: BlockPool, token_ids: list[int]) -> list[bytes]:
