@@ -28,6 +28,7 @@ from services.router.backend import GenerateBackend
 from services.router.bodies import CheckedJSONRoute
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
+from services.router.dashboard import install_dashboard_routes
 from services.router.errors import APIError, install_error_handlers
 from services.router.limits import DEFAULT_MIN_BODY_BYTES, RequestLimits
 from services.router.metrics import RouterMetrics
@@ -139,6 +140,7 @@ def create_app(
         return await create_chat_completion(ctx, body, request.receive)
 
     install_tokenize_routes(app, ctx, guarded)
+    install_dashboard_routes(app, backend, guarded)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:

@@ -38,6 +38,7 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
 from services.router.cache_aware import RouteKey
+from services.router.dashboard import RecentErrors
 from services.router.nodes import NodeHandle, NodePool, RouterPolicy, record_leg_result
 from services.router.pd_flow import KVLoadFailedError, PDFlow
 from services.router.route_info import note_route, route_attributes
@@ -94,6 +95,7 @@ class PDBackend(NodePool):
             buckets=LEG_BUCKETS,
             registry=reg,
         )
+        self.recent_errors = RecentErrors()  # for /dashboard
         self._decode_leg_spans: dict[str, Any] = {}  # early decode legs' spans, until read
         self._first_delta_by_path = {
             "disaggregated": self.decode_first_delta_seconds.labels("disaggregated"),
@@ -167,6 +169,7 @@ class PDBackend(NodePool):
 
     def count_leg_failure(self, role: str, code: str) -> None:
         self.leg_failures.labels(role, code).inc()
+        self.recent_errors.add(role, code)
 
     async def prefill_leg(
         self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
@@ -317,7 +320,7 @@ class PDBackend(NodePool):
                     # A frozen (SIGSTOPped) or wedged decode node: noticed within the leg's
                     # deadline, not by the request timeout; both legs are cancelled below.
                     call.cancel()
-                    self.leg_failures.labels("decode", "LEG_DEADLINE").inc()
+                    self.count_leg_failure("decode", "LEG_DEADLINE")
                     d_node.breaker.record_failure()
                     finished = errored = True
                     # In the background: a frozen node would hold the client for the abort's timeout.
@@ -343,9 +346,9 @@ class PDBackend(NodePool):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.ABORTED and _kv_load_failed(e):
                 finished = errored = True  # nothing streamed from decode yet; no node fault
-                self.leg_failures.labels("decode", "KV_LOAD_FAILED").inc()
+                self.count_leg_failure("decode", "KV_LOAD_FAILED")
                 raise KVLoadFailedError(e.details() or "KV load failed") from e
-            self.leg_failures.labels("decode", e.code().name).inc()
+            self.count_leg_failure("decode", e.code().name)
             logger.warning(
                 "decode leg of %s on %s failed: %s %s",
                 req.request_id,
