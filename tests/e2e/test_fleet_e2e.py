@@ -4,6 +4,7 @@ killed prefill node leaving the router's index and its rotation within the regis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from bench.fleet_workload import (
 )
 from pdserve.models.loader import load_tokenizer
 from tests.e2e.cluster import RunningCluster, running_cluster
+from tests.e2e.trace_collector import TraceCollector, check_trace_tree
 from tests.registry.redis_proc import RedisProcess
 
 BS = 16  # the nodes' block size (the default)
@@ -59,14 +61,29 @@ def _hit_rate(rc: RunningCluster, model_dir: Path, convs: list[Conversation], se
     return hit_blocks(before, node_counters(rc.cluster)) / ideal_hit_blocks(convs, BS)
 
 
-def test_cache_aware_follow_ups_and_a_killed_prefill_node(
-    tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path
+def test_cache_aware_follow_ups_traces_and_a_killed_prefill_node(
+    tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """2 prefill + 1 decode: follow-ups hit their history (>= 0.9 of ideal) and say where they went;
-    a SIGKILLed prefill node leaves the index within the registry TTL and gets no request after."""
+    """2 prefill + 1 decode: one request's trace spans router, prefill, transfer and decode;
+    follow-ups hit their history (>= 0.9 of ideal) and say where they went; a SIGKILLed prefill
+    node leaves the index within the registry TTL and gets no request after."""
     model_dir = tiny_models["llama"]
+    collector = TraceCollector().start(monkeypatch)
     cluster = fleet_cluster(str(model_dir), redis_proc.url, "cache_aware", 2, 1, 24000, registry_ttl_s=2.0)
-    with running_cluster(cluster, tmp_path) as rc:
+    with running_cluster(cluster, tmp_path) as rc, contextlib.closing(collector):
+        client = _client(rc)
+        first = client.completions.create(
+            model=rc.model_name, prompt=list(range(20, 60)), max_tokens=4, temperature=0
+        )
+        prefill_node = next(
+            a.value.string_value
+            for _, sp in collector.trace_of(first.id)
+            if sp.name == "prefill"
+            for a in sp.attributes
+            if a.key == "pdserve.node"
+        )
+        check_trace_tree(collector.trace_of(first.id), prefill_node)
+
         convs = multi_turn(4, 3, first_len=40, turn_len=12, seed=1)
         assert _hit_rate(rc, model_dir, convs, seed=2) >= 0.9
         for c in convs:
@@ -84,7 +101,6 @@ def test_cache_aware_follow_ups_and_a_killed_prefill_node(
         while "prefill-1" in _index_blocks(rc):
             assert time.monotonic() - t_kill < cluster.registry_ttl_s + 2.0, "index kept the dead node"
             time.sleep(0.1)
-        client = _client(rc)
         pieces = PieceIds(load_tokenizer(model_dir))
         for conv in multi_turn(4, 1, first_len=40, turn_len=12, seed=3):
             run_turn(client, rc.model_name, conv, 0, 4, pieces)
