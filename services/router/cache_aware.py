@@ -51,9 +51,11 @@ def kv_usage(n: NodeHandle) -> float:
 def choose(
     nodes: Sequence[NodeHandle], block_hashes: Sequence[bytes], index: PrefixIndex, w: CacheAwareWeights
 ) -> tuple[NodeHandle, int]:
-    """The cheapest of ``nodes`` (non-empty) and the prompt blocks it holds; ties go to the first."""
+    """The cheapest of ``nodes`` (non-empty) and the prompt blocks it holds. Among equal costs
+    (an idle fleet, a new prompt) the node with the fewest indexed blocks wins, so new prefixes
+    spread over the nodes' caches instead of all landing on the first."""
     assert nodes
-    best: tuple[float, int, NodeHandle] | None = None
+    best: tuple[float, int, int, NodeHandle] | None = None
     for n in nodes:
         held = index.overlap(n.name, block_hashes)
         base = n.load_estimate * w.load_cost + kv_usage(n) * w.kv_usage_cost
@@ -61,10 +63,11 @@ def choose(
             cost = base + (len(block_hashes) - held) * w.block_cost
         else:
             cost = base - held * w.block_cost
-        if best is None or cost < best[0]:
-            best = (cost, held, n)
+        rank = (cost, index.num_blocks(n.name))
+        if best is None or rank < best[:2]:
+            best = (cost, rank[1], held, n)
     assert best is not None
-    return best[2], best[1]
+    return best[3], best[2]
 
 
 class KVEventsCollector:

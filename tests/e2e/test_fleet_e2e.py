@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -109,6 +111,39 @@ def test_cache_aware_follow_ups_traces_and_a_killed_prefill_node(
             assert conv.routes[0]["x-pdserve-prefill-node"] == "prefill-0"
 
 
+def _chromium(*args: str) -> str:
+    """Headless Chromium (Debian's package) on the router's /dashboard; its stdout."""
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+def _dashboard_rows(dom: str) -> dict[str, list[str]]:
+    """node name -> its row's cells, from the page's DOM."""
+    rows = {}
+    for m in re.finditer(r'<tr id="node-([^"]+)">(.*?)</tr>', dom, re.S):
+        rows[m.group(1)] = [
+            re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", m.group(2), re.S)
+        ]
+    return rows
+
+
+def _check_dashboard(rc: RunningCluster, model_dir: Path, out_dir: Path) -> None:
+    """The page shows both decode nodes with their KV usage, and a new request changes what it shows."""
+    url = rc.cluster.router_url + "/dashboard"
+    before = _dashboard_rows(_chromium("--dump-dom", url))
+    assert {"decode-0", "decode-1", "prefill-0", "prefill-1"} <= set(before), before
+    for name in ("decode-0", "decode-1"):
+        assert re.fullmatch(r"\d+ / \d+", before[name][5]), before[name]  # KV blocks used / total
+        assert int(before[name][5].split(" / ")[1]) > 0
+    conv = multi_turn(1, 1, first_len=64, turn_len=12, seed=9)[0]
+    run_turn(_client(rc), rc.model_name, conv, 0, 4, PieceIds(load_tokenizer(model_dir)))
+    time.sleep(0.5)  # the nodes' KV events reach the router's index
+    after = _dashboard_rows(_chromium("--dump-dom", url))
+    assert after != before  # the prefix blocks indexed column moved
+    _chromium(f"--screenshot={out_dir / 'dashboard.png'}", "--window-size=1100,420", url)
+    assert (out_dir / "dashboard.png").stat().st_size > 1000
+
+
 @FULL
 def test_cache_aware_against_round_robin_two_by_two(
     tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path
@@ -124,6 +159,8 @@ def test_cache_aware_against_round_robin_two_by_two(
             convs = multi_turn(16, 4, first_len=40, turn_len=12, seed=1)
             rates[policy] = _hit_rate(rc, model_dir, convs, seed=2, max_tokens=32)
             outputs[policy] = [c.outputs for c in convs]
+            if policy == "cache_aware" and shutil.which("chromium"):  # Debian's chromium package
+                _check_dashboard(rc, model_dir, tmp_path)
     print("prefix-hit rate / ideal:", rates)
     assert rates["cache_aware"] >= 0.9
     assert rates["round_robin"] <= 0.55

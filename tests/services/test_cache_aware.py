@@ -93,3 +93,18 @@ def test_dashboard_state_and_page(server_factory) -> None:
     assert httpx.get(server.url + "/dashboard/state", timeout=10).status_code == 401
     got = httpx.get(server.url + "/dashboard/state", headers={"Authorization": "Bearer k"}, timeout=10)
     assert got.status_code == 200 and got.json()["nodes"] == []
+
+
+def test_new_prompts_spread_over_an_idle_fleet() -> None:
+    def check(be: PDBackend) -> list[str]:
+        index = _ready(be)
+        picks = []
+        for i in range(3):
+            hashes = hash_prompt_blocks(list(range(1000 * i, 1000 * i + 64)), 16)
+            p = be.pick(be.prefill, RouteKey(hashes[3], hashes))
+            for h in hashes:  # what its KV events would then say
+                index.add(p.name, h)
+            picks.append(p.name)
+        return picks
+
+    assert sorted(_with_backend(check, "cache_aware")) == ["p0", "p1", "p2"]
