@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve import tracing
 from pdserve.config.choices import Role
 from pdserve.config.node_spec import NodeSpec
 from pdserve.distributed.pp_stage import PipelineRunner, StageEndpoint
@@ -23,6 +24,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
+from pdserve.kvevents.publisher import KVEventPublisher, start_publisher
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
@@ -131,6 +133,7 @@ class NodeBase:
         # Decode / colocated: set once the Steps socket listens (LoadReport.steps_socket).
         self.steps_socket = ""
         self.frontend: StepsFront | None = None
+        self.kv_events: KVEventPublisher | None = None  # serve() starts it when redis_url is set
         # Set with readiness (health SERVING): until then GetLoad answers UNAVAILABLE, so a router
         # polling a starting node never takes it before its Steps socket is known.
         self.started = False
@@ -233,6 +236,12 @@ class NodeBase:
     # lifecycle -----------------------------------------------------------------------------------
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        tracing.init_tracing(f"pdserve-{self.opts.role}")  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
+        kv = self.engine.kv
+        if self.opts.redis_url and kv.enable_prefix_caching:  # KV events for the router's prefix index
+            self.kv_events = start_publisher(
+                kv.pool, self.opts.redis_url, self.opts.name, self.epoch, kv.block_size
+            )
         self.engine_loop = EngineLoop(
             self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death
         )
@@ -312,6 +321,9 @@ class NodeBase:
         self.engine_loop.stop()
         if self.backend is not None:
             self.backend.close()
+        if self.kv_events is not None:
+            self.kv_events.stop()
+        tracing.shutdown_tracing()
 
     def inject_engine_death(self) -> None:
         """Test-only (``faults.engine_death_on_sigusr1``): kill the engine thread now."""
@@ -482,6 +494,14 @@ class _NodeCollector:
         yield gauge("stranded_kv_blocks", "Blocks held that no live peer will read", n.stranded_kv_blocks())
         yield gauge("ec_reservations", "Embedding-buffer reservations alive", n.ec_reservations())
         yield gauge("prefix_cache_hit_rate", "Prefix-cache block hit rate", pool.hit_rate)
+        yield counter(
+            "prefix_cache_queried_blocks",
+            "Prompt blocks looked up in the prefix cache",
+            pool.num_queried_blocks,
+        )
+        yield counter(
+            "prefix_cache_hit_blocks", "Prompt blocks found in the prefix cache", pool.num_hit_blocks
+        )
         yield counter("num_preemptions", "Preemptions by recompute", st.num_preemptions_total)
         # Batch shape: rate(engine_step_sequences) / rate(engine_steps) is the mean batch,
         # engine_step_decode_sequences the same for decodes, engine_step_tokens tokens per step.

@@ -107,6 +107,11 @@ class ClusterConfig(_Frozen):
                 f"registry_ttl_s ({self.registry_ttl_s}) is set but redis_url is not: the TTL is the "
                 "Redis registry's; set redis_url or remove registry_ttl_s (the static node list has none)"
             )
+        if self.router.policy == "cache_aware" and not self.redis_url:
+            raise ConfigError(
+                "router.policy cache_aware needs redis_url: the nodes publish their KV events there; "
+                "set redis_url or choose least_loaded, prefix_affinity or round_robin"
+            )
         return self
 
     @model_validator(mode="before")

@@ -24,7 +24,16 @@ class RouterConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)  # OpenAI HTTP API and /metrics
     api_key: str | None = None  # clients send "Authorization: Bearer <api_key>" when set
-    policy: Literal["least_loaded", "prefix_affinity", "round_robin"] = "least_loaded"
+    # cache_aware: by the KV each node holds (KV events through redis_url, which it needs) against
+    # its load; costs in prefilled blocks (services/router/cache_aware.py):
+    #   prefill (prompt blocks - held) x block_cost + load x load_cost + kv usage x kv_usage_cost
+    #   decode  load x load_cost + kv usage x kv_usage_cost - held x block_cost
+    policy: Literal["least_loaded", "prefix_affinity", "round_robin", "cache_aware"] = "least_loaded"
+    cache_aware_block_cost: float = Field(default=1.0, gt=0)
+    cache_aware_load_cost: float = Field(default=8.0, ge=0)
+    cache_aware_kv_usage_cost: float = Field(default=16.0, ge=0)
+    # The router's prefix index keeps at most this many block hashes per node (oldest dropped).
+    prefix_index_max_blocks_per_node: int = Field(default=1 << 20, ge=1)
     # Conditional disaggregation: prompts shorter than this prefill on the decode node, where a
     # KV transfer would cost more than the prefill itself. 0 disaggregates every prompt.
     local_prefill_max_tokens: int = Field(default=32, ge=0)

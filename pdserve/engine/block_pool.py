@@ -17,6 +17,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 NONE_HASH = b"\x00" * 16
 
@@ -50,6 +51,13 @@ class KVCacheBlock:
     block_hash: bytes | None = None  # set while the block holds a full, hashed block of tokens
 
 
+class BlockEventListener(Protocol):
+    """Told of prefix-cache changes on the engine thread (pdserve/kvevents/): must not block."""
+
+    def block_stored(self, block_hash: bytes, parent_hash: bytes | None) -> None: ...
+    def block_removed(self, block_hash: bytes) -> None: ...
+
+
 class BlockPool:
     """Owns every block; hands them out and takes them back.
 
@@ -74,6 +82,7 @@ class BlockPool:
         self.num_queried_blocks = 0
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
+        self.listener: BlockEventListener | None = None  # set by the node (KV events)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -135,6 +144,8 @@ class BlockPool:
             blk = self.blocks[block_id]
             if blk.block_hash is not None:
                 del self._cached[blk.block_hash]
+                if self.listener is not None:
+                    self.listener.block_removed(blk.block_hash)
                 blk.block_hash = None
                 self.num_evicted_blocks += 1
             assert blk.ref_cnt == 0
@@ -154,7 +165,7 @@ class BlockPool:
             if blk.ref_cnt == 0:
                 self._free[blk.block_id] = None
 
-    def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, blk: KVCacheBlock, block_hash: bytes, parent_hash: bytes | None = None) -> None:
         """Register a full block under its hash (first writer wins; duplicates stay uncached)."""
         if not self.enable_caching or blk.block_hash is not None:
             return
@@ -162,3 +173,5 @@ class BlockPool:
             return
         blk.block_hash = block_hash
         self._cached[block_hash] = blk
+        if self.listener is not None:
+            self.listener.block_stored(block_hash, parent_hash)

@@ -175,7 +175,7 @@ class KVCacheManager:
         done = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         n_full = min(done // self.block_size, len(st.blocks), len(req.block_hashes))
         for i in range(st.num_hashed_blocks, n_full):
-            self.pool.cache_block(st.blocks[i], req.block_hashes[i])
+            self.pool.cache_block(st.blocks[i], req.block_hashes[i], req.block_hashes[i - 1] if i else None)
         st.num_hashed_blocks = max(st.num_hashed_blocks, n_full)
 
     def trim(self, request_id: str, num_tokens: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
+from pdserve import tracing
 from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.config.node_spec import NodeSpec
 from pdserve.engine.outputs import GenerationDelta
@@ -32,6 +33,7 @@ from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
 from pdserve.rpc.prefill_client import PrefillClient
 from services.decode.outbox import Outbox
+from services.decode.trace_spans import trace_decode
 from services.lora_rpc import load_lora, request_lora_refusal, unload_lora
 from services.node import NodeBase
 from services.steps_direct import DirectSteps
@@ -44,6 +46,7 @@ KV_PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class DecodeNode(NodeBase):
     def __init__(self, opts: NodeSpec) -> None:
         super().__init__(opts)
+        self.pull_times: dict[str, list[float]] = {}  # traces: a pull's start and end, by request
         self.kv_pull_seconds = Histogram(
             "pdserve:kv_pull_seconds",
             "Successful KV pulls: from the engine handing the pull over (its blocks allocated) to "
@@ -108,6 +111,8 @@ class DecodeNode(NodeBase):
         assert self.loop is not None
         t = time.monotonic()  # the pulls' start, for kv_pull_seconds (the event loop may be busy)
         for spec in loads:
+            if tracing.enabled():
+                self.pull_times[spec.request_id] = [t]
             self.loop.call_soon_threadsafe(self.kv_consumer.start_pull, spec, t)
 
     def _finish_kv_load(
@@ -115,6 +120,8 @@ class DecodeNode(NodeBase):
     ) -> None:
         """Event loop: a pull ended; the engine runs the request or applies the policy."""
         assert self.engine_loop is not None
+        if request_id in self.pull_times:
+            self.pull_times[request_id].append(time.monotonic())
         self.engine_loop.post_and_dispatch(
             lambda e: e.finish_kv_load(request_id, ok, policy, error, first_tokens)
         )
@@ -300,6 +307,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         aborts the request."""
         node = self.node
         rid = request.request_id
+        times = [time.monotonic()]  # admitted, first delta (traces)
         gate = node.drain_gate
         if gate is not None:
             gate.active += 1
@@ -319,6 +327,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             def on_delta(d: GenerationDelta) -> None:
                 if ended.done():
                     return
+                if len(times) == 1:
+                    times.append(time.monotonic())
                 if direct.takes(d):
                     # the engine thread wrote it; only its end is this callback's (finishing deltas)
                     if d.finish_reason is not None:
@@ -352,6 +362,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 loop.release(rid, abort=not finished)
                 if not finished:
                     outbox.drop(rid)
+                pull = node.pull_times.pop(rid, [])
+                if request.traceparent and tracing.enabled():
+                    trace_decode(node, request, times, pull, finished)
         finally:
             # every exit drops the request's KV record: a refusal, a failed admit, the end, and a
             # cancellation while admitting (the router aborted or its stream went away)

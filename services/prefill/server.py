@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from pdserve import tracing
 from pdserve.config.node_spec import NodeSpec
 from pdserve.distributed.pp_stage import PipelineRunner, StageWriteBackend
 from pdserve.engine.request import Request
@@ -192,6 +193,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         node = self.node
         tid = request.transfer_id
+        t_call = time.monotonic()
         # Its end, whatever ends the call: refused before admission (an early pull waiting for it
         # fails now), or cancelled by its caller (a hold nobody will pull is released now).
         transfer = node.producer.track(tid)
@@ -273,6 +275,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if first.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1):
             first.finish_reason = None  # length of the prefill leg only: decode continues
         held = transfer.finish()
+        if tracing.enabled():
+            tracing.record(
+                "prefill",
+                tracing.context_of(tracing.metadata_traceparent(context.invocation_metadata())),
+                t_call,
+                time.monotonic(),
+                **{"pdserve.node": node.opts.name, "pdserve.prompt_tokens": len(request.prompt_token_ids)},
+                **{"pdserve.cached_tokens": first.num_cached_tokens, "pdserve.kv_held": held},
+            )
         return pb.PrefillResponse(
             first=convert.delta_to_pb(first),
             kv_held=held,

@@ -28,6 +28,7 @@ from services.router.backend import GenerateBackend
 from services.router.bodies import CheckedJSONRoute
 from services.router.chat import create_chat_completion
 from services.router.completions import create_completion
+from services.router.dashboard import install_dashboard_routes
 from services.router.errors import APIError, install_error_handlers
 from services.router.limits import DEFAULT_MIN_BODY_BYTES, RequestLimits
 from services.router.lora import RouterLoRA, adapter_models, install_lora_routes
@@ -35,6 +36,7 @@ from services.router.metrics import RouterMetrics
 from services.router.middleware import RequestGuard
 from services.router.prompt_embeds import max_prompt_embeds_bytes
 from services.router.protocol import ChatCompletionRequest, CompletionRequest
+from services.router.route_info import RouteHeaders
 from services.router.serving import ServingContext
 from services.router.streams import ClientDisconnected
 from services.router.tokenize import install_tokenize_routes
@@ -129,6 +131,7 @@ def create_app(
         return Response(status_code=_STATUS_CLIENT_CLOSED)
 
     app.add_middleware(RequestGuard, metrics=metrics, max_body_bytes=max_body_bytes)
+    app.add_middleware(RouteHeaders)  # x-pdserve-prefill-node and the like
 
     guarded = [Depends(check_api_key)]
 
@@ -143,6 +146,7 @@ def create_app(
     install_tokenize_routes(app, ctx, guarded)
     if ctx.lora is not None:
         install_lora_routes(app, backend, ctx.lora, guarded)
+    install_dashboard_routes(app, backend, guarded)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:

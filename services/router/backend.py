@@ -37,6 +37,8 @@ class BackendRequest:
     # under, set from its answer: decode admits the request only under that same content.
     lora_name: str = ""
     lora_ident: str = ""
+    # The sequence's root span (pdserve/tracing.py), set by the backend; legs are its children.
+    trace_span: Any = None
 
     @property
     def mm_needs_ec(self) -> bool:

@@ -18,10 +18,14 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.errors import CapacityError
+from pdserve.kvevents.index import PrefixIndex
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
+from services.router import cache_aware
 from services.router.breaker import CircuitBreaker, is_node_fault
+from services.router.cache_aware import CacheAwareWeights, RouteKey
+from services.router.route_info import note_route
 from services.router.step_mux import STEPS_CONNECT_TIMEOUT_S, SocketSteps, StepMux, status_error
 
 logger = logging.getLogger(__name__)
@@ -38,8 +42,10 @@ class NodeHandle:
     healthy: bool = False  # until a GetLoad answers
     in_flight: int = 0  # sequences the router has on this node now
     reported_load: int = 0  # running + waiting, from the node's last GetLoad
+    in_flight_at_report: int = 0  # in_flight when that GetLoad answered (load_estimate)
     block_size: int = 16
     num_blocks_total: int = 0  # from GetLoad: the node's KV cache (0 until a report)
+    kv_blocks_used: int = 0  # from GetLoad (its first stage's): blocks in use
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
@@ -57,6 +63,12 @@ class NodeHandle:
     def load(self) -> int:
         return self.in_flight + self.reported_load
 
+    @property
+    def load_estimate(self) -> int:
+        """This router's sequences now, plus what the last report had beyond its own then (other
+        routers' work): a report up to LOAD_POLL_S old no longer counts our finished ones."""
+        return self.in_flight + max(0, self.reported_load - self.in_flight_at_report)
+
     def remember_prefix(self, h: bytes) -> None:
         self.seen_prefixes[h] = None
         self.seen_prefixes.move_to_end(h)
@@ -66,7 +78,8 @@ class NodeHandle:
 
 @dataclass(frozen=True)
 class RouterPolicy:
-    policy: str = "least_loaded"  # least_loaded | prefix_affinity | round_robin
+    policy: str = "least_loaded"  # least_loaded | prefix_affinity | round_robin | cache_aware
+    cache_aware: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # policy cache_aware
     local_prefill_max_tokens: int = 32
     local_prefill_min_hit_frac: float = 0.9  # decode node already saw this much of the prompt
     prefill_timeout_s: float = 30.0  # P.Prefill call -> first token with the KV held
@@ -103,7 +116,8 @@ class NodePool:
         self._token = shared_token
         self.prefill = [self.new_handle(n, a, "prefill") for n, a in prefill]
         self.decode = [self.new_handle(n, a, "decode") for n, a in decode]
-        self._rr = 0
+        self._rr: dict[str, int] = {}  # round_robin: a turn counter per role (prefill, decode)
+        self.prefix_index: PrefixIndex | None = None  # cache_aware: filled by KV events
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, closing channels)
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
@@ -179,9 +193,11 @@ class NodePool:
             rep = await stub.GetLoad(pb.LoadRequest(), timeout=2.0, metadata=self._md, wait_for_ready=True)
             n.healthy = True
             n.reported_load = rep.num_running + rep.num_waiting
+            n.in_flight_at_report = n.in_flight
             n.block_size = rep.block_size or n.block_size
             n.num_blocks_total = rep.num_blocks_total
             n.pp_size = max(1, len(rep.stages))
+            n.kv_blocks_used = rep.stages[0].blocks_used if rep.stages else 0
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps
                 # stream there (a stream still open ends with its node).
@@ -245,15 +261,25 @@ class NodePool:
             live = [n for n in nodes if n.name not in exclude]  # last resort: try even a down node
         if not live:
             raise CapacityError("no node available for this request; retry later")
-        if self.policy.policy == "prefix_affinity" and key is not None:
+        if (
+            self.policy.policy == "cache_aware"
+            and isinstance(key, RouteKey)
+            and self.prefix_index is not None
+        ):
+            chosen, held = cache_aware.choose(
+                live, key.block_hashes, self.prefix_index, self.policy.cache_aware
+            )
+            note_route(f"{chosen.role}-prefix-hit-tokens", held * chosen.block_size)
+        elif self.policy.policy == "prefix_affinity" and key is not None:
             # Rendezvous hashing: the same leading blocks land on the same node while it lives.
             chosen = max(live, key=lambda n: hashlib.blake2b(key + n.name.encode(), digest_size=8).digest())
         elif self.policy.policy == "round_robin":
-            self._rr += 1
-            chosen = live[self._rr % len(live)]
+            turn = self._rr[nodes[0].role] = self._rr.get(nodes[0].role, -1) + 1
+            chosen = live[turn % len(live)]
         else:
             chosen = min(live, key=lambda n: n.load)
         chosen.breaker.on_dispatch()  # claims the half-open probe, if it is one
+        note_route(f"{chosen.role}-node", chosen.name)
         return chosen
 
     def steps_mux(self, n: NodeHandle) -> StepMux:

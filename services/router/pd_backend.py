@@ -24,8 +24,10 @@ from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdserve import tracing
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.errors import CapacityError, InvalidRequestError
@@ -35,8 +37,11 @@ from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.router.backend import BackendRequest
+from services.router.cache_aware import RouteKey
+from services.router.dashboard import RecentErrors
 from services.router.nodes import NodeHandle, NodePool, RouterPolicy, record_leg_result
 from services.router.pd_flow import KVLoadFailedError, PDFlow
+from services.router.route_info import note_route, route_attributes
 from services.router.step_mux import StepLeg
 
 logger = logging.getLogger(__name__)
@@ -90,6 +95,8 @@ class PDBackend(NodePool):
             buckets=LEG_BUCKETS,
             registry=reg,
         )
+        self.recent_errors = RecentErrors()  # for /dashboard
+        self._decode_leg_spans: dict[str, Any] = {}  # early decode legs' spans, until read
         self._first_delta_by_path = {
             "disaggregated": self.decode_first_delta_seconds.labels("disaggregated"),
             "local": self.decode_first_delta_seconds.labels("local"),
@@ -104,12 +111,20 @@ class PDBackend(NodePool):
             return not self.prefill
         if not self.prefill or req.num_prompt_tokens < self.policy.local_prefill_max_tokens:
             return True
+        if self.policy.policy == "cache_aware" and self.prefix_index is not None:
+            # What the decode node holds (KV events): a follow-up whose history it kept computes
+            # only its new tokens there, with no prefill leg and no transfer.
+            held = self.prefix_index.overlap(d_node.name, hashes)
+            if req.num_prompt_tokens - held * d_node.block_size < self.policy.local_prefill_max_tokens:
+                return True
+            return bool(hashes) and held >= self.policy.local_prefill_min_hit_frac * len(hashes)
         seen = sum(1 for h in hashes if h in d_node.seen_prefixes)
         return bool(hashes) and seen >= self.policy.local_prefill_min_hit_frac * len(hashes)
 
     # -- the lifecycle (services/router/pd_flow.py) ----------------------------------------------
     async def generate(self, req: BackendRequest) -> AsyncGenerator[GenerationDelta, None]:
         self.start()
+        t_route = time.monotonic()
         bs = self.decode[0].block_size
         # Embeddings have no token ids to hash (and image placeholders are the same ids for every
         # image): no affinity, no "seen on decode" shortcut.
@@ -119,6 +134,8 @@ class PDBackend(NodePool):
             else []
         )
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
+        if key is not None and self.policy.policy == "cache_aware":
+            key = RouteKey(key, hashes)
         d_node = self.pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
@@ -129,11 +146,22 @@ class PDBackend(NodePool):
             for h in hashes:
                 d_node.remember_prefix(h)
 
-        flow = PDFlow(
-            self, req, d_node, key, local=self.prefill_locally(req, hashes, d_node), on_done=remember
+        local = self.prefill_locally(req, hashes, d_node)
+        note_route("path", "local" if local else "disaggregated")
+        # The root span from here: a refusal above (no node) leaves no trace.
+        root = req.trace_span = tracing.start_span(
+            "router.request",
+            t_route,
+            **{"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens},
         )
-        async for d in flow.run():
-            yield d
+        tracing.record("router.route", root, t_route, time.monotonic(), **route_attributes())
+        flow = PDFlow(self, req, d_node, key, local=local, on_done=remember)
+        try:
+            async for d in flow.run():
+                yield d
+        finally:
+            root.set_attributes(route_attributes())  # with the prefill node PDFlow chose
+            root.end()
 
     # -- pd_flow.LegClient (pick: NodePool's) -------------------------------------------------
     def count_path(self, path: str) -> None:
@@ -141,6 +169,7 @@ class PDBackend(NodePool):
 
     def count_leg_failure(self, role: str, code: str) -> None:
         self.leg_failures.labels(role, code).inc()
+        self.recent_errors.add(role, code)
 
     async def prefill_leg(
         self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
@@ -148,6 +177,9 @@ class PDBackend(NodePool):
         stub = pb_grpc.PrefillServiceStub(p.channel)
         p.in_flight += 1
         t0 = time.monotonic()
+        leg = self._leg_span("router.prefill_leg", req, p)
+        tp = tracing.traceparent(leg)
+        md = (*(self._md or ()), ("traceparent", tp)) if tp else self._md
         try:
             call = stub.Prefill(
                 pb.PrefillRequest(
@@ -161,7 +193,7 @@ class PDBackend(NodePool):
                     lora_name=req.lora_name,
                 ),
                 timeout=self.policy.prefill_timeout_s,
-                metadata=self._md,
+                metadata=md,
             )
             try:
                 resp = await call
@@ -183,6 +215,7 @@ class PDBackend(NodePool):
                 raise
         finally:
             p.in_flight -= 1
+            leg.end()
         self.prefill_leg_seconds.observe(time.monotonic() - t0)
         d = convert.delta_from_pb(resp.first)
         d.request_id = req.request_id
@@ -198,6 +231,7 @@ class PDBackend(NodePool):
         p_node: NodeHandle | None,
         first_tokens: list[int],
         early: bool = False,
+        traceparent: str = "",
     ) -> pb.DecodeRequest:
         params = req.sampling_params
         if transfer_id is not None and params.prompt_logprobs is not None:
@@ -226,6 +260,7 @@ class PDBackend(NodePool):
             # KV pulled from prefill: decode must hold the content prefill used (pd_flow opens no
             # early leg for an adapter request, so prefill has answered by now)
             lora_ident=req.lora_ident if transfer_id is not None else "",
+            traceparent=traceparent,
         )
 
     def open_early_leg(
@@ -234,10 +269,12 @@ class PDBackend(NodePool):
         """The decode leg opened with the prefill leg (PDFlow's PREFILL_EARLY): decode allocates
         and asks prefill for the KV at once; the pull brings the first token."""
         d_node.in_flight += 1
-        msg = self._decode_msg(req, transfer_id, p_node, [], early=True)
+        leg = self._leg_span("router.decode_leg", req, d_node)
+        msg = self._decode_msg(req, transfer_id, p_node, [], early=True, traceparent=tracing.traceparent(leg))
         # Its own id on the node: a leg opened after it for the same request (another prefill
         # node, the local fallback, a re-prefill) never meets its abort or its bookkeeping.
         msg.request_id = f"{req.request_id}/early"
+        self._decode_leg_spans[msg.request_id] = leg
         return self.steps_mux(d_node).open(msg, self.policy.request_timeout_s), msg.request_id
 
     async def drop_early_leg(self, d_node: NodeHandle, early: tuple[StepLeg, str]) -> None:
@@ -247,6 +284,9 @@ class PDBackend(NodePool):
         call, d_rid = early
         d_node.in_flight -= 1
         call.cancel()
+        span = self._decode_leg_spans.pop(d_rid, None)
+        if span is not None:
+            span.end()
         await self._abort_both(d_node, d_rid, None, None)
 
     async def decode_leg(
@@ -264,10 +304,14 @@ class PDBackend(NodePool):
         call: StepLeg
         if early is not None:  # opened with the prefill leg (in_flight counted then), its own id
             call, d_rid = early
+            leg = self._decode_leg_spans.pop(d_rid, None) or self._leg_span("router.decode_leg", req, d_node)
         else:
             d_node.in_flight += 1
             d_rid = req.request_id
-            msg = self._decode_msg(req, transfer_id, p_node, first_tokens)
+            leg = self._leg_span("router.decode_leg", req, d_node)
+            msg = self._decode_msg(
+                req, transfer_id, p_node, first_tokens, traceparent=tracing.traceparent(leg)
+            )
             call = self.steps_mux(d_node).open(msg, self.policy.request_timeout_s)
         # From here (the prefill leg's answer, on the P/D path) to decode's first delta.
         first_delta = self._first_delta_by_path["disaggregated" if transfer_id is not None else "local"]
@@ -282,7 +326,7 @@ class PDBackend(NodePool):
                     # A frozen (SIGSTOPped) or wedged decode node: noticed within the leg's
                     # deadline, not by the request timeout; both legs are cancelled below.
                     call.cancel()
-                    self.leg_failures.labels("decode", "LEG_DEADLINE").inc()
+                    self.count_leg_failure("decode", "LEG_DEADLINE")
                     d_node.breaker.record_failure()
                     finished = errored = True
                     # In the background: a frozen node would hold the client for the abort's timeout.
@@ -308,9 +352,9 @@ class PDBackend(NodePool):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.ABORTED and _kv_load_failed(e):
                 finished = errored = True  # nothing streamed from decode yet; no node fault
-                self.leg_failures.labels("decode", "KV_LOAD_FAILED").inc()
+                self.count_leg_failure("decode", "KV_LOAD_FAILED")
                 raise KVLoadFailedError(e.details() or "KV load failed") from e
-            self.leg_failures.labels("decode", e.code().name).inc()
+            self.count_leg_failure("decode", e.code().name)
             logger.warning(
                 "decode leg of %s on %s failed: %s %s",
                 req.request_id,
@@ -340,6 +384,7 @@ class PDBackend(NodePool):
             yield _error_delta(req, f"decode failed: {e.code().name}: {e.details()}")
         finally:
             d_node.in_flight -= 1
+            leg.end()
             if not finished:
                 # Client gone (cancellation / aclose): cancel both legs at once.
                 call.cancel()
@@ -347,6 +392,11 @@ class PDBackend(NodePool):
             elif errored and p_node is not None and transfer_id is not None:
                 # Decode failed (maybe before its pull): make sure prefill lets go of the KV now.
                 await asyncio.shield(self.abort_prefill(p_node, transfer_id))
+
+    def _leg_span(self, name: str, req: BackendRequest, n: NodeHandle) -> Any:
+        """A leg's span under the sequence's root (a no-op span when tracing is off)."""
+        parent = trace.set_span_in_context(req.trace_span) if req.trace_span is not None else None
+        return tracing.tracer.start_span(name, context=parent, attributes={"pdserve.node": n.name})
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -16,9 +16,13 @@ from typing import Any
 
 import uvicorn
 
+from pdserve import tracing
 from pdserve.config.cluster import ClusterConfig
+from pdserve.kvevents.consumer import ConsumerConfig, KVEventConsumer
+from pdserve.kvevents.index import PrefixIndex
 from pdserve.registry import registry_for
 from services.router.app import create_app
+from services.router.cache_aware import CacheAwareWeights, KVEventsCollector
 from services.router.discovery import NodeDiscovery, discovery_interval_s
 from services.router.encoders import EncoderPool
 from services.router.limits import RequestLimits
@@ -44,6 +48,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         + [arch.max_position_embeddings]
     )
     r = cluster.router
+    tracing.init_tracing("pdserve-router")  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     metrics = RouterMetrics()
     registry = registry_for(cluster)
     backend = PDBackend(
@@ -51,6 +56,9 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         decode=[],
         policy=RouterPolicy(
             policy=r.policy,
+            cache_aware=CacheAwareWeights(
+                r.cache_aware_block_cost, r.cache_aware_load_cost, r.cache_aware_kv_usage_cost
+            ),
             local_prefill_max_tokens=r.local_prefill_max_tokens,
             prefill_timeout_s=r.prefill_timeout_s,
             request_timeout_s=r.request_timeout_s,
@@ -88,6 +96,18 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
     if registry.dynamic:
         discovery.start()
     backend.start()
+    kv_events = None
+    if r.policy == "cache_aware":
+        assert cluster.redis_url  # ClusterConfig refuses cache_aware without it
+        backend.prefix_index = PrefixIndex(r.prefix_index_max_blocks_per_node)
+        kv_events = KVEventConsumer(
+            cluster.redis_url,
+            backend.prefix_index,
+            lambda: [n.name for n in backend.prefill + backend.decode],
+            ConsumerConfig(),
+        )
+        kv_events.start()
+        metrics.registry.register(KVEventsCollector(kv_events))
     app = create_app(
         backend,
         load_tokenizer(model_dir),
@@ -132,8 +152,11 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         await discovery.close()
+        if kv_events is not None:
+            await kv_events.close()
         await backend.close()
         await encoders.close()
+        tracing.shutdown_tracing()
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:
