@@ -23,6 +23,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
+from pdserve.kvoffload.metrics import kv_offload_metrics
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
@@ -499,6 +500,13 @@ class _NodeCollector:
         )
         for name, doc, value in n.transfer_counters():
             yield counter(name, doc, value)
+        yield counter(
+            "engine_prefill_tokens",
+            "Prompt positions computed by the model (cache and offload hits, pulled KV excluded)",
+            eng.num_prefill_tokens_total,
+        )
+        if eng.offload is not None:
+            yield from kv_offload_metrics(eng.offload.manager, labels, lv)
         entries = GaugeMetricFamily(
             "pdserve:request_state_entries",
             "Entries in a per-request map of the node (0 when idle)",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.kvoffload.config import KVOffloadConfig
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class EngineConfig:
     # (docs/benchmarks.md, "CPU threads"); on other devices torch's default. A number: that
     # many threads in each of the engine's processes, on any device.
     cpu_threads: int | None = None
+    # Evicted prefix-cache blocks kept in host memory and/or on disk (pdserve/kvoffload/); None: off.
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

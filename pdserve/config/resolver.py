@@ -143,6 +143,7 @@ class ResolvedNode:
             max_grammar_bytes=n.max_grammar_bytes,
             grammar_compile_timeout_s=n.grammar_compile_timeout_s,
             cpu_threads=n.cpu_threads,
+            kv_offload=n.kv_offload_config(),
             cache=CacheConfig(
                 block_size=n.block_size,
                 kv_cache_memory_bytes=n.kv_cache_memory_bytes,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 NONE_HASH = b"\x00" * 16
@@ -74,6 +74,9 @@ class BlockPool:
         self.num_queried_blocks = 0
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
+        # Called with (block_id, block_hash) when a cached block is evicted for reuse, before it
+        # is handed out (the KV offload tier copies it out: pdserve/kvoffload/manager.py).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -134,6 +137,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             blk = self.blocks[block_id]
             if blk.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block_id, blk.block_hash)
                 del self._cached[blk.block_hash]
                 blk.block_hash = None
                 self.num_evicted_blocks += 1

@@ -16,9 +16,14 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.kvoffload.manager import KVOffloadManager
+    from pdserve.kvoffload.spec import OffloadHit
 
 
 @dataclass
@@ -62,6 +67,7 @@ class KVCacheManager:
         # (seq after which the blocks may be freed, blocks).
         self._deferred: deque[tuple[int, list[KVCacheBlock]]] = deque()
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload: KVOffloadManager | None = None  # the offload tier (set by KVOffloadTier)
 
     # -- queries -------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -115,6 +121,14 @@ class KVCacheManager:
         hits = self.pool.lookup(req.block_hashes[:max_blocks])
         self.pool.record_lookup(max_blocks, len(hits))
         return hits, len(hits) * self.block_size
+
+    def get_offloaded_blocks(self, req: Request, num_device_hit_blocks: int) -> OffloadHit | None:
+        """The offload tier's hit for the blocks after the device hit (pinned: ``commit`` or
+        ``cancel`` it); like a device hit, it leaves at least one token to compute."""
+        if self.offload is None or not self.enable_prefix_caching:
+            return None
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.offload.lookup(req.block_hashes[num_device_hit_blocks:max_blocks])
 
     # -- allocation ----------------------------------------------------------------------
     def allocate_slots(

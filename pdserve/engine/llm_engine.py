@@ -53,6 +53,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
+from pdserve.kvoffload.tier import KVOffloadTier
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.models.loader import load_tokenizer
 
@@ -118,6 +119,10 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             self.fence,
         )
+        # Evicted blocks kept in host memory / on disk; None: the prefix cache forgets them.
+        self.offload: KVOffloadTier | None = None
+        if config.kv_offload is not None:
+            self.offload = KVOffloadTier(config, self.runner, self.kv)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, on_hold_for_transfer)
         self.tokenizer = load_tokenizer(config.model) if load_tokenizer_ else None
         self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -150,6 +155,7 @@ class LLMEngine:
         self.num_step_seqs_total = 0
         self.num_step_tokens_total = 0
         self.num_step_decode_seqs_total = 0
+        self.num_prefill_tokens_total = 0  # prompt positions computed (not hit in a cache or pulled)
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
             "engine ready: %s on %s/%s, KV cache %d MiB: %d blocks (%d tokens), max_model_len=%d, "
@@ -183,6 +189,9 @@ class LLMEngine:
         runner: ModelExecutor | None = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
+        offload: KVOffloadTier | None = getattr(self, "offload", None)
+        if offload is not None:
+            offload.close()
 
     # -- admission -----------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -421,6 +430,8 @@ class LLMEngine:
 
     def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
         """Launch ``sched``; returns the deltas of whichever step completed meanwhile."""
+        if self.offload is not None:  # copies of evicted / offloaded blocks, ahead of any write
+            self.offload.execute(sched.kv_offload, before_remote_writes=bool(sched.kv_loads))
         if sched.kv_loads:
             # Their blocks are allocated and counted as written by a transfer (deferred frees), so
             # the pulls start now rather than after this step: a decode step (a few ms under load)
@@ -454,6 +465,11 @@ class LLMEngine:
         self.num_step_decode_seqs_total += (
             n if ntok == n else sum(1 for c in sched.chunks if c.num_tokens == 1)
         )
+        if sched.chunks[0].start_pos < sched.chunks[0].request.num_prompt_tokens or ntok != n:
+            self.num_prefill_tokens_total += sum(
+                max(0, min(c.start_pos + c.num_tokens, c.request.num_prompt_tokens) - c.start_pos)
+                for c in sched.chunks
+            )
         if not self.async_scheduling:
             return self._complete(sched, pending)
         prev, self._inflight = self._inflight, (sched, pending)
