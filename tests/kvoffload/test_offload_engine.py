@@ -56,13 +56,25 @@ def _check_answer(model_dir: Path, prompt: list[int], got: list[int]) -> None:
     compare_greedy([got], _reference(model_dir, [prompt]))
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk"])
-def test_evicted_conversation_hits_offload_tier(tier: str, tiny_models, make_llm, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("tier", "async_scheduling"),
+    [("cpu", False), ("disk", False), ("cpu", True)],
+    ids=["cpu", "disk", "cpu-async"],
+)
+def test_evicted_conversation_hits_offload_tier(
+    tier: str, async_scheduling: bool, tiny_models, make_llm, tmp_path
+) -> None:
     model_dir = tiny_models["llama"]
     kv_offload: dict[str, Any] = (
         {"cpu_bytes": 1 << 22} if tier == "cpu" else {"disk_path": str(tmp_path), "disk_bytes": 1 << 22}
     )
-    llm = make_llm(model_dir, block_size=BLOCK, num_blocks_override=DEVICE_BLOCKS, kv_offload=kv_offload)
+    llm = make_llm(
+        model_dir,
+        block_size=BLOCK,
+        num_blocks_override=DEVICE_BLOCKS,
+        kv_offload=kv_offload,
+        async_scheduling=async_scheduling,
+    )
     eng = llm.engine
     assert eng.offload is not None
     vocab = eng.arch.vocab_size
