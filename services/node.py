@@ -505,6 +505,14 @@ class _NodeCollector:
             "Prompt positions computed by the model (cache and offload hits, pulled KV excluded)",
             eng.num_prefill_tokens_total,
         )
+        declined = CounterMetricFamily(
+            "pdserve:prefix_cache_declined_tokens",
+            "Prompt tokens a prefix-cache or offload-tier lookup offered but the request did not use, by reason",
+            labels=[*labels, "reason"],
+        )
+        for reason, n in eng.declined_prefix_tokens().items():
+            declined.add_metric([*lv, reason], n)
+        yield declined
         if eng.offload is not None:
             yield from kv_offload_metrics(eng.offload.manager, labels, lv)
         entries = GaugeMetricFamily(

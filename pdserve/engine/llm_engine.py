@@ -43,6 +43,7 @@ from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import ModelExecutor, make_executor
 from pdserve.engine.grammar_compile import GrammarCompileService
+from pdserve.engine.kv_cache_groups import DECLINE_OFFLOAD, groups_of_model
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.kv_sizing import fit_max_model_len
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
@@ -118,6 +119,12 @@ class LLMEngine:
             self.cache_sizes.block_size,
             config.cache.enable_prefix_caching,
             self.fence,
+            groups_of_model(
+                [f"model.layers.{i}.self_attn" for i in range(arch.num_hidden_layers)],
+                arch.layer_types,
+                arch.sliding_window,
+                self.cache_sizes.block_size,
+            ),
         )
         # Evicted blocks kept in host memory / on disk; None: the prefix cache forgets them.
         self.offload: KVOffloadTier | None = None
@@ -531,5 +538,12 @@ class LLMEngine:
         return self.output_processor.final_delta(req)
 
     # -- introspection ----------------------------------------------------------------------------
+    def declined_prefix_tokens(self) -> dict[str, int]:
+        """pdserve:prefix_cache_declined_tokens_total by reason (kv_cache_groups.DECLINE_REASONS)."""
+        out = dict(self.kv.coordinator.declined_tokens)
+        if self.offload is not None:
+            out[DECLINE_OFFLOAD] += self.offload.manager.num_declined_tokens
+        return out
+
     def num_used_blocks(self) -> int:
         return self.kv.pool.num_used_blocks

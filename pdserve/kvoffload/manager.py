@@ -51,6 +51,9 @@ class KVOffloadManager:
         # metrics
         self.num_stored_blocks = 0
         self.num_dropped_blocks = 0  # evicted blocks no tier could take (every host slot pinned)
+        # Tokens a tier held but a lookup could not use (a corrupt file, no host slot to read into):
+        # the failing block and the run the tiers hold after it.
+        self.num_declined_tokens = 0
         self.hit_tokens = {"cpu": 0, "disk": 0}
         self.load_seconds_sum = 0.0
         self.load_seconds_counts = [0] * (len(LOAD_SECONDS_BUCKETS) + 1)
@@ -91,7 +94,7 @@ class KVOffloadManager:
         t0 = time.perf_counter()
         slots: list[int] = []
         tiers: list[str] = []
-        for h in block_hashes:
+        for i, h in enumerate(block_hashes):
             slot = self.host.get(h) if self.host_serves_hits else None
             if slot is not None:
                 self.host.pin(slot)
@@ -102,6 +105,7 @@ class KVOffloadManager:
                 break
             slot = self._read_disk(h)
             if slot is None:
+                self.num_declined_tokens += self.block_size * (1 + self._held_run(block_hashes[i + 1 :]))
                 break
             slots.append(slot)
             tiers.append("disk")
@@ -109,6 +113,15 @@ class KVOffloadManager:
             return None
         self._spec.read_s += time.perf_counter() - t0
         return OffloadHit(slots, tiers, self.block_size)
+
+    def _held_run(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in block_hashes:
+            in_host = self.host_serves_hits and h in self.host.entries
+            if not (in_host or (self.disk is not None and h in self.disk)):
+                break
+            n += 1
+        return n
 
     def _read_disk(self, block_hash: bytes) -> int | None:
         assert self.disk is not None

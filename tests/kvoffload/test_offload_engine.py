@@ -103,5 +103,7 @@ def test_corrupt_disk_file_is_a_counted_miss(tiny_models, make_llm, tmp_path) ->
     mgr = eng.offload.manager
     assert mgr.hit_tokens == {"cpu": 0, "disk": 0}
     assert mgr.num_corrupt_blocks == 1  # the lookup stops at the first bad file
+    # ... and the declined run is counted: the bad block and the 12 the disk index held after it
+    assert eng.declined_prefix_tokens()["offload_unreadable"] == 13 * BLOCK
     assert prefilled == len(prompt)
     _check_answer(model_dir, prompt, got)
