@@ -18,6 +18,7 @@ the host (engine steps only; no server). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -57,6 +58,7 @@ def run_mode(
     ]
     ttft: dict[str, list[float]] = {"first": [], "returning": []}
     prefill_returning = 0
+    answers: list[list[int]] = []
     t_all = time.perf_counter()
     for turn in range(args.turns):
         for c in range(args.conversations):
@@ -77,6 +79,7 @@ def run_mode(
             if turn:
                 prefill_returning += eng.num_prefill_tokens_total - before
             histories[c] += out
+            answers.append(out)
     wall = time.perf_counter() - t_all
     res: dict[str, Any] = {
         "wall_s": round(wall, 2),
@@ -86,6 +89,7 @@ def run_mode(
         "ttft_returning_p50_ms": round(pct(ttft["returning"], 0.5) * 1e3, 2),
         "ttft_returning_p99_ms": round(pct(ttft["returning"], 0.99) * 1e3, 2),
         "prefix_hit_rate": round(eng.kv.pool.hit_rate, 3),
+        "answers_digest": hashlib.blake2b(json.dumps(answers).encode(), digest_size=8).hexdigest(),
     }
     if eng.offload is not None:
         m = eng.offload.manager
@@ -158,6 +162,8 @@ def main() -> None:
         for mode in args.modes:
             results[mode] = run_mode(model, args, num_blocks, modes[mode])
             log(f"{mode}: {results[mode]}")
+    digests = {r["answers_digest"] for r in results.values()}
+    log(f"greedy answers {'identical' if len(digests) == 1 else 'DIFFER'} across modes: {digests}")
     cols = [
         "ttft_first_p50_ms",
         "ttft_returning_p50_ms",
