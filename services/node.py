@@ -510,8 +510,8 @@ class _NodeCollector:
             "Prompt tokens a prefix-cache or offload-tier lookup offered but the request did not use, by reason",
             labels=[*labels, "reason"],
         )
-        for reason, n in eng.declined_prefix_tokens().items():
-            declined.add_metric([*lv, reason], n)
+        for reason, tokens in eng.declined_prefix_tokens().items():
+            declined.add_metric([*lv, reason], tokens)
         yield declined
         if eng.offload is not None:
             yield from kv_offload_metrics(eng.offload.manager, labels, lv)

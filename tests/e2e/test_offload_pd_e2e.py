@@ -68,6 +68,7 @@ def test_prefill_node_answers_from_its_offload_tier(tiny_models, tmp_path) -> No
         hit = _metric(after, "pdserve:kv_offload_hit_tokens_total")
         assert hit == 9 * 16, hit  # turn 1's 150 prompt tokens: 9 full blocks on the prefill node
         assert _metric(after, "pdserve:kv_offload_stored_blocks_total") > 0
+        assert "pdserve:prefix_cache_declined_tokens_total{" in after
         prefilled = _metric(after, "pdserve:engine_prefill_tokens_total") - _metric(
             before, "pdserve:engine_prefill_tokens_total"
         )
