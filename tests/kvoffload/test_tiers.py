@@ -178,3 +178,15 @@ def test_metrics_families(tmp_path) -> None:
     assert samples[("pdserve:kv_offload_load_seconds_bucket", (("le", "0.0025"), ("node", "n0")))] == 0
     assert samples[("pdserve:kv_offload_load_seconds_bucket", (("le", "0.005"), ("node", "n0")))] == 1
     disk.close()
+
+
+def test_scheduler_side_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import pdserve.engine.scheduler, pdserve.kvoffload.manager, pdserve.engine.kv_cache_groups; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
