@@ -111,7 +111,7 @@ class DiskTier:
             self._pending[block_hash] = data
         self._queue.put(block_hash)
 
-    def get(self, block_hash: bytes) -> bytes | None:
+    def get(self, block_hash: bytes) -> memoryview | None:
         """The block's payload, checked; None when absent or corrupt (a corrupt file is deleted)."""
         with self._lock:
             if block_hash not in self._index:
@@ -133,11 +133,11 @@ class DiskTier:
                 self.path(block_hash).unlink()
         return payload
 
-    def _check(self, block_hash: bytes, data: bytes) -> bytes | None:
+    def _check(self, block_hash: bytes, data: bytes) -> memoryview | None:
         if len(data) < _HEADER.size:
             return None
         magic, key, n, digest = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size :]
+        payload = memoryview(data)[_HEADER.size :]  # no copy of the block
         if magic != MAGIC or key != block_hash or n != self.block_bytes or len(payload) != n:
             return None
         return payload if _digest(payload) == digest else None
