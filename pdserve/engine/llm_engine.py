@@ -472,11 +472,10 @@ class LLMEngine:
         self.num_step_decode_seqs_total += (
             n if ntok == n else sum(1 for c in sched.chunks if c.num_tokens == 1)
         )
-        if sched.chunks[0].start_pos < sched.chunks[0].request.num_prompt_tokens or ntok != n:
-            self.num_prefill_tokens_total += sum(
-                max(0, min(c.start_pos + c.num_tokens, c.request.num_prompt_tokens) - c.start_pos)
-                for c in sched.chunks
-            )
+        self.num_prefill_tokens_total += sum(
+            max(0, min(c.start_pos + c.num_tokens, c.request.num_prompt_tokens) - c.start_pos)
+            for c in sched.chunks
+        )
         if not self.async_scheduling:
             return self._complete(sched, pending)
         prev, self._inflight = self._inflight, (sched, pending)

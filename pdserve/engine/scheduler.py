@@ -282,8 +282,13 @@ class Scheduler:
             # A prefix hit has no logits: prompt logprobs need every prompt position computed.
             if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                # Blocks past the device hit that the offload tier holds: loaded into new blocks.
-                off = self.kv.get_offloaded_blocks(req, len(hit_blocks))
+                # Blocks past the device hit that the offload tier holds: loaded into new blocks
+                # (looked up only when the rest of the prompt fits: a request that waits for
+                # memory would read and pin them again every step).
+                if self.kv.pool.num_free_blocks >= self.kv.num_blocks_needed(req.num_tokens) - len(
+                    hit_blocks
+                ):
+                    off = self.kv.get_offloaded_blocks(req, len(hit_blocks))
             num_off = off.num_tokens if off is not None else 0
             num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_off
             if num_new > budget:
