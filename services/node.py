@@ -25,6 +25,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvevents.publisher import KVEventPublisher, start_publisher
+from pdserve.kvoffload.metrics import kv_offload_metrics
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
@@ -526,6 +527,21 @@ class _NodeCollector:
             yield counter(name, doc, value)
         yield from lora_metric_families(eng, labels, lv)
         yield from spec_decode_metrics(eng.spec, labels, lv)
+        yield counter(
+            "engine_prefill_tokens",
+            "Prompt positions computed by the model (cache and offload hits, pulled KV excluded)",
+            eng.num_prefill_tokens_total,
+        )
+        declined = CounterMetricFamily(
+            "pdserve:prefix_cache_declined_tokens",
+            "Prompt tokens a prefix-cache or offload-tier lookup offered but the request did not use, by reason",
+            labels=[*labels, "reason"],
+        )
+        for reason, tokens in eng.declined_prefix_tokens().items():
+            declined.add_metric([*lv, reason], tokens)
+        yield declined
+        if eng.offload is not None:
+            yield from kv_offload_metrics(eng.offload.manager, labels, lv)
         entries = GaugeMetricFamily(
             "pdserve:request_state_entries",
             "Entries in a per-request map of the node (0 when idle)",

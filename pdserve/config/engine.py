@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.lora.config import LoRAConfig
 from pdserve.spec_decode.config import SpeculativeConfig
 
@@ -127,6 +128,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Speculative decoding (pdserve.spec_decode): None off; a mapping is read as SpeculativeConfig.
     speculative: SpeculativeConfig | None = None
+    # Evicted prefix-cache blocks kept in host memory and/or on disk (pdserve/kvoffload/); None: off.
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pdserve.config.choices import Dtype, EcRole, KvLoadFailurePolicy, KvRole, KvTransport, Role
 from pdserve.config.frozen import _Frozen
 from pdserve.errors import ConfigError
+from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.spec_decode.settings import SpeculativeSettings
 
 # The KV role each service type holds (docs/design.md §1). An explicit kv_role must equal it: a prefill
@@ -53,6 +54,15 @@ class FaultsConfig(_Frozen):
     encode_delay_s: float = Field(default=0.0, ge=0)
     # encoder: every PushEmbeddings waits this long before its write into prefill (a push window)
     ec_push_delay_s: float = Field(default=0.0, ge=0)
+
+
+class KVOffloadSettings(_Frozen):
+    """``kv_offload:``: blocks the prefix cache evicts kept in host memory and/or on local disk
+    (pdserve/kvoffload/); a node without the section keeps none."""
+
+    cpu_bytes: int = Field(default=0, ge=0)  # host tier's pool (pinned on CUDA); 0: no host tier
+    disk_path: str | None = None  # folder of the disk tier (a per-process folder is made in it)
+    disk_bytes: int = Field(default=0, ge=0)  # disk tier's byte budget
 
 
 class NodeConfig(_Frozen):
@@ -133,6 +143,7 @@ class NodeConfig(_Frozen):
     max_image_pixels: int | None = Field(default=None, ge=1)  # None: 4096 x 4096
     accept_mm_embeds: bool = False  # derived (may only be turned on), see the resolver
     faults: FaultsConfig = FaultsConfig()  # test-only fault injection (off)
+    kv_offload: KVOffloadSettings | None = None  # evicted KV kept in host memory / on disk; None: off
     allow_missing_mm_embeds: bool = False  # derived, see the resolver
     # Decode / colocated: the port of the node's Steps socket, where the router's token streams
     # come (TCP, length-prefixed frames; services/steps_socket.py); None or 0: any free port (the
@@ -245,6 +256,17 @@ class NodeConfig(_Frozen):
                         f"encoder, or a prefill node with no encoder in the cluster), but the node's "
                         f"role is {self.role}; move it there"
                     )
+        if self.kv_offload is not None:
+            if self.role is Role.ENCODER:
+                raise ConfigError(
+                    f"node {self.name!r}: kv_offload acts on engine nodes, not encoders; remove it"
+                )
+            if self.tp != 1 or self.pp != 1:
+                raise ConfigError(
+                    f"node {self.name!r}: kv_offload is supported with tp 1 and pp 1 only (got tp {self.tp}, "
+                    f"pp {self.pp}): each stage offloading its own layers is not built; remove kv_offload"
+                )
+            self.kv_offload_config()  # its own checks (a tier set, disk_path with disk_bytes)
         if self.role is Role.ENCODER:
             if self.tp != 1 or self.pp != 1:
                 raise ConfigError(
@@ -257,6 +279,15 @@ class NodeConfig(_Frozen):
                     "not cuda_ipc; set kv_transport: tcp"
                 )
         return self
+
+    def kv_offload_config(self) -> KVOffloadConfig | None:
+        o = self.kv_offload
+        if o is None:
+            return None
+        try:
+            return KVOffloadConfig(cpu_bytes=o.cpu_bytes, disk_path=o.disk_path, disk_bytes=o.disk_bytes)
+        except ConfigError as e:
+            raise ConfigError(f"node {self.name!r}: {e}") from None
 
     @property
     def grpc_address(self) -> str:

@@ -145,6 +145,7 @@ class ResolvedNode:
             cpu_threads=n.cpu_threads,
             lora=self.cluster.lora.to_config() if self.cluster.lora is not None else None,
             speculative=n.speculative.engine_config() if n.speculative is not None else None,
+            kv_offload=n.kv_offload_config(),
             cache=CacheConfig(
                 block_size=n.block_size,
                 kv_cache_memory_bytes=n.kv_cache_memory_bytes,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +83,9 @@ class BlockPool:
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
         self.listener: BlockEventListener | None = None  # set by the node (KV events)
+        # Called with (block_id, block_hash) when a cached block is evicted for reuse, before it
+        # is handed out (the KV offload tier copies it out: pdserve/kvoffload/manager.py).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -143,6 +146,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             blk = self.blocks[block_id]
             if blk.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block_id, blk.block_hash)
                 del self._cached[blk.block_hash]
                 if self.listener is not None:
                     self.listener.block_removed(blk.block_hash)

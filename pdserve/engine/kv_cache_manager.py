@@ -16,9 +16,15 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pdserve.engine.kv_cache_groups import FULL_ATTENTION, KVCacheCoordinator, KVCacheGroupSpec
 from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.kvoffload.manager import KVOffloadManager
+    from pdserve.kvoffload.spec import OffloadHit
 
 
 @dataclass
@@ -54,14 +60,20 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         fence: StepFence | None = None,
+        groups: list[KVCacheGroupSpec] | None = None,
     ) -> None:
         self.block_size = block_size
+        # Every group's geometry and the rounding of hits across them (one block table today:
+        # every group's block size is ``block_size``).
+        self.coordinator = KVCacheCoordinator(groups or [KVCacheGroupSpec(FULL_ATTENTION, (), block_size)])
+        assert set(self.coordinator.group_block_sizes) == {block_size}, self.coordinator.group_block_sizes
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.fence = fence if fence is not None else StepFence()
         self._reqs: dict[str, _ReqState] = {}
         # (seq after which the blocks may be freed, blocks).
         self._deferred: deque[tuple[int, list[KVCacheBlock]]] = deque()
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload: KVOffloadManager | None = None  # the offload tier (set by KVOffloadTier)
 
     # -- queries -------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -114,7 +126,19 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = self.pool.lookup(req.block_hashes[:max_blocks])
         self.pool.record_lookup(max_blocks, len(hits))
+        if len(self.coordinator.managers) > 1:  # the groups share the table: each sees these blocks
+            present = [True] * len(hits)
+            hit = self.coordinator.longest_hit([present] * len(self.coordinator.managers), req.num_tokens - 1)
+            hits = hits[: hit.num_tokens // self.block_size]
         return hits, len(hits) * self.block_size
+
+    def get_offloaded_blocks(self, req: Request, num_device_hit_blocks: int) -> OffloadHit | None:
+        """The offload tier's hit for the blocks after the device hit (pinned: ``commit`` or
+        ``cancel`` it); like a device hit, it leaves at least one token to compute."""
+        if self.offload is None or not self.enable_prefix_caching:
+            return None
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.offload.lookup(req.block_hashes[num_device_hit_blocks:max_blocks])
 
     # -- allocation ----------------------------------------------------------------------
     def allocate_slots(

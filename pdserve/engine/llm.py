@@ -17,6 +17,7 @@ from pdserve.engine.offline import OfflineRequest, PromptType, SampleState, pars
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import EngineStalledError, InvalidRequestError
+from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.lora.offline import LoRARequestLike, lora_config_from_dict, lora_names
 from pdserve.models.resolve import resolve_model_path
 
@@ -41,6 +42,8 @@ class LLM:
         par_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in par_fields}
         if isinstance(kwargs.get("lora"), Mapping):  # LLM(..., lora={"max_loras": 4, "modules": {...}})
             kwargs["lora"] = lora_config_from_dict(kwargs["lora"])
+        if "kv_offload" in kwargs:  # a dict, as the cluster file's section, or a KVOffloadConfig
+            kwargs["kv_offload"] = KVOffloadConfig.coerce(kwargs["kv_offload"])
         self.config = EngineConfig(
             model=str(resolve_model_path(model)),  # a folder, a .gguf file or an HF id
             cache=CacheConfig(**cache_kw),

@@ -43,6 +43,7 @@ from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import ModelExecutor, make_executor
 from pdserve.engine.grammar_compile import GrammarCompileService
+from pdserve.engine.kv_cache_groups import DECLINE_OFFLOAD, groups_of_model
 from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
 from pdserve.engine.kv_sizing import fit_max_model_len
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
@@ -53,6 +54,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
+from pdserve.kvoffload.tier import KVOffloadTier
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.lora.serving import make_lora_serving
 from pdserve.models.loader import load_tokenizer
@@ -119,7 +121,17 @@ class LLMEngine:
             self.cache_sizes.block_size,
             config.cache.enable_prefix_caching,
             self.fence,
+            groups_of_model(
+                [f"model.layers.{i}.self_attn" for i in range(arch.num_hidden_layers)],
+                arch.layer_types,
+                arch.sliding_window,
+                self.cache_sizes.block_size,
+            ),
         )
+        # Evicted blocks kept in host memory / on disk; None: the prefix cache forgets them.
+        self.offload: KVOffloadTier | None = None
+        if config.kv_offload is not None:
+            self.offload = KVOffloadTier(config, self.runner, self.kv)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, on_hold_for_transfer)
         self.lora = make_lora_serving(self.runner, config, self.scheduler)
         self.spec = make_spec_scheduling(config, self.runner, self.max_model_len)
@@ -155,6 +167,7 @@ class LLMEngine:
         self.num_step_seqs_total = 0
         self.num_step_tokens_total = 0
         self.num_step_decode_seqs_total = 0
+        self.num_prefill_tokens_total = 0  # prompt positions computed (not hit in a cache or pulled)
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
             "engine ready: %s on %s/%s, KV cache %d MiB: %d blocks (%d tokens), max_model_len=%d, "
@@ -190,6 +203,9 @@ class LLMEngine:
         runner: ModelExecutor | None = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
+        offload: KVOffloadTier | None = getattr(self, "offload", None)
+        if offload is not None:
+            offload.close()
 
     # -- admission -----------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -442,6 +458,8 @@ class LLMEngine:
 
     def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
         """Launch ``sched``; returns the deltas of whichever step completed meanwhile."""
+        if self.offload is not None:  # copies of evicted / offloaded blocks, ahead of any write
+            self.offload.execute(sched.kv_offload, before_remote_writes=bool(sched.kv_loads))
         if sched.kv_loads:
             # Their blocks are allocated and counted as written by a transfer (deferred frees), so
             # the pulls start now rather than after this step: a decode step (a few ms under load)
@@ -474,6 +492,10 @@ class LLMEngine:
         # chunk holds >= 1 token, so tokens == chunks means all of them: no loop in a decode step.
         self.num_step_decode_seqs_total += (
             n if ntok == n else sum(1 for c in sched.chunks if c.num_tokens == 1)
+        )
+        self.num_prefill_tokens_total += sum(
+            max(0, min(c.start_pos + c.num_tokens, c.request.num_prompt_tokens) - c.start_pos)
+            for c in sched.chunks
         )
         if not self.async_scheduling:
             return self._complete(sched, pending)
@@ -541,5 +563,12 @@ class LLMEngine:
         return self.output_processor.final_delta(req)
 
     # -- introspection ----------------------------------------------------------------------------
+    def declined_prefix_tokens(self) -> dict[str, int]:
+        """pdserve:prefix_cache_declined_tokens_total by reason (kv_cache_groups.DECLINE_REASONS)."""
+        out = dict(self.kv.coordinator.declined_tokens)
+        if self.offload is not None:
+            out[DECLINE_OFFLOAD] += self.offload.manager.num_declined_tokens
+        return out
+
     def num_used_blocks(self) -> int:
         return self.kv.pool.num_used_blocks

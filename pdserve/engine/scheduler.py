@@ -136,6 +136,8 @@ class Scheduler:
         out = SchedulerOutput(step_seq=self._step_seq)
         out.finished_req_ids, self._finished_since_last_step = self._finished_since_last_step, []
         self.kv.process_deferred_frees()
+        if self.kv.offload is not None:
+            self.kv.offload.begin_step(self.kv.fence.completed_seq)
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
         stop_trying = False
@@ -194,6 +196,8 @@ class Scheduler:
             if c.sample:
                 req.num_output_placeholders += 1
             mark_written(req.request_id, seq)
+        if self.kv.offload is not None:
+            out.kv_offload = self.kv.offload.take_spec(seq)
         return out
 
     def _chunk(self, req: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
@@ -283,16 +287,34 @@ class Scheduler:
                 continue
             hit_blocks: list[KVCacheBlock] = []
             num_hit = 0
+            off = None
             # A prefix hit has no logits: prompt logprobs need every prompt position computed.
             if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit
+                # Blocks past the device hit that the offload tier holds: loaded into new blocks
+                # (looked up only when the rest of the prompt fits: a request that waits for
+                # memory would read and pin them again every step).
+                if self.kv.pool.num_free_blocks >= self.kv.num_blocks_needed(req.num_tokens) - len(
+                    hit_blocks
+                ):
+                    off = self.kv.get_offloaded_blocks(req, len(hit_blocks))
+            num_off = off.num_tokens if off is not None else 0
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_off
             if num_new > budget:
                 if not cfg.enable_chunked_prefill:
+                    if off is not None:
+                        self.kv.offload.cancel(off)  # type: ignore[union-attr]
                     break
                 num_new = budget
-            if self.kv.allocate_slots(req, num_new, hit_blocks, num_hit) is None:
+            if self.kv.allocate_slots(req, num_off + num_new, hit_blocks, num_hit) is None:
+                if off is not None:
+                    self.kv.offload.cancel(off)  # type: ignore[union-attr]
                 break
+            if off is not None:
+                first = len(hit_blocks)
+                ids = self.kv.block_ids_view(req.request_id)[first : first + len(off.slots)]
+                self.kv.offload.commit(off, ids, out.step_seq)  # type: ignore[union-attr]
+                num_hit += num_off
             self.waiting.pop(0)
             if req.num_preemptions == 0 or req.num_cached_tokens == 0:
                 req.num_cached_tokens = max(req.num_cached_tokens, num_hit)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
+from pdserve.kvoffload.spec import KVOffloadSpec
 from pdserve.kvtransfer.params import KVLoadSpec
 
 
@@ -33,6 +34,8 @@ class SchedulerOutput:
         default_factory=list
     )  # finished since the last step: drop runner state
     kv_loads: list[KVLoadSpec] = field(default_factory=list)  # remote KV pulls to start (decode side)
+    # KV offload tier: evicted blocks to copy out and offloaded blocks to load, before the forward
+    kv_offload: KVOffloadSpec | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -486,6 +486,20 @@ def _decode_attention(
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)  # [B, H, D]
 
 
+def attend_cached_window(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int
+) -> torch.Tensor:
+    """``attend_cached`` of a sliding-window layer: a query at position p sees keys at positions
+    (p - window, p] (transformers' ``sliding_window_overlay``). Torch path only."""
+    if meta.backend != "torch":
+        raise UnsupportedError(
+            f"sliding-window attention has no {meta.backend} kernel; use the torch backend "
+            "(pdserve.kernels.set_backend('torch'))"
+        )
+    key, value, _ = _gather_context(kv_cache, meta)
+    return _padded_attention(q, key, value, meta.query_lens_cpu, meta.seq_lens_cpu, scale, window)
+
+
 def _padded_attention(
     q: torch.Tensor,
     key: torch.Tensor,
@@ -493,11 +507,13 @@ def _padded_attention(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several requests' query runs, padded to the longest.
 
     q: [sum(query_lens), H, D] request after request; key, value: [B, Hkv, max_seq, D].
-    Query i of request r sits at absolute position seq_len_r - q_len_r + i.
+    Query i of request r sits at absolute position seq_len_r - q_len_r + i; with ``window`` it
+    sees only the keys of the last ``window`` positions up to its own.
     """
     num_tokens, num_heads, head_dim = q.shape
     batch, num_kv_heads, max_seq, _ = key.shape
@@ -513,6 +529,8 @@ def _padded_attention(
     # Padded query rows continue past seq_len_r; they see >= 1 key, so never give NaN, and are dropped.
     q_abs = (torch.tensor(seq_lens, device=device) - qlens_t)[:, None] + torch.arange(max_q, device=device)
     mask = torch.arange(max_seq, device=device)[None, None, :] <= q_abs[:, :, None]  # [B, max_q, max_seq]
+    if window is not None:
+        mask &= torch.arange(max_seq, device=device)[None, None, :] > q_abs[:, :, None] - window
     out = F.scaled_dot_product_attention(
         q_padded.transpose(1, 2),  # [B, H, max_q, D]
         key,

@@ -104,6 +104,13 @@ class ModelArchConfig:
     # Multimodal checkpoints (LLaVA): the top-level config.json without its text_config (the
     # decoder fields above come from text_config). None for text-only models.
     mm_config: dict[str, Any] | None = None
+    # Hybrid attention (Gemma-3 text): each layer's type ("full_attention" | "sliding_attention"),
+    # the window of the sliding ones, their RoPE, and Gemma's query scale and logit soft cap.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local: RopeConfig | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def architecture(self) -> str:
@@ -117,8 +124,11 @@ class ModelArchConfig:
             return hf[key]
 
         layer_types = hf.get("layer_types") or []
-        if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
-            raise UnsupportedError("sliding-window attention is not supported; set use_sliding_window=false")
+        hybrid = hybrid_fields(hf) if hf.get("model_type") == "gemma3_text" else {}
+        if not hybrid and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
+            raise UnsupportedError(
+                "sliding-window attention is supported for Gemma-3 text models only; set use_sliding_window=false"
+            )
         num_heads = int(need("num_attention_heads"))
         generation = generation or {}
         eos: list[int] = []
@@ -140,7 +150,7 @@ class ModelArchConfig:
             num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or need("hidden_size") // num_heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf(hf),
+            rope=hybrid.pop("rope", None) or RopeConfig.from_hf(hf),
             max_position_embeddings=int(need("max_position_embeddings")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias") or False),
@@ -148,6 +158,7 @@ class ModelArchConfig:
             eos_token_ids=tuple(eos),
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            **hybrid,
         )
 
     @classmethod
@@ -166,6 +177,39 @@ class ModelArchConfig:
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         cfg = cls.from_hf(hf, generation)
         return cfg if mm is None else dataclasses.replace(cfg, mm_config=mm)
+
+
+def hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma-3 text config's per-layer attention types, window, the two RoPEs (v5
+    ``rope_parameters`` per layer type, or v4 ``rope_theta`` + ``rope_local_base_freq``)."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise UnsupportedError("attn_logit_softcapping is not supported (Gemma-3 sets none)")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedError("use_bidirectional_attention is not supported")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedError(f"hidden_activation {hf.get('hidden_activation')!r} is not supported")
+    n = int(hf["num_hidden_layers"])
+    layer_types = tuple(hf.get("layer_types") or ())
+    if len(layer_types) != n or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ConfigError(
+            f"layer_types {list(layer_types)} must name full_attention or sliding_attention for {n} layers"
+        )
+    params = hf.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        rope = RopeConfig.from_hf({**hf, "rope_parameters": params["full_attention"]})
+        local = RopeConfig.from_hf({**hf, "rope_parameters": params["sliding_attention"]})
+    else:
+        rope = RopeConfig.from_hf(hf)
+        local = RopeConfig("default", float(hf.get("rope_local_base_freq", 10000.0)))
+    softcap = hf.get("final_logit_softcapping")
+    return {
+        "layer_types": layer_types,
+        "sliding_window": int(hf["sliding_window"]),
+        "rope": rope,
+        "rope_local": local,
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or hf["head_dim"]),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+    }
 
 
 # generation_config.json keys a request inherits when it leaves them unset (vLLM's

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "llava")
+ARCHS = ("llama", "qwen2", "qwen3", "llava", "gemma3")
+# The tiny Gemma-3: sliding-window layers (this window) interleaved with full-attention ones.
+TINY_SLIDING_WINDOW = 32
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
 IMAGE_TOKEN = "<image>"  # LLaVA's placeholder; one per image patch in the prompt
@@ -62,7 +64,7 @@ def _train_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()):  # -
 
 
 def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfig
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     # No pad_token_id: transformers would zero that embedding row (padding_idx), and pad = eos here.
     common = dict(
@@ -72,6 +74,15 @@ def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfi
         return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
     if arch == "llava":  # the decoder of the tiny LLaVA; make_tiny_model wraps it
         return LlamaConfig(**common)
+    if arch == "gemma3":
+        n = kw["num_hidden_layers"]
+        return Gemma3TextConfig(
+            architectures=["Gemma3ForCausalLM"],
+            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(n)],
+            sliding_window=TINY_SLIDING_WINDOW,
+            query_pre_attn_scalar=kw["head_dim"],
+            **common,
+        )
     if arch == "qwen2":
         return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
     return Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)

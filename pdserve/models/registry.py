@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.errors import UnsupportedError
+from pdserve.models.gemma3 import Gemma3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.llava import LlavaForConditionalGeneration
 from pdserve.models.qwen2 import Qwen2ForCausalLM
@@ -15,6 +16,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -1,0 +1,168 @@
+"""KV cache groups: layers that keep KV in the same shape and by the same rule. No torch.
+
+A group is a set of layers with one block size and one rule for which of a request's blocks it
+still needs (vLLM's hybrid allocator's vocabulary):
+
+    kind             blocks a request needs                 a prefix hit of L tokens is usable if
+    ---------------  -------------------------------------  ------------------------------------------
+    full_attention   all of [0, L)                          every block of [0, L) is cached
+    sliding_window   those the window still sees:           the blocks holding positions
+                     [num_computed - W + 1, num_computed)   [L - W + 1, L) are cached (older ones
+                                                            may be gone)
+
+A hit must end on a block boundary of every group (no group resumes inside a block it does not
+hold), so it is rounded down to a multiple of every group's block size; every token a group's
+lookup offered that the rounding or another group declined is counted by reason
+(``declined_tokens``; the node exports ``pdserve:prefix_cache_declined_tokens_total{reason}``).
+
+``KVCacheCoordinator`` owns every group's geometry (``group_block_sizes``): no other module
+computes a group's block size. Whether a group's blocks are positionally stable (block i always
+holds positions [i * bs, (i + 1) * bs) for as long as the request holds it) is its manager's
+property. Recurrent / convolutional state groups (one state per request) are not built.
+
+The engine today runs every layer on one block table of one block size (a sliding-window layer
+keeps its whole sequence and reads the window of it), so its coordinator's groups share blocks
+and the rounding only ever declines for the block size; the per-group rules here are what a
+block table per group will use, and are tested on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.errors import ConfigError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+
+# Reasons a looked-up hit is (partly) not used: pdserve:prefix_cache_declined_tokens_total{reason}
+DECLINE_ALIGNMENT = "block_alignment"  # the hit is not on every group's block boundary
+DECLINE_GROUP_MISS = "group_miss"  # another full-attention group's run of cached blocks is shorter
+DECLINE_WINDOW = "window_blocks_missing"  # a sliding-window group lacks blocks its window needs
+DECLINE_OFFLOAD = "offload_unreadable"  # an offload-tier block was corrupt or found no host slot
+DECLINE_REASONS = (DECLINE_ALIGNMENT, DECLINE_GROUP_MISS, DECLINE_WINDOW, DECLINE_OFFLOAD)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    kind: str  # FULL_ATTENTION | SLIDING_WINDOW
+    layer_names: tuple[str, ...]
+    block_size: int
+    sliding_window: int | None = None  # tokens, for SLIDING_WINDOW
+
+    def __post_init__(self) -> None:
+        assert self.kind in (FULL_ATTENTION, SLIDING_WINDOW), self.kind
+        assert (self.kind == SLIDING_WINDOW) == (self.sliding_window is not None), self
+        if self.block_size <= 0:
+            raise ConfigError(f"a KV group's block_size must be > 0, got {self.block_size}")
+
+
+class GroupManager:
+    """One group's rules. Full attention: every block is needed, and stays where it is."""
+
+    positionally_stable = True
+
+    def __init__(self, spec: KVCacheGroupSpec) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Blocks before this index are no longer read (they may be freed)."""
+        return 0
+
+    def usable(self, num_tokens: int, cached: Sequence[bool]) -> bool:
+        """Whether a hit of ``num_tokens`` (a multiple of the block size) can resume here, given
+        which of the group's blocks are cached (``cached[i]``: block i)."""
+        n = num_tokens // self.block_size
+        return len(cached) >= n and all(cached[i] for i in range(self.first_needed_block(num_tokens), n))
+
+
+class SlidingWindowManager(GroupManager):
+    """Only the blocks the window still sees are needed; older ones may be freed, so a block
+    index no longer says which positions the request still holds."""
+
+    positionally_stable = False
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        window = self.spec.sliding_window
+        assert window is not None
+        return max(0, num_computed_tokens - window + 1) // self.block_size
+
+
+def make_group_manager(spec: KVCacheGroupSpec) -> GroupManager:
+    return SlidingWindowManager(spec) if spec.kind == SLIDING_WINDOW else GroupManager(spec)
+
+
+@dataclass
+class PrefixHit:
+    num_tokens: int  # usable by every group
+    offered_tokens: int  # what the longest group lookup offered before rounding and declines
+
+
+class KVCacheCoordinator:
+    """Every group's geometry, the rounding of a prefix hit across groups, the decline counters."""
+
+    def __init__(self, specs: Sequence[KVCacheGroupSpec]) -> None:
+        assert specs, "a model has at least one KV group"
+        self.managers = [make_group_manager(s) for s in specs]
+        self.declined_tokens = dict.fromkeys(DECLINE_REASONS, 0)
+
+    @property
+    def group_block_sizes(self) -> tuple[int, ...]:
+        return tuple(m.block_size for m in self.managers)
+
+    @property
+    def alignment(self) -> int:
+        """Tokens every group's blocks end on: the least common multiple of the block sizes."""
+        return math.lcm(*self.group_block_sizes)
+
+    def decline(self, reason: str, num_tokens: int) -> None:
+        assert reason in self.declined_tokens, reason
+        if num_tokens > 0:
+            self.declined_tokens[reason] += num_tokens
+
+    def longest_hit(self, cached: Sequence[Sequence[bool]], max_tokens: int) -> PrefixHit:
+        """The longest prefix every group can resume from. ``cached[g][i]``: whether group g's
+        block i is cached; ``max_tokens``: the most a hit may cover (one token is left to compute).
+
+        Full-attention groups bound the hit by their runs of cached blocks from the start; the
+        bound is rounded down to every group's block boundary, then lowered one alignment step
+        at a time until each sliding-window group holds the blocks its window needs."""
+        assert len(cached) == len(self.managers)
+        runs = []
+        for m, c in zip(self.managers, cached, strict=True):
+            run = 0
+            while run < len(c) and c[run]:
+                run += 1
+            if m.spec.kind == FULL_ATTENTION:
+                runs.append(min(run * m.block_size, max_tokens))
+        offered = max(runs) if runs else max_tokens
+        bound = min(runs) if runs else max_tokens
+        self.decline(DECLINE_GROUP_MISS, offered - bound)
+        step = self.alignment
+        aligned = bound // step * step
+        self.decline(DECLINE_ALIGNMENT, bound - aligned)
+        length = aligned
+        while length > 0 and not all(m.usable(length, c) for m, c in zip(self.managers, cached, strict=True)):
+            length -= step
+        self.decline(DECLINE_WINDOW, aligned - length)
+        return PrefixHit(length, offered)
+
+
+def groups_of_model(
+    layer_names: Sequence[str], layer_types: Sequence[str], sliding_window: int | None, block_size: int
+) -> list[KVCacheGroupSpec]:
+    """The KV groups of a model's layers (one group for a model without ``layer_types``)."""
+    if not layer_types:
+        return [KVCacheGroupSpec(FULL_ATTENTION, tuple(layer_names), block_size)]
+    assert len(layer_types) == len(layer_names), (layer_types, layer_names)
+    full = tuple(n for n, t in zip(layer_names, layer_types, strict=True) if t == "full_attention")
+    sliding = tuple(n for n, t in zip(layer_names, layer_types, strict=True) if t == "sliding_attention")
+    out = []
+    if full:
+        out.append(KVCacheGroupSpec(FULL_ATTENTION, full, block_size))
+    if sliding:
+        out.append(KVCacheGroupSpec(SLIDING_WINDOW, sliding, block_size, sliding_window))
+    return out
