@@ -107,3 +107,28 @@ def test_corrupt_disk_file_is_a_counted_miss(tiny_models, make_llm, tmp_path) ->
     assert eng.declined_prefix_tokens()["offload_unreadable"] == 13 * BLOCK
     assert prefilled == len(prompt)
     _check_answer(model_dir, prompt, got)
+
+
+def test_full_tiers_evict_and_never_fail_a_request(tiny_models, make_llm, tmp_path) -> None:
+    """A host tier of 3 blocks above a disk tier of 4: both evict all the time; every request
+    still completes with transformers' answer."""
+    model_dir = tiny_models["llama"]
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # tiny llama, fp32
+    llm = make_llm(
+        model_dir,
+        block_size=BLOCK,
+        num_blocks_override=DEVICE_BLOCKS,
+        kv_offload={
+            "cpu_bytes": 3 * block_bytes,
+            "disk_path": str(tmp_path),
+            "disk_bytes": 4 * (block_bytes + 48),
+        },
+    )
+    eng = llm.engine
+    assert eng.offload is not None
+    prompt, got, prefilled = _conversation(llm, eng.arch.vocab_size)
+    mgr = eng.offload.manager
+    assert mgr.num_stored_blocks > 10 and mgr.host.used_bytes <= 3 * block_bytes
+    assert mgr.disk is not None and mgr.disk.used_bytes <= 4 * (block_bytes + 48)
+    assert prefilled == len(prompt) - sum(mgr.hit_tokens.values())
+    _check_answer(model_dir, prompt, got)
