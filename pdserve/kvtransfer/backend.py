@@ -19,6 +19,16 @@ from typing import ClassVar
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.regions import MAX_DESCRIPTORS_PER_BATCH, Descriptor, split_batches
 
+# Descriptors one process has in flight, at most: WRITE_SLOTS batches of WRITE_BATCH_DESCRIPTORS.
+# Measured on loopback TCP (mooncake-transfer-engine-non-cuda 0.3.13): writers of several
+# processes with about 2,048 descriptors in flight into one peer together all succeed; 3,072
+# made some batches fail with -1, 16,384 made all fail. Head-slice pushes between TP sizes
+# (kvtransfer/head_slices.py) carry 2 * block_size descriptors per block and layer, so the cap
+# matters there; whole-block pushes rarely have more than a few descriptors.
+WRITE_BATCH_DESCRIPTORS = 256
+WRITE_SLOTS_PER_PROCESS = 2
+_WRITE_SLOTS = threading.BoundedSemaphore(WRITE_SLOTS_PER_PROCESS)
+
 
 class TransferError(PdserveError):
     """A transfer-engine call failed; names the peer, the transfer, the operation and the code.
@@ -185,9 +195,10 @@ class MooncakeBackend(TransferBackend):
                 None,
                 f"source {bad[0]:#x}+{bad[1]} is not registered memory",
             )
-        for batch in split_batches(descs, MAX_DESCRIPTORS_PER_BATCH):
+        for batch in split_batches(descs, WRITE_BATCH_DESCRIPTORS):
             srcs, dsts, lens = (list(col) for col in zip(*batch, strict=True))
-            code = engine.batch_transfer_sync_write(peer_session, srcs, dsts, lens)
+            with _WRITE_SLOTS:
+                code = engine.batch_transfer_sync_write(peer_session, srcs, dsts, lens)
             if code < 0:
                 raise TransferError(
                     peer_session,
