@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import loadavg, log, pct
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config.kv_offload import KVOffloadConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.models.make_model import make_tiny_model
 
 BLOCK = 16

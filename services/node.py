@@ -17,12 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdserve import tracing
 from pdserve.config.choices import Role
 from pdserve.config.node_spec import NodeSpec
-from pdserve.distributed.pp_stage import PipelineRunner, StageEndpoint
+from pdserve.distributed.pp_stage import KVWorkers, PipelineRunner, StageEndpoint
 from pdserve.distributed.workers import WorkerError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tensor_parallel import TPModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvevents.publisher import KVEventPublisher, start_publisher
 from pdserve.kvoffload.metrics import kv_offload_metrics
@@ -31,9 +30,9 @@ from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
+from pdserve.kvtransfer.speculative_compat import spec_wire
 from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
-from pdserve.spec_decode.compat import spec_wire
 from pdserve.spec_decode.metrics import spec_decode_metrics
 from services.engine_watchdog import EngineWatchdog
 from services.lora_rpc import lora_metric_families
@@ -63,25 +62,20 @@ class NodeBase:
                 opts.name, opts.kv_transport, opts.host, opts.kv_host, opts.allow_unauthenticated_kv_ports
             )
         pp = opts.engine.parallel.pipeline_parallel_size
-        if pp > 1 and opts.role.moves_kv:
-            # Every stage process opens its own endpoint (pp_stage.start_kv_endpoints); only the
-            # Mooncake transports are wired and tested for that.
+        tp = opts.engine.parallel.tensor_parallel_size
+        if (pp > 1 or tp > 1) and opts.role.moves_kv:
+            # Every stage / TP rank process opens its own endpoint (KVWorkers.start_kv_endpoints);
+            # only the Mooncake transports are wired and tested for that.
             if not opts.kv_transport.is_mooncake:
                 raise ConfigError(
-                    f"kv_transport '{opts.kv_transport}' with pp={pp} on a {opts.role} node is not "
-                    "supported; use kv_transport 'tcp' or 'rdma' (or pp: 1)"
+                    f"kv_transport '{opts.kv_transport}' with pp={pp}, tp={tp} on a {opts.role} node "
+                    "is not supported; use kv_transport 'tcp' or 'rdma' (or pp: 1 and tp: 1)"
                 )
             if opts.kv_checksum:
                 raise ConfigError(
-                    f"kv_checksum with pp={pp} on a {opts.role} node is not supported (the digest "
-                    "covers one stage's KV); set kv_checksum: false or pp: 1"
+                    f"kv_checksum with pp={pp}, tp={tp} on a {opts.role} node is not supported (the "
+                    "digest covers one stage's and rank's KV); set kv_checksum: false or pp: 1, tp: 1"
                 )
-        tp = opts.engine.parallel.tensor_parallel_size
-        if tp > 1 and opts.role in ("prefill", "decode"):
-            raise ConfigError(
-                f"tp={tp} on {opts.role} node {opts.name}: TP with KV transfer is not supported yet "
-                "(docs/architecture.md, Tensor parallelism); use tp: 1 on prefill and decode nodes"
-            )
         if opts.frontend_port is not None:
             if opts.role is Role.PREFILL:
                 raise ConfigError(
@@ -109,21 +103,23 @@ class NodeBase:
         self.handshake = handshake_info_of(
             runner, opts.engine.model, self.epoch, opts.kv_transport, spec_wire(opts.engine.speculative)
         )
-        # The node's pipeline stages (one when pp = 1): each its layers, session, regions.
+        # The node's KV endpoints, one per pipeline stage or TP rank (one when pp = tp = 1): each
+        # its layers, KV heads, session, regions.
         ranges = (
             runner.ranges if isinstance(runner, PipelineRunner) else [(0, self.engine.arch.num_hidden_layers)]
         )
         session = self.backend.session_id if self.backend is not None else ""
         self.stages: list[StageEndpoint] = [
-            StageEndpoint(0, len(ranges), ranges[0][0], ranges[0][1], session, tuple(self.regions))
+            StageEndpoint(
+                0, len(ranges), ranges[0][0], ranges[0][1], session, tuple(self.regions), tp_size=tp
+            )
         ]
-        if isinstance(runner, PipelineRunner):
-            if self.backend is not None:
-                self.stages += runner.start_kv_endpoints(opts.kv_transport, opts.kv_host)
-            else:
-                self.stages += [
-                    StageEndpoint(i, len(ranges), lo, hi, "", ()) for i, (lo, hi) in enumerate(ranges)
-                ][1:]
+        if isinstance(runner, KVWorkers) and self.backend is not None:
+            self.stages += runner.start_kv_endpoints(opts.kv_transport, opts.kv_host)
+        elif isinstance(runner, PipelineRunner):
+            self.stages += [
+                StageEndpoint(i, len(ranges), lo, hi, "", ()) for i, (lo, hi) in enumerate(ranges)
+            ][1:]
         self.exit_code = 0  # non-zero: the node stopped because a part of it failed
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_on_stop = False  # SIGTERM / SIGINT drain; request_stop() stops at once
@@ -201,14 +197,15 @@ class NodeBase:
         """Prefill: KV holds released by an abort (their request had already finished here)."""
         return 0
 
-    def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
-        """(bytes, failures, transfers) of one stage's endpoint."""
+    def stage_transfer_counters(self, index: int) -> tuple[int, int, int]:
+        """(bytes, failures, transfers) of endpoint ``self.stages[index]``."""
         return (0, 0, 0)
 
     def stage_info(self, pb: Any, st: StageEndpoint) -> Any:
         return pb.StageInfo(
             pp_rank=st.pp_rank,
-            tp_rank=0,  # TP with KV transfer is refused at start (LLMEngine): one rank per stage
+            tp_rank=st.tp_rank,
+            tp_size=st.tp_size,
             pp_size=st.pp_size,
             layer_start=st.layer_start,
             layer_end=st.layer_end,
@@ -219,8 +216,8 @@ class NodeBase:
         used = self.engine.kv.pool.num_used_blocks
         held, stranded = self.held_transfer_blocks(), self.stranded_kv_blocks()
         out = []
-        for st in self.stages:
-            nbytes, failures, transfers = self.stage_transfer_counters(st.pp_rank)
+        for i, st in enumerate(self.stages):
+            nbytes, failures, transfers = self.stage_transfer_counters(i)
             out.append(
                 pb.StageLoad(
                     stage=self.stage_info(pb, st),
@@ -303,7 +300,7 @@ class NodeBase:
         engine_watch = asyncio.create_task(self.engine_watchdog.run())
         mem_tasks = start_memwatch()
         watchdog = None
-        if isinstance(self.engine.runner, (PipelineRunner, TPModelRunner)):
+        if isinstance(self.engine.runner, KVWorkers):
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
         await stop.wait()
         engine_watch.cancel()
@@ -360,7 +357,7 @@ class NodeBase:
         assert self.loop is not None
         self.loop.call_later(ENGINE_DEATH_LINGER_S, self._stop_event.set)
 
-    async def _watch_stages(self, runner: PipelineRunner | TPModelRunner, health_servicer: Any) -> None:
+    async def _watch_stages(self, runner: KVWorkers, health_servicer: Any) -> None:
         """A node is healthy only while every stage / TP rank process is (docs/design.md §7): a dead one turns
         health NOT_SERVING, fails every in-flight request with the reason, and stops the node
         with exit code 1 (a prefill's held KV is then freed by the peer's lease on decode)."""
@@ -562,9 +559,9 @@ class _NodeCollector:
                 "shared token, too many waiting for their hello",
                 n.frontend.refused_total,
             )
-        # Per pipeline stage. One block table per node: used / held / stranded are the
-        # node's numbers on every stage; bytes and failures are each stage endpoint's own.
-        slabels = [*labels, "stage"]
+        # Per pipeline stage and TP rank. One block table per node: used / held / stranded are
+        # the node's numbers on every stage; bytes and failures are each endpoint's own.
+        slabels = [*labels, "stage", "tp_rank"]
         used, held, stranded = pool.num_used_blocks, n.held_transfer_blocks(), n.stranded_kv_blocks()
         families = {
             "stage_kv_blocks_used": (GaugeMetricFamily, "KV blocks in use, per pipeline stage"),
@@ -574,9 +571,9 @@ class _NodeCollector:
             "stage_kv_transfer_failures": (CounterMetricFamily, "KV transfers of this stage that failed"),
         }
         fams = {k: cls(f"pdserve:{k}", doc, labels=slabels) for k, (cls, doc) in families.items()}
-        for st in n.stages:
-            sv = [*lv, str(st.pp_rank)]
-            nbytes, failures, _ = n.stage_transfer_counters(st.pp_rank)
+        for i, st in enumerate(n.stages):
+            sv = [*lv, str(st.pp_rank), str(st.tp_rank)]
+            nbytes, failures, _ = n.stage_transfer_counters(i)
             fams["stage_kv_blocks_used"].add_metric(sv, used)
             fams["stage_kv_blocks_held_for_transfer"].add_metric(sv, held)
             fams["stage_stranded_kv_blocks"].add_metric(sv, stranded)

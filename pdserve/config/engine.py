@@ -9,10 +9,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.config.kv_offload import KVOffloadConfig
+from pdserve.config.lora import LoRAConfig
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.errors import ConfigError
-from pdserve.kvoffload.config import KVOffloadConfig
-from pdserve.lora.config import LoRAConfig
-from pdserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from pdserve.config.frozen import _Frozen
-from pdserve.lora.config import LoRAConfig
+from pdserve.config.lora import LoRAConfig
 
 
 class LoRASettings(_Frozen):

@@ -15,9 +15,9 @@ from pydantic import Field, field_validator, model_validator
 
 from pdserve.config.choices import Dtype, EcRole, KvLoadFailurePolicy, KvRole, KvTransport, Role
 from pdserve.config.frozen import _Frozen
+from pdserve.config.kv_offload import KVOffloadConfig
+from pdserve.config.speculative_settings import SpeculativeSettings
 from pdserve.errors import ConfigError
-from pdserve.kvoffload.config import KVOffloadConfig
-from pdserve.spec_decode.settings import SpeculativeSettings
 
 # The KV role each service type holds (docs/design.md §1). An explicit kv_role must equal it: a prefill
 # node that consumes KV is a contradiction, not a preference.
@@ -126,7 +126,7 @@ class NodeConfig(_Frozen):
     # the usable cores on a CPU device, torch's default elsewhere
     cpu_threads: int | None = Field(default=None, ge=1)
     # Speculative decoding on this node (decode / colocated): {method: ngram, num_speculative_tokens,
-    # prompt_lookup_min, prompt_lookup_max}; None: off (pdserve/spec_decode/settings.py)
+    # prompt_lookup_min, prompt_lookup_max}; None: off (pdserve/config/speculative_settings.py)
     speculative: SpeculativeSettings | None = None
     # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).

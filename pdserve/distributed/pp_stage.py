@@ -25,6 +25,11 @@ separate from the command pipe the engine thread owns) carries a ``WriteKV`` to 
 stage process. ``StageWriteBackend`` is that pipe seen as a ``TransferBackend``, so one
 ``KVProducer`` per stage works unchanged.
 
+TP ranks take the same path: ``KVWorkers`` is the part of both runners the node uses for KV
+transfer (every worker process, a stage or a TP rank, registers its own KV and writes on
+command), so a prefill node has one ``KVProducer`` per (stage, TP rank) and a decode node one
+endpoint per (stage, TP rank); TP and PP on one node together stay refused (``ParallelConfig``).
+
 ``PipelineRunner`` is the interface the node uses; the engine implements it
 (``pdserve.engine.pipeline``, with the stage links' send/recv in ``pdserve.engine.workers``),
 which keeps this package free of engine and model imports.
@@ -38,9 +43,11 @@ from dataclasses import dataclass
 
 from pdserve.distributed.workers import PipelineStageError
 from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.head_slices import HeadGather
 from pdserve.kvtransfer.regions import Descriptor, Region
 
 __all__ = [
+    "KVWorkers",
     "PipelineRunner",
     "PipelineStageError",
     "StageEndpoint",
@@ -52,7 +59,9 @@ STAGE_WRITE_TIMEOUT_S = 120.0  # one write a stage process runs for the node's P
 
 @dataclass(frozen=True)
 class StageEndpoint:
-    """One stage's KV transfer endpoint: its layers, its engine's session, its KV regions."""
+    """One stage's (one TP rank's) KV transfer endpoint: its layers, its KV heads, its engine's
+    session, its KV regions. ``worker``: the node's worker process that holds it (0: the node's
+    own process; a pipeline stage's or TP rank's index otherwise)."""
 
     pp_rank: int
     pp_size: int
@@ -60,9 +69,42 @@ class StageEndpoint:
     layer_end: int
     session: str
     regions: tuple[Region, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+    worker: int = 0
 
 
-class PipelineRunner(abc.ABC):
+class KVWorkers(abc.ABC):
+    """The worker processes of an engine (pipeline stages or TP ranks 1..N-1) as KV endpoints."""
+
+    @abc.abstractmethod
+    def start_kv_endpoints(self, kv_transport: str, kv_host: str) -> list[StageEndpoint]:
+        """Workers 1..N-1 open their own transfer engine and register their KV cache (after
+        ``init_kv_cache``, before the engine thread starts); returns their endpoints."""
+
+    @abc.abstractmethod
+    def stage_write(
+        self,
+        rank: int,
+        peer_session: str,
+        descs: Sequence[Descriptor],
+        transfer_id: str,
+        gather: HeadGather | None = None,
+    ) -> None:
+        """Worker ``rank`` (>= 1) writes ``descs`` (its own memory -> the peer's) with its engine;
+        with ``gather``, from those heads packed first (``descs`` relative to the pack).
+        Raises TransferError if the write failed, the group's WorkerError if the worker is gone."""
+
+    @abc.abstractmethod
+    def check_alive(self) -> None:
+        """Raise the group's WorkerError naming a worker process that is gone."""
+
+    @abc.abstractmethod
+    def stage_pids(self) -> list[int]:
+        """The process ids of workers 1..N-1."""
+
+
+class PipelineRunner(KVWorkers):
     """The engine's runner when ``pipeline_parallel_size`` > 1, as the node uses it."""
 
     ranges: list[tuple[int, int]]  # every stage's [start, end) layers
@@ -71,32 +113,12 @@ class PipelineRunner(abc.ABC):
     def num_stages(self) -> int:
         return len(self.ranges)
 
-    @abc.abstractmethod
-    def start_kv_endpoints(self, kv_transport: str, kv_host: str) -> list[StageEndpoint]:
-        """Stages 1..N-1 open their own transfer engine and register their KV cache (after
-        ``init_kv_cache``, before the engine thread starts); returns their endpoints."""
-
-    @abc.abstractmethod
-    def stage_write(
-        self, rank: int, peer_session: str, descs: Sequence[Descriptor], transfer_id: str
-    ) -> None:
-        """Stage ``rank`` (>= 1) writes ``descs`` (its own memory -> the peer's) with its engine.
-        Raises TransferError if the write failed, PipelineStageError if the stage is gone."""
-
-    @abc.abstractmethod
-    def check_alive(self) -> None:
-        """Raise PipelineStageError naming a stage process that is gone."""
-
-    @abc.abstractmethod
-    def stage_pids(self) -> list[int]:
-        """The process ids of stages 1..N-1."""
-
 
 class StageWriteBackend(TransferBackend):
-    """Stage ``rank``'s transfer engine as seen from the node's process: writes go through the
-    transfer pipe (``PipelineRunner.stage_write``); memory is registered in the stage process."""
+    """A worker's (stage's or TP rank's) transfer engine as seen from the node's process: writes
+    go through the transfer pipe (``KVWorkers.stage_write``); memory is registered in the worker."""
 
-    def __init__(self, runner: PipelineRunner, endpoint: StageEndpoint) -> None:
+    def __init__(self, runner: KVWorkers, endpoint: StageEndpoint) -> None:
         self._runner = runner
         self._endpoint = endpoint
 
@@ -111,7 +133,12 @@ class StageWriteBackend(TransferBackend):
         raise NotImplementedError("a stage's KV is registered in its own process")
 
     def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
-        self._runner.stage_write(self._endpoint.pp_rank, peer_session, descs, transfer_id)
+        self._runner.stage_write(self._endpoint.worker, peer_session, descs, transfer_id)
+
+    def write_gathered(
+        self, peer_session: str, gather: HeadGather, descs: Sequence[Descriptor], *, transfer_id: str
+    ) -> None:
+        self._runner.stage_write(self._endpoint.worker, peer_session, descs, transfer_id, gather)
 
     def close(self) -> None:
         pass  # the stage process closes its engine when it exits

@@ -134,6 +134,11 @@ class WorkerGroup:
     def ranks(self) -> range:
         return range(1, len(self._procs) + 1)
 
+    @property
+    def world(self) -> int:
+        """Workers and this process: the group's size."""
+        return len(self._procs) + 1
+
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 

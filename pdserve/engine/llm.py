@@ -11,13 +11,13 @@ from types import TracebackType
 from typing import Any
 
 from pdserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.config.kv_offload import KVOffloadConfig
 from pdserve.engine.chat_template import render_chat
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.offline import OfflineRequest, PromptType, SampleState, parse_prompts
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import EngineStalledError, InvalidRequestError
-from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.lora.offline import LoRARequestLike, lora_config_from_dict, lora_names
 from pdserve.models.resolve import resolve_model_path
 

@@ -53,7 +53,7 @@ from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.errors import ConfigError, InvalidRequestError, UnsupportedError
+from pdserve.errors import ConfigError, InvalidRequestError
 from pdserve.kvoffload.tier import KVOffloadTier
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.lora.serving import make_lora_serving
@@ -79,11 +79,6 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         tp = config.parallel.tensor_parallel_size
         set_intra_op_threads(config, tp * config.parallel.pipeline_parallel_size)  # workers set theirs
-        if tp > 1 and on_hold_for_transfer is not None:
-            raise UnsupportedError(
-                "tensor_parallel_size > 1 with KV transfer (disaggregated serving) is not "
-                "supported yet; use tensor_parallel_size=1 on prefill/decode nodes"
-            )
         try:
             self._init_engine(config, load_tokenizer_, on_hold_for_transfer)
         except BaseException:

@@ -8,9 +8,7 @@ processes step N while stages 1..N-1 compute step N+1 (stage 0 needs step N's sa
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -18,30 +16,24 @@ import torch.distributed as dist
 
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.pp_stage import (
-    STAGE_WRITE_TIMEOUT_S,
     PipelineRunner,
     PipelineStageError,
     StageEndpoint,
 )
 from pdserve.distributed.workers import WorkerGroup
+from pdserve.engine.kv_workers import WorkerKV
 from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import (
     DropFinished,
     ExecuteStep,
     InitKVCache,
-    KVEndpoint,
-    RegisterKV,
     StepResult,
     WorkerRole,
     WorkerSpec,
-    WriteFailed,
-    WriteKV,
     send_tensors,
     worker_main,
 )
-from pdserve.kvtransfer.backend import TransferError
-from pdserve.kvtransfer.regions import Descriptor, Region
 from pdserve.kvtransfer.topology import split_layers
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 
@@ -74,19 +66,19 @@ class _PipelineStep(PendingStep):
         return self.receive()
 
 
-class PipelineExecutor(PipelineRunner):
+class PipelineExecutor(WorkerKV, PipelineRunner):
     """Drop-in for ``ModelRunner`` in the engine core when ``pipeline_parallel_size`` > 1."""
 
     def __init__(self, config: EngineConfig, group_timeout_s: float = 300.0) -> None:
         self.ranges = stage_ranges(config)  # before any process starts: a bad pp fails fast
         world = len(self.ranges)
         self._timeout_s = config.step_timeout_s
-        self._xlocks = [threading.Lock() for _ in range(world - 1)]
         self._last: _PipelineStep | None = None  # the last step launched (is it read yet?)
         spec = WorkerSpec(config, WorkerRole.PP_STAGE, world, tuple(self.ranges), group_timeout_s)
         self.workers = WorkerGroup(
             world, WorkerRole.PP_STAGE.value, PipelineStageError, worker_main, (spec,), config.device, True
         )
+        self._init_worker_kv()
         try:
             dist.init_process_group(
                 self.workers.backend,
@@ -120,25 +112,10 @@ class PipelineExecutor(PipelineRunner):
         self.workers.ask_all(InitKVCache(num_blocks), self._timeout_s)
 
     def start_kv_endpoints(self, kv_transport: str, kv_host: str) -> list[StageEndpoint]:
-        out = []
-        replies = self.workers.ask_all(RegisterKV(kv_transport, kv_host), self._timeout_s)
-        for rank, reply in enumerate(replies, start=1):
-            assert isinstance(reply, KVEndpoint), reply
-            lo, hi = self.ranges[rank]
-            regions = tuple(Region.from_dict(r) for r in reply.regions)
-            out.append(StageEndpoint(rank, self.num_stages, lo, hi, reply.session, regions))
-        return out
-
-    def stage_write(
-        self, rank: int, peer_session: str, descs: Sequence[Descriptor], transfer_id: str
-    ) -> None:
-        with self._xlocks[rank - 1]:
-            msg = WriteKV(peer_session, list(descs), transfer_id)
-            reply = self.workers.request(rank, msg, STAGE_WRITE_TIMEOUT_S, "finish a KV write")
-        if isinstance(reply, WriteFailed):
-            raise TransferError(
-                peer_session, transfer_id, f"write from pipeline stage {rank}", None, reply.error
-            )
+        return [
+            StageEndpoint(rank, self.num_stages, *self.ranges[rank], session, regions, worker=rank)
+            for rank, session, regions in self._register_workers(kv_transport, kv_host, self._timeout_s)
+        ]
 
     def launch(
         self,
@@ -179,9 +156,6 @@ class PipelineExecutor(PipelineRunner):
 
     def check_alive(self) -> None:
         self.workers.check_alive()
-
-    def stage_pids(self) -> list[int]:
-        return self.workers.pids()
 
     def close(self) -> None:
         if getattr(self, "stage0", None) is not None:

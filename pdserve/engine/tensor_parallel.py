@@ -18,11 +18,15 @@ and a worker that fails reports it and exits, raised as ``TPWorkerError`` at the
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import destroy_tp, init_tp
+from pdserve.distributed.pp_stage import KVWorkers, StageEndpoint
 from pdserve.distributed.workers import TPWorkerError, WorkerGroup
+from pdserve.engine.kv_workers import WorkerKV
 from pdserve.engine.model_runner import ModelRunner, PendingStep
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import (
@@ -38,8 +42,10 @@ from pdserve.models.config import IntermediateTensors, ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
 
 
-class TPModelRunner(ModelRunner):
-    """Rank 0's ``ModelRunner``: every call that runs the model is sent to the workers first."""
+class TPModelRunner(WorkerKV, ModelRunner, KVWorkers):
+    """Rank 0's ``ModelRunner``: every call that runs the model is sent to the workers first.
+    With KV transfer every rank registers its own KV (its share of the heads) and writes its own
+    head slices on command, as pipeline stages do (``KVWorkers``)."""
 
     def __init__(self, config: EngineConfig, group_timeout_s: float = 300.0) -> None:
         world = config.parallel.tensor_parallel_size
@@ -47,8 +53,9 @@ class TPModelRunner(ModelRunner):
         check_tp_divisible(ModelArchConfig.from_model_dir(config.model), world)
         spec = WorkerSpec(config, WorkerRole.TP_RANK, world, group_timeout_s=group_timeout_s)
         self.workers = WorkerGroup(
-            world, WorkerRole.TP_RANK.value, TPWorkerError, worker_main, (spec,), config.device
+            world, WorkerRole.TP_RANK.value, TPWorkerError, worker_main, (spec,), config.device, True
         )
+        self._init_worker_kv()
         self._last: PendingStep | None = None  # the last step launched (is it read yet?)
         try:
             init_tp(world, 0, self.workers.init_method, self.workers.backend, group_timeout_s)
@@ -78,13 +85,37 @@ class TPModelRunner(ModelRunner):
     ) -> PendingStep:
         overlaps = self._last is not None and not self._last.taken
         self.workers.broadcast(ExecuteStep(sched, defer_masks, overlaps))
-        self._last = pending = super().launch(sched, intermediate, defer_masks=defer_masks)
+        try:
+            self._last = pending = super().launch(sched, intermediate, defer_masks=defer_masks)
+        except RuntimeError:  # a collective whose peer rank died: name the rank
+            self._raise_if_rank_died()
+            raise
         return pending
+
+    def _raise_if_rank_died(self, wait_s: float = 2.0) -> None:
+        """TPWorkerError naming a worker rank whose process is gone (waiting up to ``wait_s``
+        for a dying one to be reaped); returns if every rank lives."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.workers.check_alive()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def drop_finished(self, request_ids: list[str]) -> None:
         super().drop_finished(request_ids)
         if request_ids:
             self.workers.broadcast(DropFinished(request_ids))
+
+    def start_kv_endpoints(self, kv_transport: str, kv_host: str) -> list[StageEndpoint]:
+        world = self.workers.world
+        layers = self.arch.num_hidden_layers
+        return [
+            StageEndpoint(0, 1, 0, layers, session, regions, tp_rank=rank, tp_size=world, worker=rank)
+            for rank, session, regions in self._register_workers(
+                kv_transport, kv_host, self.config.step_timeout_s
+            )
+        ]
 
     def check_alive(self) -> None:
         """Raise TPWorkerError naming a worker rank whose process is gone."""

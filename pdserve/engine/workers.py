@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,12 @@ from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_t
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.head_slices import HeadGather
 from pdserve.kvtransfer.regions import Descriptor
 from pdserve.models.config import IntermediateTensors
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.staging import Stager
 
 
 class WorkerRole(enum.Enum):
@@ -103,6 +107,7 @@ class WriteKV:
     peer_session: str
     descs: list[Descriptor]
     transfer_id: str
+    gather: HeadGather | None = None  # pack these heads first; descs are relative to the pack
 
 
 # -- replies ------------------------------------------------------------------------------------
@@ -221,8 +226,13 @@ class _Worker:
         self.kv_backend = backend = make_backend(msg.kv_transport, msg.kv_host, str(self.runner.device))
         backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
         if self.xconn is not None:
+            from pdserve.kvtransfer.staging import Stager
+
             threading.Thread(
-                target=_serve_writes, args=(backend, self.xconn), name=f"worker{self.rank}-kv", daemon=True
+                target=_serve_writes,
+                args=(backend, Stager(backend, cache), self.xconn),
+                name=f"worker{self.rank}-kv",
+                daemon=True,
             ).start()
         return KVEndpoint(backend.session_id, [r.to_dict() for r in kv_regions_of(self.runner)])
 
@@ -281,7 +291,7 @@ def worker_main(
         conn.close()
 
 
-def _serve_writes(backend: TransferBackend, xconn: Connection) -> None:
+def _serve_writes(backend: TransferBackend, stager: Stager, xconn: Connection) -> None:
     """Worker thread: run the KV writes the node's process asks for, one at a time."""
     while True:
         try:
@@ -291,7 +301,10 @@ def _serve_writes(backend: TransferBackend, xconn: Connection) -> None:
         assert isinstance(msg, WriteKV), msg
         reply: Ack | WriteFailed
         try:
-            backend.write(msg.peer_session, msg.descs, transfer_id=msg.transfer_id)
+            if msg.gather is not None:
+                stager.write_gathered(msg.peer_session, msg.gather, msg.descs, transfer_id=msg.transfer_id)
+            else:
+                backend.write(msg.peer_session, msg.descs, transfer_id=msg.transfer_id)
             reply = Ack()
         except Exception as e:  # reported to the node, which counts the push as failed
             reply = WriteFailed(str(e))

@@ -5,10 +5,10 @@ pulls start, so no write reaches an evicted block before its bytes are copied ou
 from __future__ import annotations
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.kv_offload import KVOffloadConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.errors import ConfigError
-from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.kvoffload.copier import KVOffloadCopier
 from pdserve.kvoffload.disk import DiskTier
 from pdserve.kvoffload.host import HostTier

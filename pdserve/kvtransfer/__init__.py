@@ -7,6 +7,9 @@ handshake     compatibility hash, epoch, field-by-field check                   
 connector     KVProducer: prefill holds and pushes (producer_transfer: one Prefill call's transfer;
               producer_group: the node's stages answering a pull)
 consumer      KVConsumer: decode pulls (pull_record, keepalive, peer: its records, leases, calls)
+topology      who asks whom across PP stages and TP ranks, need_send, TP head ranges (pure Python)
+head_slices   descriptors between TP ranks holding different KV heads              (pure Python)
+staging       Stager: a sender packs a decode rank's heads into a registered buffer
 """
 
 from __future__ import annotations

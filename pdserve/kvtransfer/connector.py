@@ -33,6 +33,7 @@ from typing import Any
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.handshake import HandshakeInfo
+from pdserve.kvtransfer.head_slices import GatherPlan, GatherWriter, HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.producer_transfer import ProducerTransfer
 from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, regions_for_kv_cache
 from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
@@ -50,7 +51,8 @@ def model_identity(model_dir: str | Path) -> str:
 
 
 def kv_regions_of(runner: Any) -> list[Region]:
-    """The regions of a model runner's KV cache tensor (one per local layer)."""
+    """The regions of a model runner's KV cache tensor (one per local layer; a TP rank's hold
+    its share of the KV heads: ``[num_blocks, L, 2, block_size, H_local, head_dim]``)."""
     cache = runner.kv_cache
     a = runner.arch
     return regions_for_kv_cache(
@@ -58,7 +60,7 @@ def kv_regions_of(runner: Any) -> list[Region]:
         cache.shape[0],
         runner.model.layer_names,
         runner.block_size,
-        a.num_key_value_heads,
+        cache.shape[-2],
         a.head_dim,
         cache.element_size(),
     )
@@ -136,10 +138,15 @@ class KVProducer:
         stage: int = 0,
         num_stages: int = 1,
         tracker: KVSendTracker | None = None,
+        heads: tuple[int, int] | None = None,
+        layout: HeadLayout | None = None,
+        gatherer: GatherWriter | None = None,
     ) -> None:
-        """One producer per prefill stage: ``regions`` are that stage's layers. The stages of a
-        node share one ``tracker`` (one block table per node), which frees a request once every
-        one of the ``num_stages`` stages counted its consumers."""
+        """One producer per prefill stage and TP rank: ``regions`` are its layers, ``heads``
+        the ``[start, end)`` KV heads it holds (of the model's; ``layout`` says a block's row
+        geometry): a puller holding other heads gets head slices (``head_slices``). The
+        producers of a node share one ``tracker`` (one block table per node), which frees a
+        request once every one of the ``num_stages`` producers counted its consumers."""
         self.backend = backend
         self.regions = list(regions)
         self.block_size = block_size
@@ -155,7 +162,12 @@ class KVProducer:
         self.tracker = tracker if tracker is not None else KVSendTracker(self._free_transfer, lease_s)
         # receiver regions -> aligned + fused plan: a decode's layout is the same on every push,
         # and aligning 16 layers cost more host time than a 2k-token prompt's device copy
-        self._plans: dict[tuple[Region, ...], DescriptorPlan] = {}
+        self._plans: dict[
+            tuple[tuple[Region, ...], tuple[int, int] | None], DescriptorPlan | HeadSlicePlan | GatherPlan
+        ] = {}
+        self.heads = heads
+        self.layout = layout
+        self.gatherer = gatherer  # packs a puller's heads next to the KV tensor (GatherPlan)
         # Counters for metrics.
         self.bytes_total = 0
         self.seconds_total = 0.0
@@ -338,12 +350,14 @@ class KVProducer:
         dst_regions: Sequence[Region],
         dst_session: str,
         consumer: tuple[int, int] | None = None,
+        dst_heads: tuple[int, int] | None = None,
     ) -> PushResult:
         """Write the held KV into the puller's blocks. Validation errors raise before anything is
         written (InvalidRequestError, RegionMismatchError, BlockIdError, UnknownTransferError);
         a failed write returns ok=False and counts as a report (docs/design.md §3). ``consumer`` is the
         asking (decode pp_rank, tp_rank): counted once however often it asks. A puller that
-        shares no layer with this stage moves no bytes and still counts."""
+        shares no layer with this stage moves no bytes and still counts. ``dst_heads``: the KV
+        heads the puller holds (None: the same as this producer's, as between equal TP sizes)."""
         entry = self.tracker.get(transfer_id)
         if entry is None:
             raise UnknownTransferError(transfer_id)
@@ -356,13 +370,20 @@ class KVProducer:
             raise InvalidRequestError(
                 f"{len(dst_block_ids)} destination blocks for {num_tokens} tokens; expected {need_blocks}"
             )
-        descs = self._plan(dst_regions).descriptors(entry.block_ids[:need_blocks], list(dst_block_ids))
+        plan = self._plan(dst_regions, dst_heads)
+        src_ids = entry.block_ids[:need_blocks]
+        descs = plan.descriptors(src_ids, list(dst_block_ids))
         nbytes = sum(d[2] for d in descs)
         t0 = time.perf_counter()
         ok, err = False, ""
         self.tracker.begin_send(transfer_id)
         try:
-            if descs:
+            if descs and isinstance(plan, GatherPlan):
+                assert self.gatherer is not None
+                self.gatherer.write_gathered(
+                    dst_session, plan.gather(src_ids), descs, transfer_id=transfer_id
+                )
+            elif descs:
                 self.backend.write(dst_session, descs, transfer_id=transfer_id)
             ok = True
         except Exception as e:  # the write failed: counted and reported, never swallowed silently
@@ -379,12 +400,30 @@ class KVProducer:
             self.failures_total += 1
         return PushResult(ok, nbytes if ok else 0, len(descs), dt, err)
 
-    def _plan(self, dst_regions: Sequence[Region]) -> DescriptorPlan:
-        key = tuple(dst_regions)
+    def _plan(
+        self, dst_regions: Sequence[Region], dst_heads: tuple[int, int] | None
+    ) -> DescriptorPlan | HeadSlicePlan | GatherPlan:
+        key = (tuple(dst_regions), dst_heads)
         with self._lock:
             plan = self._plans.get(key)
-        if plan is None:
-            plan = DescriptorPlan(align_regions(self.regions, dst_regions))  # RegionMismatchError: not cached
+        if plan is None:  # RegionMismatchError: not cached
+            if dst_heads is None or dst_heads == self.heads:
+                plan = DescriptorPlan(align_regions(self.regions, dst_regions))
+            else:
+                if self.layout is None or self.heads is None:
+                    raise InvalidRequestError(
+                        f"the puller holds KV heads {dst_heads}, this producer {self.heads}; "
+                        "it has no head layout to slice them"
+                    )
+                pairs = align_regions(self.regions, dst_regions, same_size=False)
+                if (
+                    self.gatherer is not None
+                    and self.heads[0] <= dst_heads[0]
+                    and dst_heads[1] <= self.heads[1]
+                ):
+                    plan = GatherPlan(pairs, self.regions, self.heads, dst_heads, self.layout)
+                else:
+                    plan = HeadSlicePlan(pairs, self.heads, dst_heads, self.layout)
             with self._lock:
                 if len(self._plans) >= 64:  # decode layouts seen; bounded against a churning fleet
                     self._plans.clear()

@@ -37,10 +37,14 @@ logger = logging.getLogger(__name__)
 
 
 class PullStage(Protocol):
-    """One decode pipeline stage's transfer endpoint (``pdserve.distributed.pp_stage.StageEndpoint``)."""
+    """One decode stage's (TP rank's) transfer endpoint (``pdserve.distributed.pp_stage.StageEndpoint``)."""
 
     @property
     def pp_rank(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
     @property
     def pp_size(self) -> int: ...
     @property
@@ -99,7 +103,7 @@ class KVConsumer:
         self.early_pulls_total = 0
         self.checksums_verified_total = 0
         self.checksum_mismatches_total = 0
-        self.stage_pull_bytes = [0] * len(self.stages)  # per decode stage (metrics, GetLoad)
+        self.stage_pull_bytes = [0] * len(self.stages)  # per decode endpoint (metrics, GetLoad)
         self.stage_pull_failures = [0] * len(self.stages)
         self.stage_pulls = [0] * len(self.stages)
 
@@ -205,8 +209,8 @@ class KVConsumer:
         self._end(rec, ok, err, first)
 
     async def _pull_stages(self, spec: KVLoadSpec, rec: PullRecord) -> tuple[bool, str, tuple[int, ...]]:
-        """One PushKV per decode stage, into that stage's regions and session; the prefill node
-        fans each out to its stages (kvtransfer.topology). The request runs only when every
+        """One PushKV per decode stage and TP rank, into its regions and session; the prefill
+        node fans each out to its stages and ranks (kvtransfer.topology). The request runs only when every
         stage has its KV; all pulls end before the blocks can be reused."""
         addr = rec.prefill_address
         peer = await self.peer(addr)
@@ -214,13 +218,13 @@ class KVConsumer:
         results = await asyncio.gather(*(self._pull_stage(addr, r) for r in reqs), return_exceptions=True)
         errors: list[BaseException] = []
         first: tuple[int, ...] = ()
-        for st, r in zip(self.stages, results, strict=True):
-            self.stage_pulls[st.pp_rank] += 1
+        for i, r in enumerate(results):
+            self.stage_pulls[i] += 1
             if isinstance(r, BaseException):
-                self.stage_pull_failures[st.pp_rank] += 1
+                self.stage_pull_failures[i] += 1
                 errors.append(r)
             else:
-                self.stage_pull_bytes[st.pp_rank] += r.bytes
+                self.stage_pull_bytes[i] += r.bytes
                 first = first or r.first_token_ids
                 rec.checksum = r.checksum or rec.checksum
         if errors:
@@ -230,7 +234,7 @@ class KVConsumer:
         self.pull_bytes_total += sum(r.bytes for r in results if isinstance(r, PullReply))
         if self._checksum is None:
             return True, "", first
-        # pp = 1 (kv_checksum with pp > 1 is refused at start)
+        # one endpoint (kv_checksum with pp > 1 or tp > 1 is refused at start)
         ok, err = await asyncio.to_thread(self._verify, reqs[0], rec.checksum)
         return ok, err, first
 
@@ -247,7 +251,8 @@ class KVConsumer:
             expected_src_epoch=peer.epoch,
             want_checksum=self._checksum is not None,
             dst_pp_rank=st.pp_rank,
-            dst_tp_rank=0,  # TP with KV transfer is refused at start
+            dst_tp_rank=st.tp_rank,
+            dst_tp_size=st.tp_size,
             dst_pp_size=st.pp_size,
             dst_layer_start=st.layer_start,
             dst_layer_end=st.layer_end,

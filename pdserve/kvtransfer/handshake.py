@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.errors import PdserveError
-from pdserve.spec_decode.compat import speculative_mismatch
+from pdserve.kvtransfer.speculative_compat import speculative_mismatch
 
 # Bump when the KV tensor layout or the region/descriptor scheme changes meaning.
 KV_LAYOUT_VERSION = 1
@@ -77,7 +77,7 @@ class HandshakeInfo:
     # the data plane (tcp | rdma | cuda_ipc): both ends must speak the same one. Not part of the
     # hash (it does not change what the KV bytes mean); "" = unknown (an older peer), not checked.
     kv_transport: str = ""
-    # the speculative config, ``method|drafter|k`` ("" = none; pdserve.spec_decode.compat)
+    # the speculative config, ``method|drafter|k`` ("" = none; pdserve.kvtransfer.speculative_compat)
     speculative: str = ""
     compat_hash: str = field(init=False)
 

@@ -34,6 +34,7 @@ class PullRequest:
     dst_layer_start: int  # the asking stage's layers [start, end)
     dst_layer_end: int
     early: bool  # asked while the prompt may still be prefilled: the reply brings the first token
+    dst_tp_size: int = 1  # the decode node's TP ranks (the asking rank holds 1/dst_tp_size of the KV heads)
 
 
 @dataclass(frozen=True)

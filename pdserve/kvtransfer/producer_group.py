@@ -3,8 +3,9 @@
     pull (PullRequest) -> checked: epoch, layout (compat hash)       -> STALE
                        -> wait until the transfer's KV is held here    -> NOT_FOUND / NOT_READY
                           (an early pull on the loop, others in a thread)
-                       -> stages to ask for the asking decode stage (topology.prefill_stages_to_ask),
-                          need_send raised to what its PP size implies
+                       -> stages and TP ranks to ask for the asking decode stage and rank
+                          (topology.prefill_stages_to_ask, prefill_ranks_to_ask), need_send raised
+                          to what its PP and TP sizes imply
                        -> every asked stage's KVProducer.push, in parallel -> PushOutcome
 
 A refused pull raises ``PullRefusedError`` naming why (``PullRefusal``); the service maps each
@@ -19,13 +20,19 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.errors import ConfigError, InvalidRequestError, PdserveError
 from pdserve.kvtransfer.connector import KVProducer, PushResult
 from pdserve.kvtransfer.handshake import HandshakeInfo
 from pdserve.kvtransfer.peer import PullRequest
 from pdserve.kvtransfer.regions import BlockIdError, RegionMismatchError
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
-from pdserve.kvtransfer.topology import need_send, prefill_stages_to_ask
+from pdserve.kvtransfer.topology import (
+    check_tp_pair,
+    kv_head_range,
+    need_send,
+    prefill_ranks_to_ask,
+    prefill_stages_to_ask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +74,16 @@ class KVProducerGroup:
         ready_timeout_s: float,
         digest: Callable[[Sequence[int]], str],
         push_delay_s: float = 0.0,
+        ranks: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """``producers``: stage 0's first, sharing one tracker. ``digest``: hex digest of KV blocks
-        (a checksum asked for). ``push_delay_s``: test-only fault (a long transfer window)."""
+        """``producers``: stage 0's (TP rank 0's) first, sharing one tracker; ``ranks``: each
+        one's (pp rank, tp rank) (default: stage i, TP rank 0). ``digest``: hex digest of KV
+        blocks (a checksum asked for). ``push_delay_s``: test-only fault (a long transfer window)."""
         self.producers = list(producers)
+        self.ranks = list(ranks) or [(i, 0) for i in range(len(self.producers))]
+        assert len(self.ranks) == len(self.producers), (self.ranks, len(self.producers))
+        self.p_pp = 1 + max(pp for pp, _ in self.ranks)
+        self.p_tp = 1 + max(tp for _, tp in self.ranks)
         self.tracker = self.producers[0].tracker
         self.handshake = handshake
         self.ready_timeout_s = ready_timeout_s
@@ -120,6 +133,29 @@ class KVProducerGroup:
         if not ready:
             raise PullRefusedError(PullRefusal.NOT_READY, f"KV for {tid!r} not ready in time")
 
+    def _check_dst(self, req: PullRequest, d_pp: int, d_tp: int) -> tuple[int, int] | None:
+        """The asking decode stage and rank within its node's sizes; returns the KV heads it holds
+        (None when the TP sizes are equal: the asked rank holds the same ones)."""
+        if not 0 <= req.dst_pp_rank < d_pp:
+            raise PullRefusedError(
+                PullRefusal.INVALID,
+                f"dst_pp_rank {req.dst_pp_rank} is outside the decode node's {d_pp} stages",
+            )
+        heads = self.handshake.num_kv_heads
+        if not 0 <= req.dst_tp_rank < d_tp or heads % d_tp:
+            raise PullRefusedError(
+                PullRefusal.INVALID,
+                f"dst_tp_rank {req.dst_tp_rank} of dst_tp_size {d_tp}: a rank in [0, tp) of a TP "
+                f"size that divides the model's {heads} KV heads",
+            )
+        try:
+            check_tp_pair(self.p_tp, d_tp)
+        except ConfigError as e:
+            raise PullRefusedError(PullRefusal.INVALID, str(e)) from e
+        if d_tp == self.p_tp:
+            return None  # rank r pairs with rank r: the same heads, whole blocks
+        return kv_head_range(req.dst_tp_rank, d_tp, heads)
+
     def _block_digest(self, transfer_id: str, num_tokens: int) -> str:
         """Digest of the held blocks a push of ``num_tokens`` sends (taken before the push: after
         it the blocks may be freed and reused)."""
@@ -136,26 +172,24 @@ class KVProducerGroup:
         first_token_ids = self.producers[0].first_token_ids(tid)
         if self.push_delay_s:
             await asyncio.sleep(self.push_delay_s)
-        d_pp = req.dst_pp_size or 1
-        if not 0 <= req.dst_pp_rank < d_pp:
-            raise PullRefusedError(
-                PullRefusal.INVALID,
-                f"dst_pp_rank {req.dst_pp_rank} is outside the decode node's {d_pp} stages",
-            )
-        p_pp = len(self.producers)
+        d_pp, d_tp = req.dst_pp_size or 1, req.dst_tp_size or 1
+        p_pp, p_tp = self.p_pp, self.p_tp
+        dst_heads = self._check_dst(req, d_pp, d_tp)
         digest = ""
         if req.want_checksum:
-            if p_pp > 1:
+            if len(self.producers) > 1:
                 raise PullRefusedError(
                     PullRefusal.UNSUPPORTED,
-                    f"kv_checksum is not supported from a prefill node with pp={p_pp}",
+                    f"kv_checksum is not supported from a prefill node with pp={p_pp}, tp={p_tp}",
                 )
             digest = await asyncio.to_thread(self._block_digest, tid, req.num_tokens)
         # The asking decode stage's consumers: every stage of ours counts it (sizes differ) or
         # only the same index (equal sizes). A router that told us fewer pulls than this decode
         # node's stages make is corrected here, before any of them is counted.
-        self.tracker.require(tid, need_send(1, p_pp, 1, d_pp))
-        ask = prefill_stages_to_ask(req.dst_pp_rank, p_pp, d_pp)
+        self.tracker.require(tid, need_send(p_tp, p_pp, d_tp, d_pp))
+        ask_pp = prefill_stages_to_ask(req.dst_pp_rank, p_pp, d_pp)
+        ask_tp = prefill_ranks_to_ask(req.dst_tp_rank, p_tp, d_tp)
+        ask = [i for i, (pp, tp) in enumerate(self.ranks) if pp in ask_pp and tp in ask_tp]
         consumer = (req.dst_pp_rank, req.dst_tp_rank)  # a retried pull counts once
         results = await asyncio.gather(
             *(
@@ -167,6 +201,7 @@ class KVProducerGroup:
                     req.dst_regions,
                     req.dst_session,
                     consumer,
+                    dst_heads,
                 )
                 for i in ask
             ),

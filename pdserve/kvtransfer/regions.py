@@ -128,12 +128,16 @@ def _by_key(regions: Iterable[Region], side: str) -> dict[tuple[str, int], Regio
     return out
 
 
-def align_regions(src: Sequence[Region], dst: Sequence[Region]) -> list[tuple[Region, Region]]:
+def align_regions(
+    src: Sequence[Region], dst: Sequence[Region], *, same_size: bool = True
+) -> list[tuple[Region, Region]]:
     """Pair sender and receiver regions by ``(layer_name, occurrence)``, never by list position.
 
     A layer the receiver does not hold at all (no ``(name, 0)``) is skipped: that decode stage
-    gets it from no one here. For a layer both hold, the occurrence sets and ``block_bytes``
-    must agree, else RegionMismatchError. Pairs come back in ``src`` order.
+    gets it from no one here. For a layer both hold, the occurrence sets and (``same_size``)
+    ``block_bytes`` must agree, else RegionMismatchError; TP ranks holding different head counts
+    pass ``same_size=False`` (``head_slices.HeadSlicePlan`` checks their sizes). Pairs come back
+    in ``src`` order.
     """
     src_map, dst_map = _by_key(src, "sender"), _by_key(dst, "receiver")
     dst_names = {name for name, _ in dst_map}
@@ -145,7 +149,7 @@ def align_regions(src: Sequence[Region], dst: Sequence[Region]) -> list[tuple[Re
         d = dst_map.get(s.key)
         if d is None:
             raise RegionMismatchError(s.layer_name, s.occurrence, "presence", "present", "missing")
-        if d.block_bytes != s.block_bytes:
+        if same_size and d.block_bytes != s.block_bytes:
             raise RegionMismatchError(s.layer_name, s.occurrence, "block_bytes", s.block_bytes, d.block_bytes)
         pairs.append((s, d))
     # The receiver expecting an occurrence the sender lacks, for a layer the sender holds, is the
@@ -257,16 +261,21 @@ class DescriptorPlan:
                 raw += [(sb + r[0] * ss, db + r[1] * ds, n * r[2]) for r in runs]
             else:
                 raw += [(sb + (r[0] + i) * ss, db + (r[1] + i) * ds, n) for r in runs for i in range(r[2])]
-        raw.sort()
-        merged: list[Descriptor] = []
-        for src_addr, dst_addr, n in raw:
-            if merged:
-                ps, pd, pn = merged[-1]
-                if ps + pn == src_addr and pd + pn == dst_addr:
-                    merged[-1] = (ps, pd, pn + n)
-                    continue
-            merged.append((src_addr, dst_addr, n))
-        return merged
+        return merge_adjacent(raw)
+
+
+def merge_adjacent(raw: list[Descriptor]) -> list[Descriptor]:
+    """``raw`` sorted, with ranges contiguous on both ends merged into one (sorts in place)."""
+    raw.sort()
+    merged: list[Descriptor] = []
+    for src_addr, dst_addr, n in raw:
+        if merged:
+            ps, pd, pn = merged[-1]
+            if ps + pn == src_addr and pd + pn == dst_addr:
+                merged[-1] = (ps, pd, pn + n)
+                continue
+        merged.append((src_addr, dst_addr, n))
+    return merged
 
 
 def split_batches(

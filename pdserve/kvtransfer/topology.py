@@ -76,6 +76,35 @@ def prefill_stages_to_ask(d_pp_rank: int, p_pp: int, d_pp: int) -> list[int]:
     return list(range(p_pp))
 
 
+def prefill_ranks_to_ask(d_tp_rank: int, p_tp: int, d_tp: int) -> list[int]:
+    """The prefill TP ranks holding the KV heads of decode TP rank ``d_tp_rank`` (the inverse of
+    ``consumers_of``): one rank when decode has as many ranks or more (``d_tp_rank // (d_tp /
+    p_tp)``), ``p_tp / d_tp`` consecutive ranks when it has fewer."""
+    check_tp_pair(p_tp, d_tp)
+    assert 0 <= d_tp_rank < d_tp, (d_tp_rank, d_tp)
+    if d_tp >= p_tp:
+        return [d_tp_rank // (d_tp // p_tp)]
+    k = p_tp // d_tp
+    return list(range(d_tp_rank * k, (d_tp_rank + 1) * k))
+
+
+def check_tp_pair(p_tp: int, d_tp: int) -> None:
+    """ConfigError unless one TP size divides the other (each rank's heads then map to whole
+    ranks of the other side)."""
+    if p_tp < 1 or d_tp < 1 or (max(p_tp, d_tp) % min(p_tp, d_tp)):
+        raise ConfigError(
+            f"prefill tp={p_tp} and decode tp={d_tp}: one TP size must divide the other "
+            "(1, 2, 4, 8 pair with each other)"
+        )
+
+
+def kv_head_range(tp_rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """The ``[start, end)`` KV heads TP rank ``tp_rank`` of ``tp_size`` holds."""
+    assert 0 <= tp_rank < tp_size and num_kv_heads % tp_size == 0, (tp_rank, tp_size, num_kv_heads)
+    per = num_kv_heads // tp_size
+    return (tp_rank * per, (tp_rank + 1) * per)
+
+
 def need_send(p_tp: int, p_pp: int, d_tp: int, d_pp: int) -> int:
     """Completed pulls one prefill stage (one of its TP ranks) waits for before it frees a request.
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.config.lora import LoRAConfig, check_lora_name
 from pdserve.errors import ConfigError, InvalidRequestError
 from pdserve.lora.apply import LoRASlots, LoRAStep
-from pdserve.lora.config import LoRAConfig, check_lora_name
 from pdserve.lora.peft import LoRAAdapter, LoRAAdapterError, load_peft_adapter
 
 # Our fused layer -> the HF modules it holds, in output order.

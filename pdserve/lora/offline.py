@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
+from pdserve.config.lora import LoRAConfig, LoRARequest
 from pdserve.errors import ConfigError, InvalidRequestError
-from pdserve.lora.config import LoRAConfig, LoRARequest
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine

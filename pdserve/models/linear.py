@@ -29,7 +29,7 @@ reference the tests hold to).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +38,15 @@ from torch import nn
 from pdserve.kernels import cpu_gemm, cpu_native
 from pdserve.kernels.backend import HALF_DTYPES, wants_native
 
-if TYPE_CHECKING:
-    from pdserve.lora.apply import LoRASlots
-
 SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
 SMALL_GEMM_MAX_ROWS = 16  # past it the fp32 route loses (1 x 128 x 384 at 64 rows: 48 -> 79 us)
+
+
+class LoRADelta(Protocol):
+    """What a layer needs of its served LoRA adapters (``pdserve.lora.apply.LoRASlots``): the
+    adapters' contribution added to the base output, row by row."""
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 class Linear(nn.Linear):
@@ -57,7 +61,7 @@ class Linear(nn.Linear):
     weight_packed: cpu_gemm.PackedWeight | None = None
     # The slot stacks of served LoRA adapters (pdserve.lora.manager attaches them); each row of
     # a step adds its own adapter's delta.
-    lora: LoRASlots | None = None
+    lora: LoRADelta | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._forward_base(x)

@@ -62,6 +62,7 @@ def pull_request_to_pb(r: PullRequest) -> pb.PushKVRequest:
         dst_pp_size=r.dst_pp_size,
         dst_layer_start=r.dst_layer_start,
         dst_layer_end=r.dst_layer_end,
+        dst_tp_size=r.dst_tp_size,
         early=r.early,
     )
 
@@ -82,6 +83,7 @@ def pull_request_from_pb(m: pb.PushKVRequest) -> PullRequest:
         dst_pp_size=m.dst_pp_size,
         dst_layer_start=m.dst_layer_start,
         dst_layer_end=m.dst_layer_end,
+        dst_tp_size=m.dst_tp_size or 1,
         early=m.early,
     )
 

@@ -185,20 +185,22 @@ class HandshakeInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ..., speculative: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("pp_rank", "tp_rank", "pp_size", "layer_start", "layer_end", "session")
+    __slots__ = ("pp_rank", "tp_rank", "pp_size", "layer_start", "layer_end", "session", "tp_size")
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     pp_rank: int
     tp_rank: int
     pp_size: int
     layer_start: int
     layer_end: int
     session: str
-    def __init__(self, pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., session: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class StageLoad(_message.Message):
     __slots__ = ("stage", "blocks_used", "blocks_held_for_transfer", "stranded_kv_blocks", "transfer_bytes", "transfer_failures", "transfers")
@@ -231,7 +233,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[HandshakeInfo, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end", "early")
+    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end", "dst_tp_size", "early")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class PushKVRequest(_message.Message):
     DST_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DST_LAYER_START_FIELD_NUMBER: _ClassVar[int]
     DST_LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    DST_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EARLY_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -259,8 +262,9 @@ class PushKVRequest(_message.Message):
     dst_pp_size: int
     dst_layer_start: int
     dst_layer_end: int
+    dst_tp_size: int
     early: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ..., dst_tp_size: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "stages", "checksum", "first_token_ids")

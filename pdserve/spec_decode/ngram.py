@@ -10,7 +10,7 @@ tokens that followed it are the draft. The first n that matches wins (longer con
 
 from __future__ import annotations
 
-from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.config.speculative import SpeculativeConfig
 
 
 class NgramProposer:

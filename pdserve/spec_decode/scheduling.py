@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_output import ScheduledChunk
-from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.stats import SpecDecodeStats
 

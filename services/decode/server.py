@@ -69,9 +69,9 @@ class DecodeNode(NodeBase):
             on_pull_seconds=self.kv_pull_seconds.observe,
         )
 
-    def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
+    def stage_transfer_counters(self, index: int) -> tuple[int, int, int]:
         c = self.kv_consumer
-        return (c.stage_pull_bytes[pp_rank], c.stage_pull_failures[pp_rank], c.stage_pulls[pp_rank])
+        return (c.stage_pull_bytes[index], c.stage_pull_failures[index], c.stage_pulls[index])
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         self.steps_servicer = DecodeServicer(self)

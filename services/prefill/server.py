@@ -13,15 +13,18 @@ import grpc
 
 from pdserve import tracing
 from pdserve.config.node_spec import NodeSpec
-from pdserve.distributed.pp_stage import PipelineRunner, StageWriteBackend
+from pdserve.distributed.pp_stage import KVWorkers, StageWriteBackend
 from pdserve.engine.request import Request
 from pdserve.errors import CapacityError, ConfigError, InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, check_compat
+from pdserve.kvtransfer.head_slices import GatherWriter, HeadLayout
 from pdserve.kvtransfer.params import RemoteDecodeParams
 from pdserve.kvtransfer.producer_group import KVProducerGroup, PullRefusal, PullRefusedError
+from pdserve.kvtransfer.staging import Stager
+from pdserve.kvtransfer.topology import kv_head_range
 from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
@@ -45,27 +48,39 @@ class PrefillNode(NodeBase):
     def __init__(self, opts: NodeSpec) -> None:
         super().__init__(opts)
         assert isinstance(self.backend, TransferBackend)
-        bs, pp = self.engine.kv.block_size, len(self.stages)
-        # One producer per stage, one tracker for the node (one block table): a request is freed
-        # once every stage counted its consumers. Stage 0 writes here; the others in their process.
-        self.producer = KVProducer(
-            self.backend, self.regions, bs, self._release, lease_s=opts.kv_lease_s, num_stages=pp
-        )
-        self.producers = [self.producer]
+        bs, n = self.engine.kv.block_size, len(self.stages)
+        # One producer per stage / TP rank, one tracker for the node (one block table): a request
+        # is freed once every producer counted its consumers. Stage 0 / rank 0 writes here; the
+        # others in their process.
+        h = self.handshake
+        cache = self.engine.runner.kv_cache
+        assert cache is not None
+        layout = HeadLayout(bs, h.head_dim, cache.element_size())
         runner = self.engine.runner
-        for st in self.stages[1:]:
-            assert isinstance(runner, PipelineRunner)
+        self.producers: list[KVProducer] = []
+        self.stager = Stager(self.backend, cache)  # rank 0's head gathers (kvtransfer/staging.py)
+        for i, st in enumerate(self.stages):
+            backend: TransferBackend = self.backend
+            gatherer: GatherWriter = self.stager
+            if i:
+                assert isinstance(runner, KVWorkers)
+                backend = gatherer = StageWriteBackend(runner, st)
             self.producers.append(
                 KVProducer(
-                    StageWriteBackend(runner, st),
+                    backend,
                     st.regions,
                     bs,
                     self._release,
-                    stage=st.pp_rank,
-                    num_stages=pp,
-                    tracker=self.producer.tracker,
+                    lease_s=opts.kv_lease_s,
+                    stage=i,
+                    num_stages=n,
+                    tracker=self.producers[0].tracker if i else None,
+                    heads=kv_head_range(st.tp_rank, st.tp_size, h.num_kv_heads),
+                    layout=layout,
+                    gatherer=gatherer,
                 )
             )
+        self.producer = self.producers[0]
         self._last_expire = 0.0
         self.pushes = KVProducerGroup(
             self.producers,
@@ -73,6 +88,7 @@ class PrefillNode(NodeBase):
             opts.kv_ready_timeout_s,
             self._blocks_digest,
             push_delay_s=opts.faults.push_delay_s,  # test-only: a long transfer window (bench/chaos.py)
+            ranks=[(st.pp_rank, st.tp_rank) for st in self.stages],
         )
         self.leases_expired_total = 0  # holds freed by their lease, not by their consumers' pulls
         self.fetcher: EmbeddingFetcher | None = None
@@ -176,8 +192,8 @@ class PrefillNode(NodeBase):
             ("kv_leases_expired", "KV holds freed by lease expiry", self.leases_expired_total),
         ]
 
-    def stage_transfer_counters(self, pp_rank: int) -> tuple[int, int, int]:
-        p = self.producers[pp_rank]
+    def stage_transfer_counters(self, index: int) -> tuple[int, int, int]:
+        p = self.producers[index]
         return (p.bytes_total, p.failures_total, p.pushes_total)
 
     def add_servicers(self, server: grpc.aio.Server) -> None:

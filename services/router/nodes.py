@@ -51,6 +51,7 @@ class NodeHandle:
     epoch: str = ""  # from GetLoad; a change means the node restarted
     epoch_by_transfer: dict[str, str] = field(default_factory=dict)  # Prefill's answer, until Decode
     pp_size: int = 1  # pipeline stages, from GetLoad's stage list (the prefill's need_send)
+    tp_size: int = 1  # TP ranks, from GetLoad's stage list (the prefill's need_send)
     mux: StepMux | None = None  # decode-capable nodes: the shared Steps stream (made on first use)
     steps_socket: str = ""  # GetLoad's steps_socket: where the node's Steps streams go ("host:port")
 
@@ -196,7 +197,8 @@ class NodePool:
             n.in_flight_at_report = n.in_flight
             n.block_size = rep.block_size or n.block_size
             n.num_blocks_total = rep.num_blocks_total
-            n.pp_size = max(1, len(rep.stages))
+            n.pp_size = max(1, len({s.stage.pp_rank for s in rep.stages}))
+            n.tp_size = max([1, *(s.stage.tp_size for s in rep.stages)])
             n.kv_blocks_used = rep.stages[0].blocks_used if rep.stages else 0
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps

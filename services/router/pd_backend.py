@@ -172,7 +172,7 @@ class PDBackend(NodePool):
         self.recent_errors.add(role, code)
 
     async def prefill_leg(
-        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
+        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1, d_tp: int = 1
     ) -> GenerationDelta:
         stub = pb_grpc.PrefillServiceStub(p.channel)
         p.in_flight += 1
@@ -186,8 +186,8 @@ class PDBackend(NodePool):
                     transfer_id=transfer_id,
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=convert.sampling_to_pb(req.sampling_params),
-                    # pulls each prefill stage waits for (one TP rank per stage on PD nodes)
-                    need_send=need_send(1, p.pp_size, 1, d_pp),
+                    # pulls each prefill stage / TP rank waits for
+                    need_send=need_send(p.tp_size, p.pp_size, d_tp, d_pp),
                     prompt_embeds=_embeds_pb(req),
                     mm_items=_mm_items_pb(req, with_tensors=True),
                     lora_name=req.lora_name,

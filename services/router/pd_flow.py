@@ -90,7 +90,7 @@ class LegClient(Protocol):
         ...
 
     async def prefill_leg(
-        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int
+        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int, d_tp: int = 1
     ) -> GenerationDelta:
         """P.Prefill: the first token, the KV held under ``transfer_id``; AioRpcError on failure."""
         ...
@@ -202,7 +202,7 @@ class PDFlow:
             self.early = legs.open_early_leg(self.d_node, req, self.transfer_id, p)
         self.tried.add(p.name)
         try:
-            first = await legs.prefill_leg(p, req, self.transfer_id, self.d_node.pp_size)
+            first = await legs.prefill_leg(p, req, self.transfer_id, self.d_node.pp_size, self.d_node.tp_size)
         except grpc.aio.AioRpcError as e:
             await self._drop_early()  # its pull would wait for KV that is not coming
             self._prefill_failed(p, e)
@@ -269,7 +269,7 @@ class PDFlow:
             tid = uuid.uuid4().hex
             try:
                 # Its sampled token is dropped: the client has the first one, decode gets that one.
-                await legs.prefill_leg(p, req, tid, self.d_node.pp_size)
+                await legs.prefill_leg(p, req, tid, self.d_node.pp_size, self.d_node.tp_size)
             except grpc.aio.AioRpcError as e:
                 legs.count_leg_failure("prefill", e.code().name)
                 record_leg_result(p, e.code())

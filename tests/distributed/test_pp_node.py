@@ -75,8 +75,12 @@ def test_killing_a_stage_fails_requests_and_health(llama4, parallel):
 @pytest.mark.parametrize(
     ("role", "opts", "match"),
     [
-        ("decode", {"kv_checksum": True}, "kv_checksum with pp=2 on a decode node"),
-        ("prefill", {"kv_transport": "cuda_ipc"}, "kv_transport 'cuda_ipc' with pp=2 on a prefill node"),
+        ("decode", {"kv_checksum": True}, "kv_checksum with pp=2, tp=1 on a decode node"),
+        (
+            "prefill",
+            {"kv_transport": "cuda_ipc"},
+            "kv_transport 'cuda_ipc' with pp=2, tp=1 on a prefill node",
+        ),
     ],
 )
 def test_pp_transfer_settings_not_wired_are_refused_at_start(llama4, role, opts, match) -> None:
@@ -91,8 +95,15 @@ def test_pp_transfer_settings_not_wired_are_refused_at_start(llama4, role, opts,
         cls(NodeSpec.for_test(name="n0", role=role, engine=cfg, **opts))
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_tp_with_kv_transfer_is_refused_at_start(llama4, role) -> None:
+@pytest.mark.parametrize(
+    ("role", "opts", "match"),
+    [
+        ("prefill", {"kv_checksum": True}, "kv_checksum with pp=1, tp=2 on a prefill node"),
+        ("decode", {"kv_transport": "cuda_ipc"}, "kv_transport 'cuda_ipc' with pp=1, tp=2 on a decode node"),
+    ],
+)
+def test_tp_transfer_settings_not_wired_are_refused_at_start(llama4, role, opts, match) -> None:
+    """TP with KV transfer runs (tests/e2e/test_tp_pd_e2e.py); what is not wired per rank is refused."""
     from pdserve.errors import ConfigError
     from services.prefill.server import PrefillNode
 
@@ -100,5 +111,5 @@ def test_tp_with_kv_transfer_is_refused_at_start(llama4, role) -> None:
         model=str(llama4), device="cpu", dtype="float32", parallel=ParallelConfig(tensor_parallel_size=2)
     )
     cls = PrefillNode if role == "prefill" else DecodeNode
-    with pytest.raises(ConfigError, match=f"tp=2 on {role} node n0: TP with KV transfer is not supported"):
-        cls(NodeSpec.for_test(name="n0", role=role, engine=cfg))
+    with pytest.raises(ConfigError, match=match):
+        cls(NodeSpec.for_test(name="n0", role=role, engine=cfg, **opts))

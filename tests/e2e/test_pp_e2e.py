@@ -209,11 +209,16 @@ def _stage_pids(pid: int) -> list[int]:
 
 def test_killing_a_decode_stage_fails_in_flight_and_frees_the_peer(cluster_42) -> None:
     """Runs after the greedy test on the same cluster (it takes decode-0 down for good)."""
-    rc = cluster_42
-    lease = LEASE_S
+    kill_decode_worker_and_check_peer(cluster_42, "pipeline stage 1", LEASE_S)
+
+
+def kill_decode_worker_and_check_peer(rc: RunningCluster, label: str, lease: float) -> None:
+    """SIGKILL decode-0's one worker process (``label``: how errors name it) with streams in
+    flight: each ends with an error naming it (no hang), the node exits 1, and the prefill
+    peer's hold for a decode leg that never comes is freed by its lease."""
     decode = next(c for c in rc.children if c.name == "decode-0")
     stages = _stage_pids(decode.proc.pid)
-    assert len(stages) == 1, stages  # decode pp=2: stage 0 in the node process, stage 1 spawned
+    assert len(stages) == 1, stages  # worker 0 in the node process, worker 1 spawned
 
     # A prefill whose decode leg never comes (decode dies first): held on the peer until the lease.
     p = rc.node("prefill-0")
@@ -258,10 +263,10 @@ def test_killing_a_decode_stage_fails_in_flight_and_frees_the_peer(cluster_42) -
         os.kill(stages[0], signal.SIGKILL)
         results = [f.result(timeout=60) for f in futs]  # no hang
     # a clear reason, and no hang (the futures' timeout above)
-    assert all(r.startswith("error") and "pipeline stage 1" in r for r in results), results
+    assert all(r.startswith("error") and label in r for r in results), results
     assert decode.proc.wait(timeout=30) == 1  # the node took itself out of service
     log = decode.log_path.read_text(errors="replace")
-    assert "out of service" in log and "pipeline stage 1" in log, log[-2000:]
+    assert "out of service" in log and label in log, log[-2000:]
     # The prefill peer still serves, and holds nothing once the lease has passed.
     deadline = time.monotonic() + lease + 10
     while time.monotonic() < deadline:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from pdserve.config.kv_offload import KVOffloadConfig
 from pdserve.errors import ConfigError
-from pdserve.kvoffload.config import KVOffloadConfig
 from pdserve.kvoffload.disk import DiskTier
 from pdserve.kvoffload.host import HostTier
 from pdserve.kvoffload.manager import KVOffloadManager

@@ -38,6 +38,8 @@ class _Stage:
     layer_end: int
     session: str
     regions: tuple[Region, ...] = ()
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class FakePeer:

@@ -17,6 +17,7 @@ from pdserve.kvtransfer.topology import (
     consumers_of,
     need_send,
     overlaps,
+    prefill_ranks_to_ask,
     prefill_stages_to_ask,
     split_layers,
 )
@@ -38,7 +39,7 @@ def test_split_even_and_configured_and_errors():
 
 
 @pytest.mark.parametrize(
-    ("p_tp", "p_pp", "d_tp", "d_pp"), list(itertools.product([1, 2], [1, 2, 4], [1, 2], [1, 2, 4]))
+    ("p_tp", "p_pp", "d_tp", "d_pp"), list(itertools.product([1, 2, 4], [1, 2, 4], [1, 2, 4], [1, 2, 4]))
 )
 def test_need_send_matches_the_consumers_a_stage_sees(p_tp, p_pp, d_tp, d_pp):
     n = need_send(p_tp, p_pp, d_tp, d_pp)
@@ -55,6 +56,15 @@ def test_need_send_matches_the_consumers_a_stage_sees(p_tp, p_pp, d_tp, d_pp):
             if pp_rank in prefill_stages_to_ask(d, p_pp, d_pp)
             and (tp_rank // max(1, p_tp // d_tp) == r if d_tp < p_tp else r // (d_tp // p_tp) == tp_rank)
         }
+        # the prefill side's view: the ranks a decode rank asks hold exactly these consumers
+        asked_by = {
+            (d, r)
+            for d in range(d_pp)
+            for r in range(d_tp)
+            if pp_rank in prefill_stages_to_ask(d, p_pp, d_pp)
+            and tp_rank in prefill_ranks_to_ask(r, p_tp, d_tp)
+        }
+        assert asked_by == askers
         assert consumers_of(stage, d_tp, d_pp) == askers
         assert len(askers) == n
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from pdserve.config.lora import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.lora.config import LoRARequest
 from tests.lora.adapters import make_adapters, peft_greedy
 
 NEW_TOKENS = 10

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from pdserve.config.lora import LoRAConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.lora.apply import LoRASlots, LoRAStep
-from pdserve.lora.config import LoRAConfig
 from pdserve.lora.manager import LoRAManager
 from pdserve.lora.peft import LoRAAdapter, LoRAModuleWeights
 from pdserve.models.linear import Linear

@@ -57,7 +57,7 @@ class FakeLegs:
         self.failures.append((role, code))
 
     async def prefill_leg(
-        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int
+        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int, d_tp: int = 1
     ) -> GenerationDelta:
         self.calls.append(("prefill", p.name, transfer_id))
         what = self.prefill_script.get(p.name, ["ok"]).pop(0)

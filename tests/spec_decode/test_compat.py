@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.kvtransfer.handshake import HandshakeError, HandshakeInfo, check_compat
+from pdserve.kvtransfer.speculative_compat import SpecIdentity, spec_wire
 from pdserve.rpc.kv_convert import handshake_from_pb, handshake_to_pb
-from pdserve.spec_decode.compat import SpecIdentity, spec_wire
-from pdserve.spec_decode.config import SpeculativeConfig
 
 
 def _info(spec: str) -> HandshakeInfo:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.spec_decode.metrics import spec_decode_metrics
 from pdserve.spec_decode.scheduling import SpecScheduling
 

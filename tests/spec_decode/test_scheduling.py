@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config.engine import SchedulerConfig
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.errors import ConfigError
-from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.scheduling import SpecScheduling
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.config.speculative import SpeculativeConfig
 
 # Methods whose drafter needs state computed on the prefill node.
 NEEDS_PREFILL_STATE = frozenset({"draft_model", "mtp", "eagle", "eagle3", "medusa"})

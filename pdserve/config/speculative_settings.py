@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from pdserve.config.frozen import _Frozen
-from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.config.speculative import SpeculativeConfig
 
 
 class SpeculativeSettings(_Frozen):
