@@ -103,7 +103,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--apply-modes", nargs="+", default=["auto"], choices=["auto", "segmented", "dense"])
+    ap.add_argument(
+        "--apply-modes", nargs="+", default=["auto"], choices=["auto", "segmented", "dense", "bgmv"]
+    )
     ap.add_argument("--model-dir", type=Path, default=ROOT / ".models" / "bench-lora-llama")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lora.json")
     args = ap.parse_args()
