@@ -6,9 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from pdserve.lora.config import LoRAConfig
 from torch import nn
 
+from pdserve.config.lora import LoRAConfig
 from pdserve.lora.manager import LoRAManager
 from pdserve.lora.peft import LoRAAdapter, LoRAModuleWeights
 from pdserve.lora.serving import LoRAServing
