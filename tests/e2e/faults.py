@@ -42,10 +42,10 @@ class PhasedBackend(PDBackend):
             await self.hook(phase, {"request_id": req_id, **info})
 
     async def prefill_leg(
-        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1
+        self, p: NodeHandle, req: BackendRequest, transfer_id: str, d_pp: int = 1, d_tp: int = 1
     ) -> GenerationDelta:
         await self._fire("before_prefill", req.request_id, node=p.name, transfer_id=transfer_id)
-        first = await super().prefill_leg(p, req, transfer_id, d_pp)
+        first = await super().prefill_leg(p, req, transfer_id, d_pp, d_tp)
         await self._fire("after_prefill", req.request_id, node=p.name, transfer_id=transfer_id)
         return first
 
