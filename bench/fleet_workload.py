@@ -26,9 +26,11 @@ def fleet_cluster(
     num_decode: int,
     base_port: int,
     registry_ttl_s: float = 2.0,
+    node_settings: dict[str, Any] | None = None,
     **router: Any,
 ) -> ClusterConfig:
-    """Router on ``base``, then a gRPC and a metrics port per node; every node registers in Redis."""
+    """Router on ``base``, then a gRPC and a metrics port per node; every node registers in Redis
+    (``node_settings``: more fields of every node entry, e.g. kv_cache_memory_bytes)."""
     span = 1 + 2 * (num_prefill + num_decode)
     base = pick_base_port("127.0.0.1", base_port, span=span)
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
@@ -42,6 +44,7 @@ def fleet_cluster(
                 "role": role,
                 "grpc_port": base + 1 + 2 * i,
                 "metrics_port": base + 2 + 2 * i,
+                **(node_settings or {}),
             }
         )
     return ClusterConfig.from_dict(

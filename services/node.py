@@ -241,7 +241,13 @@ class NodeBase:
         kv = self.engine.kv
         if self.opts.redis_url and kv.enable_prefix_caching:  # KV events for the router's prefix index
             self.kv_events = start_publisher(
-                kv.pool, self.opts.redis_url, self.opts.name, self.epoch, kv.block_size
+                kv.pool,
+                self.opts.redis_url,
+                self.opts.name,
+                self.epoch,
+                kv.block_size,
+                self.opts.cluster.kv_events,
+                kv.offload,
             )
         self.engine_loop = EngineLoop(
             self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death

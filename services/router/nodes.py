@@ -61,7 +61,9 @@ class NodeHandle:
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.reported_load
+        """The node's sequences as this router sees them: ``load_estimate`` (the node's report
+        already holds this router's sequences, so in_flight + reported_load counted them twice)."""
+        return self.load_estimate
 
     @property
     def load_estimate(self) -> int:
@@ -266,9 +268,7 @@ class NodePool:
             and isinstance(key, RouteKey)
             and self.prefix_index is not None
         ):
-            chosen, held = cache_aware.choose(
-                live, key.block_hashes, self.prefix_index, self.policy.cache_aware
-            )
+            chosen, held = cache_aware.choose(live, key, self.prefix_index, self.policy.cache_aware)
             note_route(f"{chosen.role}-prefix-hit-tokens", held * chosen.block_size)
         elif self.policy.policy == "prefix_affinity" and key is not None:
             # Rendezvous hashing: the same leading blocks land on the same node while it lives.

@@ -7,7 +7,7 @@ import httpx
 
 from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvevents.index import PrefixIndex
+from pdserve.kvevents.index import OFFLOAD, PrefixIndex
 from services.router.backend import BackendRequest
 from services.router.cache_aware import RouteKey
 from services.router.dashboard import fleet_state
@@ -108,3 +108,36 @@ def test_new_prompts_spread_over_an_idle_fleet() -> None:
         return picks
 
     assert sorted(_with_backend(check, "cache_aware")) == ["p0", "p1", "p2"]
+
+
+def test_least_loaded_counts_the_routers_own_sequences_once() -> None:
+    def check(be: PDBackend) -> str:
+        _ready(be)
+        p0, p1, p2 = be.prefill
+        p0.in_flight, p0.reported_load, p0.in_flight_at_report = 2, 2, 2  # its report holds our 2
+        p1.in_flight, p1.reported_load, p1.in_flight_at_report = 0, 3, 0  # 3 of another router's
+        p2.healthy = False
+        assert p0.load == 2 and p1.load == 3
+        return be.pick(be.prefill, None).name
+
+    assert _with_backend(check) == "p0"  # counted twice (4) it lost to p1
+
+
+def test_cache_aware_hashes_at_each_nodes_block_size_and_weighs_offload_hits() -> None:
+    prompt = list(range(64))
+
+    def check(be: PDBackend) -> list[str]:
+        index = _ready(be)
+        be.prefill[2].block_size = 32  # p2 hashes its blocks at 32 tokens
+        for h in hash_prompt_blocks(prompt, 32):  # 2 blocks = the whole prompt, on p2's device
+            index.add("p2", h)
+        for h in hash_prompt_blocks(prompt, 16)[:3]:  # 3 of 4 blocks, p0's offload tier only
+            index.add("p0", h, OFFLOAD)
+        hashes = hash_prompt_blocks(prompt, 16)
+        key = RouteKey(hashes[3], hashes, prompt, 16)
+        picks = [be.pick(be.prefill, key).name]
+        index.clear_node("p2")
+        picks.append(be.pick(be.prefill, key).name)  # 1.5 blocks' worth beats p1's nothing
+        return picks
+
+    assert _with_backend(check, "cache_aware") == ["p2", "p0"]
