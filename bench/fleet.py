@@ -16,7 +16,9 @@ every conversation is cold under every policy: with T turns, 1 / T of the reques
 TTFT p90 can only show routing when that share is under 10 % (T > 10).
 
 Requests go one at a time (TTFT at concurrency 1; a shuffled order within each turn, a 0.3 s
-pause between turns). Prompt tokens computed = prompt tokens sent - prefix-cache hits, from the
+pause between turns), or with ``--concurrency C`` C conversations at a time, each its turns in
+order with a 0.3 s pause (at concurrency 1 least_loaded sends every request to the first, idle
+node, which then holds every history: no policy can beat that). Prompt tokens computed = prompt tokens sent - prefix-cache hits, from the
 nodes' own counters (pdserve:prefix_cache_hit_blocks).
 """
 
@@ -38,6 +40,7 @@ from bench.fleet_workload import (
     hit_blocks,
     multi_turn,
     node_counters,
+    run_concurrent,
     run_workload,
     shared_system_prompt,
 )
@@ -81,6 +84,9 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--workloads", default="multi_turn,shared_system")
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="each node's KV cache")
+    ap.add_argument(
+        "--concurrency", type=int, default=1, help="conversations at a time (1: turn by turn, shuffled)"
+    )
     ap.add_argument("--local-prefill-max-tokens", type=int, default=32, help="router setting, every policy")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pdserve-fleet-"))
@@ -120,7 +126,10 @@ def main() -> None:
                 for name in args.workloads.split(","):
                     convs = workloads[name]()
                     before = node_counters(cluster)
-                    run_workload(client, model, convs, args.max_tokens, pieces, seed=2, think_s=0.3)
+                    if args.concurrency > 1:
+                        run_concurrent(client, model, convs, args.max_tokens, pieces, args.concurrency, 0.3)
+                    else:
+                        run_workload(client, model, convs, args.max_tokens, pieces, seed=2, think_s=0.3)
                     results[policy][name] = _summary(convs, hit_blocks(before, node_counters(cluster)))
                     log(f"{policy} {name}: {results[policy][name]}")
             finally:

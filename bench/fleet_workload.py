@@ -164,6 +164,29 @@ def run_workload(
         time.sleep(think_s)
 
 
+def run_concurrent(
+    client: Any,
+    model: str,
+    convs: list[Conversation],
+    max_tokens: int,
+    pieces: PieceIds,
+    concurrency: int,
+    think_s: float,
+) -> None:
+    """``concurrency`` conversations at a time, each its turns in order with ``think_s`` between
+    them (users in parallel: the nodes' loads differ, so load-only routing moves follow-ups)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(conv: Conversation) -> None:
+        for turn in range(len(conv.turns)):
+            run_turn(client, model, conv, turn, max_tokens, pieces)
+            time.sleep(think_s)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for f in [pool.submit(one, c) for c in convs]:
+            f.result()
+
+
 def ideal_hit_blocks(convs: list[Conversation], block_size: int) -> int:
     """Every turn after the first hits its own history (the KV of all but the last answer token:
     that token was sampled, never fed), at most all but one prompt token (a hit leaves one)."""

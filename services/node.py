@@ -451,6 +451,8 @@ class NodeBase:
             stages=self.stage_loads(pb),
             num_ec_reservations=self.ec_reservations(),
             steps_socket=self.steps_socket,
+            prefix_cache_queried_blocks=eng.kv.pool.num_queried_blocks,
+            prefix_cache_hit_blocks=eng.kv.pool.num_hit_blocks,
         )
 
 

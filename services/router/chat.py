@@ -118,7 +118,7 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
 
-    reqs = fan_out(request_id, [prompt], params, [max_tokens], lora_name)
+    reqs = fan_out(request_id, [prompt], params, [max_tokens], lora_name, arrival_s)
     created = int(time.time())
 
     if body.stream:

@@ -46,6 +46,9 @@ class NodeHandle:
     block_size: int = 16
     num_blocks_total: int = 0  # from GetLoad: the node's KV cache (0 until a report)
     kv_blocks_used: int = 0  # from GetLoad (its first stage's): blocks in use
+    transfers_in_flight: int = 0  # from GetLoad: KV pushes (prefill) or pulls (decode) under way
+    prefix_cache_queried_blocks: int = 0  # from GetLoad: since the node started
+    prefix_cache_hit_blocks: int = 0
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
@@ -200,6 +203,9 @@ class NodePool:
             n.num_blocks_total = rep.num_blocks_total
             n.pp_size = max(1, len(rep.stages))
             n.kv_blocks_used = rep.stages[0].blocks_used if rep.stages else 0
+            n.transfers_in_flight = rep.num_pushes_in_flight + rep.num_pulls_in_flight
+            n.prefix_cache_queried_blocks = rep.prefix_cache_queried_blocks
+            n.prefix_cache_hit_blocks = rep.prefix_cache_hit_blocks
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps
                 # stream there (a stream still open ends with its node).

@@ -151,11 +151,13 @@ class PDBackend(NodePool):
         local = self.prefill_locally(req, hashes, d_node)
         note_route("path", "local" if local else "disaggregated")
         # The root span from here: a refusal above (no node) leaves no trace.
+        t_arrival = min(req.arrival_s, t_route) if req.arrival_s is not None else t_route
         root = req.trace_span = tracing.start_span(
             "router.request",
-            t_route,
+            t_arrival,
             **{"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens},
         )
+        tracing.record("router.admission", root, t_arrival, t_route)
         tracing.record("router.route", root, t_route, time.monotonic(), **route_attributes())
         flow = PDFlow(self, req, d_node, key, local=local, on_done=remember)
         try:

@@ -78,6 +78,8 @@ def test_dashboard_state_and_page(server_factory) -> None:
         index = _ready(be)
         index.add("p0", b"x" * 16)
         be.decode[0].kv_blocks_used, be.decode[0].num_blocks_total = 3, 10
+        be.decode[0].prefix_cache_queried_blocks, be.decode[0].prefix_cache_hit_blocks = 8, 6
+        be.decode[0].transfers_in_flight = 2
         be.count_leg_failure("decode", "UNAVAILABLE")
         return fleet_state(be)
 
@@ -86,6 +88,8 @@ def test_dashboard_state_and_page(server_factory) -> None:
     assert s["policy"] == "cache_aware" and set(by_name) == {"p0", "p1", "p2", "d0"}
     assert by_name["d0"]["kv_blocks_used"] == 3 and by_name["d0"]["kv_blocks_total"] == 10
     assert by_name["p0"]["prefix_index_blocks"] == 1 and by_name["p0"]["in_rotation"]
+    assert by_name["d0"]["prefix_hit_rate"] == 0.75 and by_name["d0"]["transfers_in_flight"] == 2
+    assert by_name["p0"]["prefix_hit_rate"] is None  # no lookup reported yet
     assert [(e["role"], e["code"]) for e in s["recent_errors"]] == [("decode", "UNAVAILABLE")]
 
     server = server_factory(FakeBackend(), api_key="k")
