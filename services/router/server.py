@@ -110,7 +110,7 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             ConsumerConfig.from_settings(cluster.kv_events),
         )
         kv_events.start()
-        metrics.registry.register(KVEventsCollector(kv_events))
+        metrics.add_process_collector(KVEventsCollector(kv_events))
     app = create_app(
         backend,
         load_tokenizer(model_dir),

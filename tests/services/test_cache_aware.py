@@ -145,3 +145,26 @@ def test_cache_aware_hashes_at_each_nodes_block_size_and_weighs_offload_hits() -
         return picks
 
     assert _with_backend(check, "cache_aware") == ["p2", "p0"]
+
+
+def test_index_metrics_are_in_metrics_with_router_workers(tmp_path, monkeypatch) -> None:
+    """With router workers /metrics reads the workers' files: the prefix index's collector (no
+    file of its own) joins them as the answering worker's view."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from services.router.app import _exposed
+    from services.router.cache_aware import KVEventsCollector
+    from services.router.metrics import RouterMetrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    index = PrefixIndex()
+    index.add("d0", b"h" * 16)
+    metrics = RouterMetrics()
+    metrics.add_process_collector(
+        KVEventsCollector(SimpleNamespace(index=index, num_events=5, num_gaps=1, num_resyncs=1))  # type: ignore[arg-type]
+    )
+    text = generate_latest(_exposed(metrics)).decode()
+    assert 'pdserve:router_prefix_index_blocks{node="d0"} 1.0' in text
+    assert "pdserve:router_kv_events_total 5.0" in text
