@@ -106,6 +106,9 @@ def main() -> None:
                 25000,
                 node_settings={"kv_cache_memory_bytes": args.kv_cache_bytes},
                 local_prefill_max_tokens=args.local_prefill_max_tokens,
+                # cold prefills of long histories, several at once on a loaded CPU host
+                prefill_timeout_s=300.0,
+                decode_first_token_timeout_s=300.0,
             )
             run_dir = work / policy
             run_dir.mkdir()

@@ -152,10 +152,11 @@ class PDBackend(NodePool):
         note_route("path", "local" if local else "disaggregated")
         # The root span from here: a refusal above (no node) leaves no trace.
         t_arrival = min(req.arrival_s, t_route) if req.arrival_s is not None else t_route
-        root = req.trace_span = tracing.start_span(
-            "router.request",
-            t_arrival,
-            **{"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens},
+        root = req.trace_span
+        if root is None:  # else begun at arrival (the encoder's spans are its children)
+            root = req.trace_span = tracing.start_span("router.request", t_arrival)
+        root.set_attributes(
+            {"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens}
         )
         tracing.record("router.admission", root, t_arrival, t_route)
         tracing.record("router.route", root, t_route, time.monotonic(), **route_attributes())
