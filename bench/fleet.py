@@ -51,12 +51,15 @@ POLICIES = ("prefix_affinity", "least_loaded", "cache_aware")
 
 def _summary(convs: list[Conversation], hits: float) -> dict[str, float]:
     ttfts = [t * 1000 for c in convs for t in c.ttfts_s]
+    follow_ups = [t * 1000 for c in convs for t in c.ttfts_s[1:]]  # where routing can matter
     sent = sum(len(p) for c in convs for p in c.prompts)
     return {
         "requests": len(ttfts),
         "ttft_p50_ms": round(pct(ttfts, 0.5), 1),
         "ttft_p90_ms": round(pct(ttfts, 0.9), 1),
         "ttft_p99_ms": round(pct(ttfts, 0.99), 1),
+        "follow_up_ttft_p50_ms": round(pct(follow_ups, 0.5), 1),
+        "follow_up_ttft_p90_ms": round(pct(follow_ups, 0.9), 1),
         "prompt_tokens": sent,
         "prompt_tokens_computed": int(sent - hits * BS),
         "local_path": sum(r.get("x-pdserve-path") == "local" for c in convs for r in c.routes),
