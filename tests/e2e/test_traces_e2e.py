@@ -1,7 +1,8 @@
 """One request's trace across router, prefill, KV transfer and decode (real processes, a static
 node list, no Redis), exported by OTLP to a collector this test runs in memory, asked through the
 official openai client. The fleet's default test (test_fleet_e2e.py) checks the same tree on a
-Redis-registered cluster; this one joins PDSERVE_FULL_TESTS."""
+Redis-registered cluster; this one joins PDSERVE_FULL_TESTS, with an image request's trace through
+an encoder node."""
 
 from __future__ import annotations
 
