@@ -26,9 +26,11 @@ def fleet_cluster(
     num_decode: int,
     base_port: int,
     registry_ttl_s: float = 2.0,
+    node_settings: dict[str, Any] | None = None,
     **router: Any,
 ) -> ClusterConfig:
-    """Router on ``base``, then a gRPC and a metrics port per node; every node registers in Redis."""
+    """Router on ``base``, then a gRPC and a metrics port per node; every node registers in Redis
+    (``node_settings``: more fields of every node entry, e.g. kv_cache_memory_bytes)."""
     span = 1 + 2 * (num_prefill + num_decode)
     base = pick_base_port("127.0.0.1", base_port, span=span)
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
@@ -42,6 +44,7 @@ def fleet_cluster(
                 "role": role,
                 "grpc_port": base + 1 + 2 * i,
                 "metrics_port": base + 2 + 2 * i,
+                **(node_settings or {}),
             }
         )
     return ClusterConfig.from_dict(
@@ -159,6 +162,29 @@ def run_workload(
         for conv in order:
             run_turn(client, model, conv, turn, max_tokens, pieces)
         time.sleep(think_s)
+
+
+def run_concurrent(
+    client: Any,
+    model: str,
+    convs: list[Conversation],
+    max_tokens: int,
+    pieces: PieceIds,
+    concurrency: int,
+    think_s: float,
+) -> None:
+    """``concurrency`` conversations at a time, each its turns in order with ``think_s`` between
+    them (users in parallel: the nodes' loads differ, so load-only routing moves follow-ups)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(conv: Conversation) -> None:
+        for turn in range(len(conv.turns)):
+            run_turn(client, model, conv, turn, max_tokens, pieces)
+            time.sleep(think_s)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for f in [pool.submit(one, c) for c in convs]:
+            f.result()
 
 
 def ideal_hit_blocks(convs: list[Conversation], block_size: int) -> int:

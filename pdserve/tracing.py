@@ -87,9 +87,14 @@ def metadata_traceparent(metadata: Any) -> str:
     return ""
 
 
+# Epoch minus monotonic nanoseconds, once per process: one monotonic reading is always the same
+# span time (spans that meet at a reading meet exactly).
+_WALL_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+
 def wall_ns(monotonic_s: float) -> int:
     """A ``time.monotonic()`` reading as the epoch nanoseconds spans carry."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    return int(monotonic_s * 1e9) + _WALL_OFFSET_NS
 
 
 def start_span(name: str, start_s: float, **attrs: Any) -> trace.Span:

@@ -238,7 +238,13 @@ class NodeBase:
         kv = self.engine.kv
         if self.opts.redis_url and kv.enable_prefix_caching:  # KV events for the router's prefix index
             self.kv_events = start_publisher(
-                kv.pool, self.opts.redis_url, self.opts.name, self.epoch, kv.block_size
+                kv.pool,
+                self.opts.redis_url,
+                self.opts.name,
+                self.epoch,
+                kv.block_size,
+                self.opts.cluster.kv_events,
+                kv.offload,
             )
         self.engine_loop = EngineLoop(
             self.engine, self.loop, self._on_kv_loads, self._on_step, on_death=self._on_engine_death
@@ -442,6 +448,8 @@ class NodeBase:
             stages=self.stage_loads(pb),
             num_ec_reservations=self.ec_reservations(),
             steps_socket=self.steps_socket,
+            prefix_cache_queried_blocks=eng.kv.pool.num_queried_blocks,
+            prefix_cache_hit_blocks=eng.kv.pool.num_hit_blocks,
         )
 
 

@@ -34,6 +34,7 @@ from pdserve.config.cluster_file import (
     write_cluster_config,
 )
 from pdserve.config.frozen import _Frozen
+from pdserve.config.kv_events_settings import KVEventsSettings
 from pdserve.config.lora_settings import LoRASettings
 from pdserve.config.node_settings import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -89,6 +90,7 @@ class ClusterConfig(_Frozen):
     # Redis registry: a node's entry expires this long after its last heartbeat (beats every TTL/3).
     registry_ttl_s: float = Field(default=10.0, gt=0)
     lora: LoRASettings | None = None  # LoRA adapters every node serves (None: the base model only)
+    kv_events: KVEventsSettings = KVEventsSettings()  # KV event publishing / following (redis_url)
     nodes: tuple[NodeConfig, ...]
 
     @model_validator(mode="after")
@@ -111,6 +113,11 @@ class ClusterConfig(_Frozen):
             raise ConfigError(
                 "router.policy cache_aware needs redis_url: the nodes publish their KV events there; "
                 "set redis_url or choose least_loaded, prefix_affinity or round_robin"
+            )
+        if "kv_events" in self.model_fields_set and not self.redis_url:
+            raise ConfigError(
+                "kv_events is set but redis_url is not: KV events go through Redis streams; "
+                "set redis_url or remove kv_events"
             )
         return self
 

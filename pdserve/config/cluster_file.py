@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel
 
+from pdserve.config.kv_events_settings import KVEventsSettings
 from pdserve.config.node_settings import NodeConfig
 from pdserve.config.router_settings import RouterConfig
 from pdserve.errors import ConfigError
@@ -140,6 +141,8 @@ def _describe_error(err: Any, data: Mapping[str, Any], root: type[BaseModel]) ->
             parent = NodeConfig
         elif loc[0] == "router" and len(loc) == 2:
             parent = RouterConfig
+        elif loc[0] == "kv_events" and len(loc) == 2:
+            parent = KVEventsSettings
         allowed = list(parent.model_fields)
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""

@@ -32,6 +32,9 @@ class RouterConfig(_Frozen):
     cache_aware_block_cost: float = Field(default=1.0, gt=0)
     cache_aware_load_cost: float = Field(default=8.0, ge=0)
     cache_aware_kv_usage_cost: float = Field(default=16.0, ge=0)
+    # A prompt block a node holds only in its offload tier (cpu / disk: KV events' tier) counts as
+    # this fraction of a block held on the device (it is copied in, not prefilled); 0 ignores them.
+    cache_aware_offload_hit_weight: float = Field(default=0.5, ge=0, le=1)
     # The router's prefix index keeps at most this many block hashes per node (oldest dropped).
     prefix_index_max_blocks_per_node: int = Field(default=1 << 20, ge=1)
     # Conditional disaggregation: prompts shorter than this prefill on the decode node, where a

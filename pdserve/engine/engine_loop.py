@@ -84,6 +84,7 @@ class EngineLoop:
         # time.monotonic() when the engine thread's current step or command began; None: idle
         # (written by the engine thread, read by the node's watchdog on the event loop)
         self._busy_since: float | None = None
+        self.last_step_start_s: float | None = None  # the last engine step's start (traces)
         # Set by the node's watchdog while the current step is past step_timeout_s: calls are
         # refused (EngineWedgedError) instead of queueing behind the stuck step.
         self.wedged: str | None = None
@@ -407,7 +408,7 @@ class EngineLoop:
             expired = self._guarded(lambda e: e.expire_queued())
             if expired:
                 self._deliver(expired)
-            self._busy_since = time.monotonic()
+            self._busy_since = self.last_step_start_s = time.monotonic()
             try:
                 deltas = eng.step()
             except WorkerError as e:  # a TP rank or pipeline stage died: say so (first line only)

@@ -11,6 +11,11 @@ entry is a batch of events or a snapshot, JSON in its ``data`` field (never pick
 
     type      stored | removed | all_cleared        hash / parent: hex ("" for none)
     seq       per node process, from 0 (the all_cleared every start publishes), +1 per event
+    group     the KV cache group whose block table holds the block: the engine keeps one table that
+              every group reads (engine/kv_cache_groups.py), so 0
+    tier      "device" (the KV cache), or the offload tier's "cpu" (host entries that answer
+              lookups) and "disk" (pdserve/kvoffload/): a block may be stored in several tiers,
+              and a "removed" names the tier it left
 
 A consumer that sees a seq jump (events dropped by a full queue or a Redis outage) asks for a
 snapshot by pushing to ``pdserve:kv:resync:<node>``; the node answers in its stream with a snapshot

@@ -20,8 +20,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from pdserve.config.kv_events_settings import KVEventsSettings
 from pdserve.kvevents import resync_key, stream_key
-from pdserve.kvevents.index import PrefixIndex
+from pdserve.kvevents.index import PrefixIndex, tier_bit
 
 logger = logging.getLogger(__name__)
 RESYNC_KEY_TTL_S = 60
@@ -34,6 +35,16 @@ class ConsumerConfig:
     resync_timeout_s: float = 2.0  # a snapshot not seen by then is asked for again
     redis_timeout_s: float = 1.0  # connect / answer of one Redis operation (besides the XREAD wait)
     retry_s: float = 1.0  # after a failed read
+
+    @classmethod
+    def from_settings(cls, s: KVEventsSettings) -> ConsumerConfig:
+        """The cluster file's ``kv_events`` section (pdserve/config/kv_events_settings.py)."""
+        return cls(
+            read_block_ms=s.read_block_ms,
+            resync_timeout_s=s.resync_timeout_s,
+            redis_timeout_s=s.redis_timeout_s,
+            retry_s=s.retry_s,
+        )
 
 
 @dataclass
@@ -120,11 +131,11 @@ class KVEventConsumer:
         if fields[b"kind"] == b"snapshot":
             seq = int(data["seq"])
             if seq + 1 >= f.next_seq:  # not older than what we have
-                self.index.replace_node(name, (bytes.fromhex(b[0]) for b in data["blocks"]))
+                self.index.replace_node(name, ((bytes.fromhex(b[0]), tier_bit(b[4])) for b in data["blocks"]))
                 f.next_seq, f.resync_asked_at = seq + 1, None
                 self.num_resyncs += 1
             return
-        for seq, kind, h, _parent, _num_tokens, _group, _tier in data["events"]:
+        for seq, kind, h, _parent, _num_tokens, _group, tier in data["events"]:
             if f.resync_asked_at is not None or seq < f.next_seq:
                 continue
             if seq > f.next_seq:
@@ -137,9 +148,9 @@ class KVEventConsumer:
             f.next_seq += 1
             self.num_events += 1
             if kind == "stored":
-                self.index.add(name, bytes.fromhex(h))
+                self.index.add(name, bytes.fromhex(h), tier_bit(tier))
             elif kind == "removed":
-                self.index.remove(name, bytes.fromhex(h))
+                self.index.remove(name, bytes.fromhex(h), tier_bit(tier))
             else:
                 self.index.clear_node(name)
         last_seq = int(data.get("last_seq", -1))

@@ -14,11 +14,16 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 from redis.exceptions import RedisError
 
+from pdserve.config.kv_events_settings import KVEventsSettings
 from pdserve.engine.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from pdserve.kvoffload.manager import KVOffloadManager
 from pdserve.kvevents import TIER_DEVICE, resync_key, stream_key
 
 logger = logging.getLogger(__name__)
@@ -38,8 +43,13 @@ class KVEventPublisher:
     """Listener on a BlockPool (``block_stored`` / ``block_removed`` on the engine thread) and the
     threads that publish. ``start`` clears the stream and publishes all_cleared at seq 0."""
 
-    def __init__(self, redis_url: str, node: str, epoch: str, block_size: int, cfg: PublisherConfig) -> None:
+    def __init__(
+        self, redis_url: str, node: str, epoch: str, block_size: int, cfg: PublisherConfig, group: int = 0
+    ) -> None:
         self.node, self.epoch, self.block_size, self.cfg = node, epoch, block_size, cfg
+        # The KV cache group whose block table the events describe. The engine keeps one block
+        # table that every group reads (engine/kv_cache_groups.py), so a node has one: group 0.
+        self.group = group
         self._r = redis.Redis.from_url(
             redis_url, socket_timeout=cfg.redis_timeout_s, socket_connect_timeout=cfg.redis_timeout_s
         )
@@ -50,7 +60,7 @@ class KVEventPublisher:
             socket_connect_timeout=cfg.redis_timeout_s,
         )
         self._lock = threading.Lock()
-        self._mirror: dict[bytes, bytes | None] = {}
+        self._mirror: dict[tuple[bytes, str], bytes | None] = {}  # (hash, tier) -> parent
         self._pending: list[list[object]] = []
         self._seq = -1
         self._announced_seq = -1  # the last_seq of the last entry sent (publisher thread)
@@ -64,28 +74,35 @@ class KVEventPublisher:
 
     # -- the listener (engine thread) -----------------------------------------------------------
     def block_stored(self, block_hash: bytes, parent_hash: bytes | None) -> None:
-        with self._lock:
-            self._mirror[block_hash] = parent_hash
-            self._emit("stored", block_hash, parent_hash)
+        self.tier_stored(block_hash, parent_hash, TIER_DEVICE)
 
     def block_removed(self, block_hash: bytes) -> None:
+        self.tier_removed(block_hash, TIER_DEVICE)
+
+    def tier_stored(self, block_hash: bytes, parent_hash: bytes | None, tier: str) -> None:
+        """A block cached in ``tier`` (device, or the offload tier's cpu / disk)."""
         with self._lock:
-            self._mirror.pop(block_hash, None)
-            self._emit("removed", block_hash, None)
+            self._mirror[(block_hash, tier)] = parent_hash
+            self._emit("stored", block_hash, parent_hash, tier)
+
+    def tier_removed(self, block_hash: bytes, tier: str) -> None:
+        with self._lock:
+            self._mirror.pop((block_hash, tier), None)
+            self._emit("removed", block_hash, None, tier)
 
     def all_cleared(self) -> None:
         with self._lock:
             self._mirror.clear()
-            self._emit("all_cleared", None, None)
+            self._emit("all_cleared", None, None, TIER_DEVICE)
 
-    def _emit(self, kind: str, h: bytes | None, parent: bytes | None) -> None:
+    def _emit(self, kind: str, h: bytes | None, parent: bytes | None, tier: str) -> None:
         self._seq += 1
         if len(self._pending) >= self.cfg.max_pending_events:
             self.num_dropped += 1
             return
         n = self.block_size if kind == "stored" else 0
         self._pending.append(
-            [self._seq, kind, h.hex() if h else "", parent.hex() if parent else "", n, 0, TIER_DEVICE]
+            [self._seq, kind, h.hex() if h else "", parent.hex() if parent else "", n, self.group, tier]
         )
 
     # -- life ------------------------------------------------------------------------------------
@@ -125,8 +142,8 @@ class KVEventPublisher:
             with self._lock:
                 seq = self._seq
                 blocks = [
-                    [h.hex(), p.hex() if p else "", self.block_size, 0, TIER_DEVICE]
-                    for h, p in self._mirror.items()
+                    [h.hex(), p.hex() if p else "", self.block_size, self.group, tier]
+                    for (h, tier), p in self._mirror.items()
                 ]
             if self._xadd("snapshot", {"seq": seq, "blocks": blocks}):
                 self.num_snapshots += 1
@@ -181,10 +198,25 @@ class KVEventPublisher:
 
 
 def start_publisher(
-    pool: BlockPool, redis_url: str, node: str, epoch: str, block_size: int
+    pool: BlockPool,
+    redis_url: str,
+    node: str,
+    epoch: str,
+    block_size: int,
+    settings: KVEventsSettings,
+    offload: KVOffloadManager | None = None,
 ) -> KVEventPublisher:
     """Publish ``pool``'s prefix-cache changes from now on (all_cleared first: a fresh cache)."""
-    pub = KVEventPublisher(redis_url, node, epoch, block_size, PublisherConfig())
+    cfg = PublisherConfig(
+        flush_interval_s=settings.flush_interval_s,
+        max_pending_events=settings.max_pending_events,
+        max_events_per_entry=settings.max_events_per_entry,
+        stream_maxlen=settings.stream_maxlen,
+        redis_timeout_s=settings.redis_timeout_s,
+    )
+    pub = KVEventPublisher(redis_url, node, epoch, block_size, cfg)
     pub.start()
     pool.listener = pub
+    if offload is not None:  # blocks stored in / removed from the offload tier: tier cpu / disk
+        offload.set_listener(pub)
     return pub

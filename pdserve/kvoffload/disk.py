@@ -29,6 +29,7 @@ import shutil
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class DiskTier:
         self.num_corrupt = 0
         self.num_write_errors = 0
         self._closed = False
+        # (stored: bool, hash) for each block indexed or dropped (KVOffloadManager.set_listener)
+        self.on_change: Callable[[bool, bytes], None] | None = None
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-disk", daemon=True)
         self._writer.start()
 
@@ -107,9 +110,13 @@ class DiskTier:
                 if self._pending.pop(old, None) is None:
                     with contextlib.suppress(FileNotFoundError):
                         self.path(old).unlink()
+                if self.on_change is not None:
+                    self.on_change(False, old)
             self._index[block_hash] = None
             self._pending[block_hash] = data
         self._queue.put(block_hash)
+        if self.on_change is not None:
+            self.on_change(True, block_hash)
 
     def get(self, block_hash: bytes) -> memoryview | None:
         """The block's payload, checked; None when absent or corrupt (a corrupt file is deleted)."""
@@ -129,6 +136,8 @@ class DiskTier:
             with self._lock:
                 self._index.pop(block_hash, None)
                 self._pending.pop(block_hash, None)
+            if self.on_change is not None:
+                self.on_change(False, block_hash)
             with contextlib.suppress(FileNotFoundError):
                 self.path(block_hash).unlink()
         return payload

@@ -12,6 +12,7 @@ on the host, a load not yet on the device): pinned slots are never evicted or re
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class HostTier:
@@ -25,6 +26,8 @@ class HostTier:
         self.entries: OrderedDict[bytes, int] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
         self._pins: dict[int, int] = {}
+        # (stored: bool, hash) for each entry made or dropped (KVOffloadManager.set_listener)
+        self.on_change: Callable[[bool, bytes], None] | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -65,12 +68,16 @@ class HostTier:
         for h, slot in self.entries.items():
             if slot not in self._pins:
                 del self.entries[h]
+                if self.on_change is not None:
+                    self.on_change(False, h)
                 return slot, (h, slot)
         return None
 
     def insert(self, block_hash: bytes, slot: int) -> None:
         assert block_hash not in self.entries
         self.entries[block_hash] = slot
+        if self.on_change is not None:
+            self.on_change(True, block_hash)
 
     def release(self, slot: int) -> None:
         """Give back a slot taken with ``take_slot`` that holds no entry."""
@@ -79,4 +86,7 @@ class HostTier:
 
     def remove(self, block_hash: bytes) -> int | None:
         """Drop an entry (its slot stays taken until ``release``); returns its slot."""
-        return self.entries.pop(block_hash, None)
+        slot = self.entries.pop(block_hash, None)
+        if slot is not None and self.on_change is not None:
+            self.on_change(False, block_hash)
+        return slot

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from pdserve.kvoffload.disk import DiskTier
 from pdserve.kvoffload.host import HostTier
@@ -24,6 +25,21 @@ from pdserve.kvoffload.spec import KVOffloadSpec, OffloadHit
 
 # Buckets of pdserve:kv_offload_load_seconds.
 LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class TierListener(Protocol):
+    def tier_stored(self, block_hash: bytes, parent_hash: bytes | None, tier: str) -> None: ...
+    def tier_removed(self, block_hash: bytes, tier: str) -> None: ...
+
+
+def _tier_hook(listener: TierListener, tier: str) -> Callable[[bool, bytes], None]:
+    def hook(stored: bool, block_hash: bytes) -> None:
+        if stored:
+            listener.tier_stored(block_hash, None, tier)
+        else:
+            listener.tier_removed(block_hash, tier)
+
+    return hook
 
 
 class KVOffloadManager:
@@ -57,6 +73,13 @@ class KVOffloadManager:
         self.hit_tokens = {"cpu": 0, "disk": 0}
         self.load_seconds_sum = 0.0
         self.load_seconds_counts = [0] * (len(LOAD_SECONDS_BUCKETS) + 1)
+
+    def set_listener(self, listener: TierListener) -> None:
+        """Tell ``listener`` (the node's KV event publisher) of every block the tiers index or drop:
+        tier "cpu" (host entries that answer lookups) and "disk"."""
+        self.host.on_change = _tier_hook(listener, "cpu")
+        if self.disk is not None:
+            self.disk.on_change = _tier_hook(listener, "disk")
 
     # -- stores ------------------------------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: bytes) -> None:

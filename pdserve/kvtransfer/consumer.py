@@ -163,6 +163,10 @@ class KVConsumer:
     def request_state_sizes(self) -> dict[str, int]:
         return {"kv_consumer.transfers": len(self.records), "kv_consumer.pulls": len(self._pulls)}
 
+    def pulls_in_flight(self) -> int:
+        """Transfers being pulled now (PushKV calls out): LoadReport.num_pulls_in_flight."""
+        return sum(1 for r in self.records if r.state is TransferState.PULLING)
+
     # --- the pull -------------------------------------------------------------------------------
 
     def start_pull(self, spec: KVLoadSpec, t_handed: float | None = None) -> None:
@@ -231,7 +235,8 @@ class KVConsumer:
             raise errors[0]
         if rec.early and not first:
             raise PullFailedError(f"prefill {addr} answered an early pull without the first token")
-        self.pull_bytes_total += sum(r.bytes for r in results if isinstance(r, PullReply))
+        rec.num_bytes = sum(r.bytes for r in results if isinstance(r, PullReply))
+        self.pull_bytes_total += rec.num_bytes
         if self._checksum is None:
             return True, "", first
         # one endpoint (kv_checksum with pp > 1 or tp > 1 is refused at start)

@@ -49,6 +49,7 @@ class PullRecord:
     reprefill: bool = False  # failed, and the router should re-drive it on another prefill node
     checksum: str = ""  # prefill's digest of the pushed blocks (kv_checksum)
     error: str = ""  # why it failed
+    num_bytes: int = 0  # KV bytes the pull brought (every stage; traces)
 
     def move(self, to: TransferState) -> None:
         assert to in _NEXT[self.state], f"{self.transfer_id}: {self.state.name} -> {to.name}"

@@ -46,7 +46,7 @@ KV_PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class DecodeNode(NodeBase):
     def __init__(self, opts: NodeSpec) -> None:
         super().__init__(opts)
-        self.pull_times: dict[str, list[float]] = {}  # traces: a pull's start and end, by request
+        self.pull_times: dict[str, list[float]] = {}  # traces: a pull's start, end and bytes, by request
         self.kv_pull_seconds = Histogram(
             "pdserve:kv_pull_seconds",
             "Successful KV pulls: from the engine handing the pull over (its blocks allocated) to "
@@ -121,7 +121,8 @@ class DecodeNode(NodeBase):
         """Event loop: a pull ended; the engine runs the request or applies the policy."""
         assert self.engine_loop is not None
         if request_id in self.pull_times:
-            self.pull_times[request_id].append(time.monotonic())
+            rec = self.kv_consumer.records.get(request_id)
+            self.pull_times[request_id] += [time.monotonic(), rec.num_bytes if rec is not None else 0]
         self.engine_loop.post_and_dispatch(
             lambda e: e.finish_kv_load(request_id, ok, policy, error, first_tokens)
         )
@@ -390,7 +391,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.AbortResponse(num_aborted=len(aborted))
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return await self.node.answer_load(pb, context)
+        report = await self.node.answer_load(pb, context)
+        report.num_pulls_in_flight = self.node.kv_consumer.pulls_in_flight()
+        return report
 
 
 class _Refusal(Exception):

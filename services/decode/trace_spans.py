@@ -13,11 +13,11 @@ from pdserve.rpc import node_pb2 as pb
 def trace_decode(
     node: Any, request: pb.DecodeRequest, times: list[float], pull: list[float], finished: bool
 ) -> None:
-    """``times``: [admitted, first delta]; ``pull``: [pull start, pull end] (remote prefill)::
+    """``times``: [admitted, first delta]; ``pull``: [pull start, pull end, bytes] (remote prefill)::
 
     decode            admitted -> end              (child of the router's decode leg)
       decode.queue    admitted -> pull start       (blocks allocated, the pull handed over)
-      kv_transfer     pull start -> pull end
+      kv_transfer     pull start -> pull end       (pdserve.kv_bytes, pdserve.kv_seconds)
       decode.first_token  admitted -> first delta
       decode.stream   first delta -> end
     """
@@ -30,7 +30,7 @@ def trace_decode(
         **{"pdserve.node": node.opts.name, "pdserve.remote_prefill": request.remote_prefill},
         **{"pdserve.prompt_tokens": len(request.prompt_token_ids), "pdserve.finished": finished},
     )
-    if len(pull) == 2:
+    if len(pull) == 3:
         tracing.record("decode.queue", span, times[0], pull[0])
         tracing.record(
             "kv_transfer",
@@ -40,6 +40,8 @@ def trace_decode(
             **{
                 "pdserve.prefill_address": request.prefill_address,
                 "pdserve.transfer_id": request.transfer_id,
+                "pdserve.kv_bytes": int(pull[2]),
+                "pdserve.kv_seconds": pull[1] - pull[0],
             },
         )
     if len(times) == 2:

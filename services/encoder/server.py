@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Gauge
 
+from pdserve import tracing
 from pdserve.config.node_spec import NodeSpec
 from pdserve.embedcache.connector import EmbeddingProducer
 from pdserve.embedcache.index import EmbeddingIndex
@@ -95,6 +96,7 @@ class EncoderNode:
         ).set_function(lambda: self.producer.bytes_used)
 
     async def serve(self, ready: asyncio.Event | None = None) -> None:
+        tracing.init_tracing("pdserve-encoder")  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
         server, hs, addr = await start_grpc_server(
             self.opts.host,
             self.opts.grpc_port,
@@ -141,6 +143,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         if not request.images:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs at least one image")
         images = [ImageInput(im.data, im.uuid or None) for im in request.images]
+        t_call = time.monotonic()
         node.in_flight += 1
         try:
             if node.opts.faults.encode_delay_s:
@@ -152,6 +155,18 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             node.in_flight -= 1
+        if tracing.enabled():  # a child of the router's router.encode span
+            tracing.record(
+                "encoder.encode",
+                tracing.context_of(tracing.metadata_traceparent(context.invocation_metadata())),
+                t_call,
+                time.monotonic(),
+                **{
+                    "pdserve.node": node.opts.name,
+                    "pdserve.images": len(images),
+                    "pdserve.cache_hits": sum(e.cache_hit for e in out),
+                },
+            )
         return pb.EncodeResponse(
             items=[pb.EncodeItem(key=e.key, length=e.length, cache_hit=e.cache_hit) for e in out],
             node=node.opts.name,

@@ -32,6 +32,7 @@ from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
 from services.lora_rpc import check_request_lora, load_lora, unload_lora
 from services.mm_items import ColocatedEncoder, EmbeddingFetcher, EmbeddingUnavailableError
 from services.node import NodeBase
+from services.prefill.trace_spans import PrefillTraces
 
 logger = logging.getLogger(__name__)
 EXPIRE_EVERY_S = 0.5
@@ -82,6 +83,7 @@ class PrefillNode(NodeBase):
             )
         self.producer = self.producers[0]
         self._last_expire = 0.0
+        self.traces = PrefillTraces()  # spans of Prefill calls (only with tracing on)
         self.pushes = KVProducerGroup(
             self.producers,
             self.handshake,
@@ -155,6 +157,8 @@ class PrefillNode(NodeBase):
 
     def _on_step(self, engine: Any) -> None:
         now = time.monotonic()
+        if tracing.enabled() and self.engine_loop is not None:
+            self.traces.after_step(engine, self.engine_loop.last_step_start_s)
         if now - self._last_expire >= EXPIRE_EVERY_S:
             self._last_expire = now
             expired = self.producer.tracker.expire()
@@ -210,6 +214,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node = self.node
         tid = request.transfer_id
         t_call = time.monotonic()
+        if tracing.enabled():
+            node.traces.begin(tid, t_call)
         # Its end, whatever ends the call: refused before admission (an early pull waiting for it
         # fails now), or cancelled by its caller (a hold nobody will pull is released now).
         transfer = node.producer.track(tid)
@@ -292,13 +298,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             first.finish_reason = None  # length of the prefill leg only: decode continues
         held = transfer.finish()
         if tracing.enabled():
-            tracing.record(
-                "prefill",
+            node.traces.end(
+                tid,
                 tracing.context_of(tracing.metadata_traceparent(context.invocation_metadata())),
-                t_call,
-                time.monotonic(),
-                **{"pdserve.node": node.opts.name, "pdserve.prompt_tokens": len(request.prompt_token_ids)},
-                **{"pdserve.cached_tokens": first.num_cached_tokens, "pdserve.kv_held": held},
+                {
+                    "pdserve.node": node.opts.name,
+                    "pdserve.prompt_tokens": len(request.prompt_token_ids),
+                    "pdserve.cached_tokens": first.num_cached_tokens,
+                    "pdserve.kv_held": held,
+                },
+                held,
             )
         return pb.PrefillResponse(
             first=convert.delta_to_pb(first),
@@ -317,6 +326,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             out = await node.pushes.serve(pull)
         except PullRefusedError as e:
             await context.abort(_REFUSAL_STATUS[e.refusal], str(e))
+        if tracing.enabled() and out.ok:
+            node.traces.pulled(
+                pull.transfer_id, sum(r.bytes for r in out.results), max(r.seconds for r in out.results)
+            )
         return kv_convert.push_outcome_to_pb(out, [node.stage_info(pb, node.stages[i]) for i in out.stages])
 
     async def Handshake(

@@ -203,11 +203,15 @@ def package_version() -> str:
 
 def _exposed(metrics: RouterMetrics) -> CollectorRegistry:
     """What /metrics shows: with router workers (PROMETHEUS_MULTIPROC_DIR set by the parent
-    process), every worker's values added up; else this process's registry."""
+    process), every worker's values added up, plus the answering worker's process collectors
+    (the prefix index: pdserve:router_prefix_index_blocks, router_kv_event*); else this
+    process's registry."""
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return metrics.registry
     from prometheus_client import multiprocess
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
+    for c in metrics.process_collectors:  # not in the files: this worker's own view
+        registry.register(c)
     return registry

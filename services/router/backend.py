@@ -39,6 +39,9 @@ class BackendRequest:
     lora_ident: str = ""
     # The sequence's root span (pdserve/tracing.py), set by the backend; legs are its children.
     trace_span: Any = None
+    # When the HTTP request arrived (time.monotonic()): the root span starts there, and
+    # router.admission spans it to the routing decision (parsing, tokenizing, limits, capacity).
+    arrival_s: float | None = None
 
     @property
     def mm_needs_ec(self) -> bool:

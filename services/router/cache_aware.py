@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.kvevents.consumer import KVEventConsumer
 from pdserve.kvevents.index import PrefixIndex
 
@@ -30,18 +31,41 @@ class CacheAwareWeights:
     block_cost: float = 1.0  # one block a node must prefill (the unit of the others)
     load_cost: float = 8.0  # one sequence on the node (running, waiting or in flight from the router)
     kv_usage_cost: float = 16.0  # the node's KV cache full (usage 1.0)
+    # A block only the node's offload tier (cpu / disk) holds counts this much of a device hit:
+    # it is copied in instead of prefilled, which is cheaper but not free.
+    offload_hit_weight: float = 0.5
 
 
 class RouteKey(bytes):
     """The prefix-affinity key (the hash of the prompt's leading blocks, as before) carrying every
-    full block's hash of the prompt, for the cache-aware choice of both legs."""
+    full block's hash of the prompt, for the cache-aware choice of both legs. With the prompt's
+    token ids, a node of another block size gets the prompt hashed at its own size."""
 
     block_hashes: Sequence[bytes]
+    _ids: Sequence[int]
+    block_size: int  # of block_hashes (0: unknown, every node is taken to hash at it)
+    _by_size: dict[int, Sequence[bytes]]
 
-    def __new__(cls, key: bytes, block_hashes: Sequence[bytes]) -> RouteKey:
+    def __new__(
+        cls,
+        key: bytes,
+        block_hashes: Sequence[bytes],
+        prompt_token_ids: Sequence[int] = (),
+        block_size: int = 0,
+    ) -> RouteKey:
         obj = super().__new__(cls, key)
         obj.block_hashes = block_hashes
+        obj._ids = prompt_token_ids
+        obj.block_size = block_size
+        obj._by_size = {block_size: block_hashes}
         return obj
+
+    def hashes_for(self, block_size: int) -> Sequence[bytes]:
+        """The prompt's block hashes at ``block_size`` (KV events hash at the node's own size)."""
+        got = self._by_size.get(block_size)
+        if got is None:
+            got = self._by_size[block_size] = hash_prompt_blocks(list(self._ids), block_size)
+        return got
 
 
 def kv_usage(n: NodeHandle) -> float:
@@ -49,20 +73,25 @@ def kv_usage(n: NodeHandle) -> float:
 
 
 def choose(
-    nodes: Sequence[NodeHandle], block_hashes: Sequence[bytes], index: PrefixIndex, w: CacheAwareWeights
+    nodes: Sequence[NodeHandle], key: RouteKey, index: PrefixIndex, w: CacheAwareWeights
 ) -> tuple[NodeHandle, int]:
-    """The cheapest of ``nodes`` (non-empty) and the prompt blocks it holds. Among equal costs
-    (an idle fleet, a new prompt) the node with the fewest indexed blocks wins, so new prefixes
-    spread over the nodes' caches instead of all landing on the first."""
+    """The cheapest of ``nodes`` (non-empty) and the prompt blocks it holds (any tier). Among
+    equal costs (an idle fleet, a new prompt) the node with the fewest indexed blocks wins, so new
+    prefixes spread over the nodes' caches instead of all landing on the first. Blocks are counted
+    at each node's block size; an offload-tier block weighs ``offload_hit_weight``."""
     assert nodes
     best: tuple[float, int, int, NodeHandle] | None = None
     for n in nodes:
-        held = index.overlap(n.name, block_hashes)
+        hashes, scale = key.block_hashes, 1.0
+        if key._ids and n.block_size != key.block_size:  # in blocks of the key's size
+            hashes, scale = key.hashes_for(n.block_size), n.block_size / key.block_size
+        hit = index.weighted_overlap(n.name, hashes, w.offload_hit_weight)
+        held = index.overlap(n.name, hashes)
         base = n.load_estimate * w.load_cost + kv_usage(n) * w.kv_usage_cost
         if n.role == "prefill":
-            cost = base + (len(block_hashes) - held) * w.block_cost
+            cost = base + (len(hashes) - hit) * scale * w.block_cost
         else:
-            cost = base - held * w.block_cost
+            cost = base - hit * scale * w.block_cost
         rank = (cost, index.num_blocks(n.name))
         if best is None or rank < best[:2]:
             best = (cost, rank[1], held, n)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from opentelemetry import trace
 from starlette.responses import Response
 from starlette.types import Receive
 
+from pdserve import tracing
 from pdserve.engine.chat_template import render_chat
 from pdserve.engine.outputs import GenerationDelta
 from pdserve.engine.sampling_params import SamplingParams
@@ -114,11 +117,15 @@ async def create_chat_completion(
     check_prompt_chars(message_chars(body.messages), ctx.max_prompt_chars, "messages")
     prompt, images = await ctx.offload.in_thread(render_chat_prompt, ctx, body)
     request_id = new_request_id("chatcmpl")
-    prompt = await with_images(ctx, request_id, prompt, images)
+    # With images the first sequence's root span starts here, so the encoder's spans join its trace.
+    root = tracing.start_span("router.request", arrival_s) if images and tracing.enabled() else None
+    with trace.use_span(root, end_on_exit=False) if root is not None else contextlib.nullcontext():
+        prompt = await with_images(ctx, request_id, prompt, images)
     max_tokens = resolve_max_tokens(ctx, prompt.num_tokens, requested, max_tokens_param)
     await ctx.backend.check_capacity()
 
-    reqs = fan_out(request_id, [prompt], params, [max_tokens], lora_name)
+    reqs = fan_out(request_id, [prompt], params, [max_tokens], lora_name, arrival_s)
+    reqs[0].trace_span = root
     created = int(time.time())
 
     if body.stream:

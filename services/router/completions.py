@@ -109,7 +109,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, receiv
     await ctx.backend.check_capacity()
 
     request_id = new_request_id("cmpl")
-    reqs = fan_out(request_id, prompts, params, max_tokens, lora_name)
+    reqs = fan_out(request_id, prompts, params, max_tokens, lora_name, arrival_s)
     n = len(reqs) // len(prompts)
     num_prompt_tokens = sum(p.num_tokens for p in prompts)
     echo = await ctx.offload.run(

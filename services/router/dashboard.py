@@ -2,8 +2,9 @@
 (JSON, behind the API key when one is set: the page asks for it and sends it as a bearer token).
 
 The state is the router's own view, refreshed every second by the page: each node's role,
-stages, health and breaker, load, KV blocks used / total (GetLoad), the blocks the prefix index
-says it holds (policy cache_aware), and the router's recent leg failures.
+stages, health and breaker, load, KV blocks used / total, KV transfers in flight (prefill: pushes,
+decode: pulls) and prefix-cache hit rate since the node started (GetLoad), the blocks the prefix
+index says it holds (policy cache_aware), and the router's recent leg failures.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def fleet_state(backend: Any) -> dict[str, Any]:
                 "kv_blocks_used": n.kv_blocks_used,
                 "kv_blocks_total": n.num_blocks_total,
                 "prefix_index_blocks": index.num_blocks(n.name) if index is not None else None,
+                "transfers_in_flight": n.transfers_in_flight,
+                "prefix_hit_rate": (
+                    n.prefix_cache_hit_blocks / n.prefix_cache_queried_blocks
+                    if n.prefix_cache_queried_blocks
+                    else None
+                ),
             }
         )
     errors = getattr(backend, "recent_errors", None)
@@ -84,7 +91,8 @@ th{background:#f3f3f3}.down{color:#b00}.up{color:#080}
 <h1>pdserve fleet</h1>
 <div id="status">loading...</div>
 <table id="nodes"><thead><tr><th>node</th><th>role</th><th>stages</th><th>health</th><th>load</th>
-<th>KV blocks used / total</th><th>prefix blocks indexed</th></tr></thead><tbody></tbody></table>
+<th>KV blocks used / total</th><th>prefix blocks indexed</th><th>transfers in flight</th>
+<th>prefix-hit rate</th></tr></thead><tbody></tbody></table>
 <h2>Recent leg failures</h2><ul id="errors"></ul>
 <script>
 let key = sessionStorage.getItem("pdserve_key") || "";
@@ -108,6 +116,8 @@ async function refresh() {
     kv.appendChild(document.createTextNode(n.kv_blocks_used + " / " + n.kv_blocks_total));
     kv.className = "kv";
     cell(tr, n.prefix_index_blocks === null ? "-" : n.prefix_index_blocks);
+    cell(tr, n.transfers_in_flight);
+    cell(tr, n.prefix_hit_rate === null ? "-" : (100 * n.prefix_hit_rate).toFixed(1) + " %");
   }
   const ul = document.getElementById("errors"); ul.innerHTML = "";
   for (const e of s.recent_errors) {

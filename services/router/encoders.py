@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve import tracing
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.rpc import channel
 from pdserve.rpc import node_pb2 as pb
@@ -81,9 +82,14 @@ class EncoderPool:
             request_id=request_id, images=[pb.EncodeImage(data=d, uuid=u or "") for d, u in images]
         )
         h.in_flight += 1
+        # A child of the current span (the first sequence's router.request: chat.py), carried
+        # to the encoder node in the call's metadata.
+        span = tracing.tracer.start_span("router.encode", attributes={"pdserve.node": h.name})
+        tp = tracing.traceparent(span)
+        md = (*(self._md or ()), ("traceparent", tp)) if tp else self._md
         try:
             resp = await pb_grpc.EncoderServiceStub(h.channel).Encode(
-                msg, timeout=self.timeout_s, metadata=self._md
+                msg, timeout=self.timeout_s, metadata=md
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -96,6 +102,7 @@ class EncoderPool:
             ) from e
         finally:
             h.in_flight -= 1
+            span.end()
         h.breaker.record_success()
         if len(resp.items) != len(images):
             raise CapacityError(f"encoder {h.name} answered {len(resp.items)} items for {len(images)} images")

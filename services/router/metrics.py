@@ -7,6 +7,8 @@ backend sequence: a request with ``n`` choices is ``n`` sequences on the nodes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Buckets as vLLM's, so dashboards built for it read ours unchanged.
@@ -16,8 +18,17 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class RouterMetrics:
+    def add_process_collector(self, collector: Any) -> None:
+        """A collector of this process's state, in /metrics with or without router workers."""
+        self.registry.register(collector)
+        self.process_collectors.append(collector)
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Collectors that read this process's state at scrape time (the prefix index's): with
+        # router workers they join the workers' summed files in /metrics as the answering
+        # worker's view (each worker follows the same KV event streams into its own index).
+        self.process_collectors: list[Any] = []
         r = self.registry
         self.time_to_first_token = Histogram(
             "pdserve:time_to_first_token_seconds",

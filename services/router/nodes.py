@@ -46,6 +46,9 @@ class NodeHandle:
     block_size: int = 16
     num_blocks_total: int = 0  # from GetLoad: the node's KV cache (0 until a report)
     kv_blocks_used: int = 0  # from GetLoad (its first stage's): blocks in use
+    transfers_in_flight: int = 0  # from GetLoad: KV pushes (prefill) or pulls (decode) under way
+    prefix_cache_queried_blocks: int = 0  # from GetLoad: since the node started
+    prefix_cache_hit_blocks: int = 0
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
@@ -62,7 +65,9 @@ class NodeHandle:
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.reported_load
+        """The node's sequences as this router sees them: ``load_estimate`` (the node's report
+        already holds this router's sequences, so in_flight + reported_load counted them twice)."""
+        return self.load_estimate
 
     @property
     def load_estimate(self) -> int:
@@ -200,6 +205,9 @@ class NodePool:
             n.pp_size = max(1, len({s.stage.pp_rank for s in rep.stages}))
             n.tp_size = max([1, *(s.stage.tp_size for s in rep.stages)])
             n.kv_blocks_used = rep.stages[0].blocks_used if rep.stages else 0
+            n.transfers_in_flight = rep.num_pushes_in_flight + rep.num_pulls_in_flight
+            n.prefix_cache_queried_blocks = rep.prefix_cache_queried_blocks
+            n.prefix_cache_hit_blocks = rep.prefix_cache_hit_blocks
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps
                 # stream there (a stream still open ends with its node).
@@ -268,9 +276,7 @@ class NodePool:
             and isinstance(key, RouteKey)
             and self.prefix_index is not None
         ):
-            chosen, held = cache_aware.choose(
-                live, key.block_hashes, self.prefix_index, self.policy.cache_aware
-            )
+            chosen, held = cache_aware.choose(live, key, self.prefix_index, self.policy.cache_aware)
             note_route(f"{chosen.role}-prefix-hit-tokens", held * chosen.block_size)
         elif self.policy.policy == "prefix_affinity" and key is not None:
             # Rendezvous hashing: the same leading blocks land on the same node while it lives.

@@ -114,6 +114,8 @@ class PDBackend(NodePool):
         if self.policy.policy == "cache_aware" and self.prefix_index is not None:
             # What the decode node holds (KV events): a follow-up whose history it kept computes
             # only its new tokens there, with no prefill leg and no transfer.
+            if hashes and d_node.block_size != self.decode[0].block_size:  # hashed at decode[0]'s size
+                hashes = hash_prompt_blocks(req.prompt_token_ids, d_node.block_size)
             held = self.prefix_index.overlap(d_node.name, hashes)
             if req.num_prompt_tokens - held * d_node.block_size < self.policy.local_prefill_max_tokens:
                 return True
@@ -135,7 +137,7 @@ class PDBackend(NodePool):
         )
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
         if key is not None and self.policy.policy == "cache_aware":
-            key = RouteKey(key, hashes)
+            key = RouteKey(key, hashes, req.prompt_token_ids, bs)
         d_node = self.pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
@@ -149,11 +151,14 @@ class PDBackend(NodePool):
         local = self.prefill_locally(req, hashes, d_node)
         note_route("path", "local" if local else "disaggregated")
         # The root span from here: a refusal above (no node) leaves no trace.
-        root = req.trace_span = tracing.start_span(
-            "router.request",
-            t_route,
-            **{"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens},
+        t_arrival = min(req.arrival_s, t_route) if req.arrival_s is not None else t_route
+        root = req.trace_span
+        if root is None:  # else begun at arrival (the encoder's spans are its children)
+            root = req.trace_span = tracing.start_span("router.request", t_arrival)
+        root.set_attributes(
+            {"pdserve.request_id": req.request_id, "pdserve.prompt_tokens": req.num_prompt_tokens}
         )
+        tracing.record("router.admission", root, t_arrival, t_route)
         tracing.record("router.route", root, t_route, time.monotonic(), **route_attributes())
         flow = PDFlow(self, req, d_node, key, local=local, on_done=remember)
         try:

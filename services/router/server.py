@@ -57,7 +57,10 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
         policy=RouterPolicy(
             policy=r.policy,
             cache_aware=CacheAwareWeights(
-                r.cache_aware_block_cost, r.cache_aware_load_cost, r.cache_aware_kv_usage_cost
+                r.cache_aware_block_cost,
+                r.cache_aware_load_cost,
+                r.cache_aware_kv_usage_cost,
+                r.cache_aware_offload_hit_weight,
             ),
             local_prefill_max_tokens=r.local_prefill_max_tokens,
             prefill_timeout_s=r.prefill_timeout_s,
@@ -104,10 +107,10 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             cluster.redis_url,
             backend.prefix_index,
             lambda: [n.name for n in backend.prefill + backend.decode],
-            ConsumerConfig(),
+            ConsumerConfig.from_settings(cluster.kv_events),
         )
         kv_events.start()
-        metrics.registry.register(KVEventsCollector(kv_events))
+        metrics.add_process_collector(KVEventsCollector(kv_events))
     app = create_app(
         backend,
         load_tokenizer(model_dir),

@@ -180,7 +180,12 @@ def sampling_params(
 
 
 def fan_out(
-    request_id: str, prompts: list[Prompt], params: SamplingParams, max_tokens: list[int], lora_name: str = ""
+    request_id: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    max_tokens: list[int],
+    lora_name: str = "",
+    arrival_s: float | None = None,
 ) -> list[BackendRequest]:
     """One backend request per (prompt, choice); choice i of a seeded request gets seed + i."""
     reqs = []
@@ -195,6 +200,7 @@ def fan_out(
                     prompt.embeds,
                     mm_items=prompt.mm_items,
                     lora_name=lora_name,
+                    arrival_s=arrival_s,
                 )
             )
     return reqs

@@ -1,10 +1,12 @@
 """A fleet with KV events (real node processes, a real redis-server): cache-aware routing against
-round-robin on multi-turn conversations, measured by the nodes' prefix-cache counters, and a
-killed prefill node leaving the router's index and its rotation within the registry TTL."""
+round-robin on multi-turn conversations, measured by the nodes' prefix-cache counters, the
+dashboard's per-node state, and a killed prefill node leaving the router's index and its rotation
+within the registry TTL. The default run starts one 1 + 1 cluster for all of its checks."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -13,6 +15,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -36,7 +39,7 @@ from tests.registry.redis_proc import RedisProcess
 BS = 16  # the nodes' block size (the default)
 FULL = pytest.mark.skipif(
     not os.environ.get("PDSERVE_FULL_TESTS"),
-    reason="2 prefill + 2 decode nodes, twice, 64 requests each (~90 s on 2 cores): PDSERVE_FULL_TESTS=1",
+    reason="2 prefill + 2 decode nodes, twice, 64 requests each (~100 s on 2 cores): PDSERVE_FULL_TESTS=1",
 )
 
 
@@ -65,50 +68,57 @@ def _hit_rate(
     return hit_blocks(before, node_counters(rc.cluster)) / ideal_hit_blocks(convs, BS)
 
 
+def _dashboard_state(rc: RunningCluster) -> dict[str, dict[str, Any]]:
+    with urllib.request.urlopen(rc.cluster.router_url + "/dashboard/state", timeout=5) as r:
+        return {n["name"]: n for n in json.loads(r.read())["nodes"]}
+
+
 def test_cache_aware_follow_ups_traces_and_a_killed_prefill_node(
     tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """2 prefill + 1 decode: one request's trace spans router, prefill, transfer and decode;
-    follow-ups hit their history (>= 0.9 of ideal) and say where they went; a SIGKILLed prefill
-    node leaves the index within the registry TTL and gets no request after."""
+    """1 prefill + 1 decode (one cluster start for every check): one request's trace spans
+    router, prefill, transfer and decode; follow-ups hit their history (>= 0.9 of ideal), say
+    where they went, and show on the dashboard as the nodes' prefix-hit rates; a SIGKILLed prefill
+    node leaves the index within the registry TTL and gets no request after (the decode node
+    prefills). The 2 + 2 matrix and the choice between prefill nodes: PDSERVE_FULL_TESTS."""
     model_dir = tiny_models["llama"]
     collector = TraceCollector().start(monkeypatch)
-    cluster = fleet_cluster(str(model_dir), redis_proc.url, "cache_aware", 2, 1, 24000, registry_ttl_s=2.0)
+    cluster = fleet_cluster(str(model_dir), redis_proc.url, "cache_aware", 1, 1, 24000, registry_ttl_s=1.0)
     with running_cluster(cluster, tmp_path) as rc, contextlib.closing(collector):
         client = _client(rc)
         first = client.completions.create(
             model=rc.model_name, prompt=list(range(20, 60)), max_tokens=4, temperature=0
         )
-        prefill_node = next(
-            a.value.string_value
-            for _, sp in collector.trace_of(first.id)
-            if sp.name == "prefill"
-            for a in sp.attributes
-            if a.key == "pdserve.node"
-        )
-        check_trace_tree(collector.trace_of(first.id), prefill_node)
+        check_trace_tree(collector.trace_of(first.id), "prefill-0")
 
-        convs = multi_turn(4, 3, first_len=40, turn_len=12, seed=1)
+        convs = multi_turn(2, 3, first_len=40, turn_len=12, seed=1)
         assert _hit_rate(rc, model_dir, convs, seed=2, max_tokens=16) >= 0.9
         for c in convs:
             assert c.routes[0]["x-pdserve-path"] == "disaggregated"  # 40 tokens, nothing cached
-            assert c.routes[0]["x-pdserve-prefill-node"].startswith("prefill-")
+            assert c.routes[0]["x-pdserve-prefill-node"] == "prefill-0"
             for r in c.routes[1:]:  # the decode node holds the history: no prefill leg, no transfer
                 assert r["x-pdserve-path"] == "local"
                 assert int(r["x-pdserve-decode-prefix-hit-tokens"]) >= 3 * BS  # 40 + 16 - 1 held
         blocks = _index_blocks(rc)
-        assert blocks.get("decode-0", 0) > 0 and blocks.get("prefill-0", 0) + blocks.get("prefill-1", 0) > 0
+        assert blocks.get("decode-0", 0) > 0 and blocks.get("prefill-0", 0) > 0
+        t0 = time.monotonic()
+        while not (_dashboard_state(rc)["decode-0"]["prefix_hit_rate"] or 0) > 0.3:  # the follow-ups' hits
+            assert time.monotonic() - t0 < 5.0, "the nodes' counters did not reach the router"
+            time.sleep(0.1)  # the router polls GetLoad every 0.5 s
+        state = _dashboard_state(rc)
+        assert state["prefill-0"]["prefix_hit_rate"] is not None
+        assert state["decode-0"]["transfers_in_flight"] == 0 == state["prefill-0"]["transfers_in_flight"]
 
-        victim = rc.children[[n.name for n in cluster.nodes].index("prefill-1")]
+        victim = rc.children[[n.name for n in cluster.nodes].index("prefill-0")]
         os.killpg(victim.proc.pid, signal.SIGKILL)
         t_kill = time.monotonic()
-        while "prefill-1" in _index_blocks(rc):
+        while "prefill-0" in _index_blocks(rc):
             assert time.monotonic() - t_kill < cluster.registry_ttl_s + 2.0, "index kept the dead node"
             time.sleep(0.1)
-        pieces = PieceIds(load_tokenizer(model_dir))
-        for conv in multi_turn(4, 1, first_len=40, turn_len=12, seed=3):
-            run_turn(client, rc.model_name, conv, 0, 4, pieces)
-            assert conv.routes[0]["x-pdserve-prefill-node"] == "prefill-0"
+        conv = multi_turn(1, 1, first_len=40, turn_len=12, seed=3)[0]
+        run_turn(client, rc.model_name, conv, 0, 4, PieceIds(load_tokenizer(model_dir)))
+        assert conv.routes[0]["x-pdserve-path"] == "local"  # no prefill node left: decode prefills
+        assert "x-pdserve-prefill-node" not in conv.routes[0]
 
 
 def _chromium(*args: str) -> str:
@@ -144,12 +154,28 @@ def _check_dashboard(rc: RunningCluster, model_dir: Path, out_dir: Path) -> None
     assert (out_dir / "dashboard.png").stat().st_size > 1000
 
 
+def _kill_prefill_node(rc: RunningCluster, model_dir: Path) -> None:
+    """prefill-1 SIGKILLed: it leaves the index within the registry TTL, and new prompts all
+    prefill on prefill-0."""
+    victim = rc.children[[n.name for n in rc.cluster.nodes].index("prefill-1")]
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    while "prefill-1" in _index_blocks(rc):
+        assert time.monotonic() - t_kill < rc.cluster.registry_ttl_s + 2.0, "index kept the dead node"
+        time.sleep(0.1)
+    pieces = PieceIds(load_tokenizer(model_dir))
+    for conv in multi_turn(4, 1, first_len=40, turn_len=12, seed=3):
+        run_turn(_client(rc), rc.model_name, conv, 0, 4, pieces)
+        assert conv.routes[0]["x-pdserve-prefill-node"] == "prefill-0"
+
+
 @FULL
 def test_cache_aware_against_round_robin_two_by_two(
     tiny_models: dict[str, Path], redis_proc: RedisProcess, tmp_path: Path
 ) -> None:
     """2 prefill + 2 decode, 16 conversations x 4 turns: prefix hits >= 0.9 of ideal routed
-    cache-aware, <= 0.55 round-robin; the same tokens either way."""
+    cache-aware, <= 0.55 round-robin; the same tokens either way; the dashboard in headless
+    Chromium; a killed prefill node leaves the index and the rotation."""
     model_dir = tiny_models["llama"]
     outputs = {}
     rates = {}
@@ -161,6 +187,8 @@ def test_cache_aware_against_round_robin_two_by_two(
             outputs[policy] = [c.outputs for c in convs]
             if policy == "cache_aware" and shutil.which("chromium"):  # Debian's chromium package
                 _check_dashboard(rc, model_dir, tmp_path)
+            if policy == "cache_aware":
+                _kill_prefill_node(rc, model_dir)
     print("prefix-hit rate / ideal:", rates)
     assert rates["cache_aware"] >= 0.9
     assert rates["round_robin"] <= 0.55

@@ -15,10 +15,14 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tgr
 
 WANT = {
     "router.request",
+    "router.admission",
     "router.route",
     "router.prefill_leg",
     "router.decode_leg",
     "prefill",
+    "prefill.queue",
+    "prefill.compute",
+    "prefill.kv_held",
     "decode",
     "kv_transfer",
     "decode.queue",
@@ -79,8 +83,9 @@ class TraceCollector(tgrpc.TraceServiceServicer):
 
 
 def check_trace_tree(spans: list[tuple[str, Any]], prefill_node: str) -> None:
-    """One disaggregated request: router -> (route, prefill leg -> prefill, decode leg -> decode ->
-    its queue, KV transfer, first token, stream), each span once, under the router's HTTP spans."""
+    """One disaggregated request: router -> (admission, route, prefill leg -> prefill -> its queue,
+    compute, KV held; decode leg -> decode -> its queue, KV transfer (bytes, seconds), first token,
+    stream), each span once, under the router's HTTP spans."""
     by_name = {sp.name: (svc, sp) for svc, sp in spans}
     assert len(spans) == len(by_name), sorted(sp.name for _, sp in spans)  # each span once
     by_id = {sp.span_id: (svc, sp) for svc, sp in spans}
@@ -103,7 +108,21 @@ def check_trace_tree(spans: list[tuple[str, Any]], prefill_node: str) -> None:
         == parent("router.decode_leg")
         == "router.request"
     )
+    assert parent("router.admission") == "router.request"
     assert parent("prefill") == "router.prefill_leg"
+    for child in ("prefill.queue", "prefill.compute", "prefill.kv_held"):
+        assert parent(child) == "prefill" and by_name[child][0] == "pdserve-prefill", child
+    # queue then compute, back to back, inside the prefill span
+    queue, compute, prefill = (by_name[n][1] for n in ("prefill.queue", "prefill.compute", "prefill"))
+    assert prefill.start_time_unix_nano <= queue.start_time_unix_nano
+    assert queue.end_time_unix_nano == compute.start_time_unix_nano <= compute.end_time_unix_nano
+    admission, request = by_name["router.admission"][1], root
+    assert admission.start_time_unix_nano == request.start_time_unix_nano
+    assert admission.end_time_unix_nano <= by_name["router.route"][1].start_time_unix_nano
+    transfer = {a.key: a.value for a in by_name["kv_transfer"][1].attributes}
+    held = {a.key: a.value for a in by_name["prefill.kv_held"][1].attributes}
+    assert transfer["pdserve.kv_bytes"].int_value > 0 and transfer["pdserve.kv_seconds"].double_value >= 0
+    assert held["pdserve.kv_bytes"].int_value == transfer["pdserve.kv_bytes"].int_value
     assert parent("decode") == "router.decode_leg"
     for child in ("kv_transfer", "decode.queue", "decode.first_token", "decode.stream"):
         assert parent(child) == "decode"
