@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 import uuid
@@ -333,6 +334,10 @@ def _decode_regions(rc, load: pb.LoadReport, num_blocks: int) -> list[pb.Region]
     return [pb.Region(**r.to_dict()) for r in regs]
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="~12 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it (the dtype refusal is unit-tested in tests/kvtransfer/test_handshake.py)",
+)
 def test_decode_with_other_dtype_is_refused_at_handshake(tiny_models, tmp_path) -> None:
     model_dir = tiny_models["llama"]
     cfg = make_cluster_config(

