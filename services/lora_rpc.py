@@ -5,6 +5,7 @@ the router named, so KV computed under one adapter is never continued under anot
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -100,6 +101,28 @@ async def unload_lora(
         return False
 
     return await _on_engine(loop, unload, grpc.StatusCode.NOT_FOUND, context)
+
+
+class _HasEngineLoop(Protocol):
+    @property
+    def engine_loop(self) -> EngineLoop | None: ...
+
+
+class LoRAServicer:
+    """LoadLoRA / UnloadLoRA of a node's gRPC service, the same on prefill and decode: mixed in
+    before the generated servicer base, whose versions answer UNIMPLEMENTED."""
+
+    node: _HasEngineLoop
+
+    async def LoadLoRA(
+        self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
+        return await load_lora(self.node.engine_loop, request, context)
+
+    async def UnloadLoRA(
+        self, request: pb.LoRAUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAResponse:
+        return await unload_lora(self.node.engine_loop, request, context)
 
 
 def lora_metric_families(engine: LLMEngine, labels: list[str], values: list[str]) -> Iterator[Metric]:

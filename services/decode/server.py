@@ -34,7 +34,7 @@ from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
 from pdserve.rpc.prefill_client import PrefillClient
 from services.decode.outbox import Outbox
 from services.decode.trace_spans import trace_decode
-from services.lora_rpc import load_lora, request_lora_refusal, unload_lora
+from services.lora_rpc import LoRAServicer, request_lora_refusal
 from services.node import NodeBase
 from services.steps_direct import DirectSteps
 
@@ -128,7 +128,9 @@ class DecodeNode(NodeBase):
         )
 
 
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
+class DecodeServicer(LoRAServicer, pb_grpc.DecodeServiceServicer):
+    node: DecodeNode
+
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
 
@@ -373,16 +375,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             direct.forget(rid)
             if gate is not None:
                 gate.active -= 1
-
-    async def LoadLoRA(
-        self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoRAResponse:
-        return await load_lora(self.node.engine_loop, request, context)
-
-    async def UnloadLoRA(
-        self, request: pb.LoRAUnloadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoRAResponse:
-        return await unload_lora(self.node.engine_loop, request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         assert self.node.engine_loop is not None

@@ -29,7 +29,7 @@ from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
-from services.lora_rpc import check_request_lora, load_lora, unload_lora
+from services.lora_rpc import LoRAServicer, check_request_lora
 from services.mm_items import ColocatedEncoder, EmbeddingFetcher, EmbeddingUnavailableError
 from services.node import NodeBase
 from services.prefill.trace_spans import PrefillTraces
@@ -204,7 +204,9 @@ class PrefillNode(NodeBase):
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), server)
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
+class PrefillServicer(LoRAServicer, pb_grpc.PrefillServiceServicer):
+    node: PrefillNode
+
     def __init__(self, node: PrefillNode) -> None:
         self.node = node
 
@@ -343,16 +345,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         node = self.node
         stages = [node.stage_info(pb, st) for st in node.stages]
         return pb.HandshakeResponse(info=kv_convert.handshake_to_pb(node.handshake, stages))
-
-    async def LoadLoRA(
-        self, request: pb.LoRALoadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoRAResponse:
-        return await load_lora(self.node.engine_loop, request, context)
-
-    async def UnloadLoRA(
-        self, request: pb.LoRAUnloadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoRAResponse:
-        return await unload_lora(self.node.engine_loop, request, context)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         node = self.node
