@@ -11,7 +11,7 @@ ver() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1
 pkgs=()
 for p in fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv uvicorn \
   annotated-types typing-inspection grpcio grpcio-health-checking protobuf redis xgrammar \
-  apache-tvm-ffi py-spy opentelemetry-api typing-extensions; do
+  apache-tvm-ffi py-spy opentelemetry-api typing-extensions peft accelerate psutil; do
   if v=$(ver "$p"); then
     pkgs+=("$p==$v")
   else
