@@ -40,6 +40,7 @@ from pdserve.engine.kv_sizing import (
 )
 from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.profile_memory import profile_activation_bytes
 from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_logprobs, prompt_logprob_spans
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only, draw_
@@ -260,16 +261,20 @@ class ModelRunner:
         return CacheSizes(num_blocks, self.block_size, per_block, budget_bytes=budget)
 
     def _gpu_memory(self) -> GpuMemory:
-        """The device's memory now (weights loaded), with an estimate of one step's activations:
-        the residual stream, q/k/v, the MLP's gate/up and the fp32 logits of a full token budget."""
+        """The device's memory now (weights loaded), with one step's activations: measured by a
+        dummy step at the full token budget (engine/profile_memory.py), else estimated from the
+        residual stream, q/k/v, the MLP's gate/up and the fp32 logits of that budget."""
         a, sc = self.arch, self.config.scheduler
+        measured = profile_activation_bytes(self)
         free, total = torch.cuda.mem_get_info(self.device)
         elem = torch.empty((), dtype=self.dtype).element_size()
         tokens = min(sc.max_num_batched_tokens, self.max_model_len)
         qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
         per_token = (4 * a.hidden_size + qkv + 3 * a.intermediate_size) * elem
         logits = min(sc.max_num_seqs, tokens) * a.vocab_size * 4 * 2  # logits + sampler's copy
-        return GpuMemory(total, free, torch.cuda.memory_reserved(self.device), tokens * per_token + logits)
+        estimate = tokens * per_token + logits
+        activation = estimate if measured is None else measured
+        return GpuMemory(total, free, torch.cuda.memory_reserved(self.device), activation)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         a = self.arch

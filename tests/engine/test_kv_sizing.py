@@ -89,3 +89,26 @@ def test_gpu_memory_utilization_reaches_the_engine_and_is_refused_where_unused()
         cluster(device="cpu", gpu_memory_utilization=0.5)
     with pytest.raises(ConfigError, match="kv_cache_memory_bytes sizes the KV cache"):
         cluster(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20)
+
+
+def test_the_dummy_step_that_measures_activations_runs_and_leaves_generation_alone(
+    make_llm, tiny_models
+) -> None:
+    # On CUDA the GPU budget takes its activation bytes from this step's peak (engine/profile_memory.py);
+    # here it runs on the CPU: the step must run on a first and a later pipeline stage, and change nothing.
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.profile_memory import dummy_prefill_batch, profile_activation_bytes, run_dummy_step
+    from pdserve.engine.sampling_params import SamplingParams
+
+    batch = dummy_prefill_batch(40, 16)
+    assert (batch.width, list(batch.block_table_flat), batch.sample_idx) == (3, [0, 1, 2], [39])
+    llm = make_llm(tiny_models["llama"], device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    before = llm.generate(["a b c d e"], params)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    assert isinstance(runner, ModelRunner)
+    assert run_dummy_step(runner, 40, 4) == 3 * TINY_BLOCK_BYTES
+    assert profile_activation_bytes(runner) is None  # no allocator peak to read off a CPU
+    assert llm.generate(["a b c d e"], params)[0].outputs[0].token_ids == before
+    later_stage = ModelRunner(runner.config, layer_start=1)
+    assert run_dummy_step(later_stage, 17, 2) == 2 * TINY_BLOCK_BYTES // 2  # one local layer

@@ -124,3 +124,18 @@ def test_bf16_logits_close_to_transformers(arch: str, tiny_models, capsys) -> No
     assert not ours.isnan().any()
     assert r_32 < 1e-4
     assert r_ours <= BF16_FACTOR * r_hf + BF16_SLACK and r_ours < BF16_MAX
+
+
+@pytest.mark.gpu
+def test_the_gpu_kv_budget_takes_a_measured_step(tiny_models) -> None:
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.profile_memory import profile_activation_bytes
+
+    small = LLM(
+        str(tiny_models["llama"]), device="cuda", max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20
+    )
+    large = LLM(
+        str(tiny_models["llama"]), device="cuda", max_num_batched_tokens=2048, kv_cache_memory_bytes=64 << 20
+    )
+    a, b = profile_activation_bytes(small.engine.runner), profile_activation_bytes(large.engine.runner)
+    assert a is not None and b is not None and 0 < a < b, (a, b)

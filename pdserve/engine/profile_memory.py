@@ -1,0 +1,104 @@
+"""One step's activation memory, measured: a dummy forward at the largest step the scheduler can
+schedule, the way the KV budget on a GPU is taken from the device (engine/kv_sizing.py).
+
+The dummy step is one sequence of ``min(max_num_batched_tokens, max_model_len)`` prompt tokens
+(the widest attention a step can hold) over a temporary KV cache just large enough for it, then
+the float32 logits of ``min(max_num_seqs, tokens)`` sampled rows and the sampler's copy of them
+(softmax / the penalties write one more of that size). On CUDA the peak of the caching
+allocator's allocated bytes above what was allocated before is the step's activation bytes;
+the temporary cache's own bytes are taken out (the real cache is budgeted separately).
+
+Any device runs the same dummy forward (the CPU test runs it); only CUDA reports a peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from array import array
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.host_batch import HostBatch
+from pdserve.models.config import IntermediateTensors
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def dummy_prefill_batch(num_tokens: int, block_size: int) -> HostBatch:
+    """One sequence of ``num_tokens`` tokens (id 0) at positions 0.., in blocks 0.. of a cache
+    of ``ceil(num_tokens / block_size)`` blocks; its last row is sampled."""
+    num_blocks = math.ceil(num_tokens / block_size)
+    return HostBatch(
+        token_ids=array("q", [0] * num_tokens),
+        positions=array("q", range(num_tokens)),
+        slots=array("q", range(num_tokens)),  # block b, offset o: b * block_size + o
+        query_lens=[num_tokens],
+        seq_lens=[num_tokens],
+        block_table_flat=array("i", range(num_blocks)),
+        width=num_blocks,
+        sample_idx=[num_tokens - 1],
+    )
+
+
+@torch.inference_mode()
+def run_dummy_step(runner: ModelRunner, num_tokens: int, num_sampled_rows: int) -> int:
+    """The dummy step on ``runner``'s model and device; returns the temporary cache's bytes."""
+    a, bs = runner.arch, runner.block_size
+    batch = dummy_prefill_batch(num_tokens, bs)
+    shape = (batch.width, runner.num_local_layers, 2, bs, runner.num_kv_heads, a.head_dim)
+    cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+    layer_caches = [cache[:, i] for i in range(runner.num_local_layers)]
+    runner.staging.begin_step()
+    input_ids, positions, meta = runner._to_device(batch)
+    model = runner.model
+    if runner.lora is not None:  # base-model rows: the adapters' step state says so
+        runner.lora.begin_step([("", num_tokens)], runner.device)
+    intermediate = None
+    if not model.is_first_stage:  # a later pipeline stage starts from the residual stream
+        h = torch.zeros(num_tokens, a.hidden_size, dtype=runner.dtype, device=runner.device)
+        intermediate = IntermediateTensors(h, h.clone())
+    out = model(input_ids, positions, layer_caches, meta, intermediate=intermediate)
+    if model.is_last_stage:
+        assert isinstance(out, torch.Tensor)
+        rows = out[:1].expand(num_sampled_rows, -1).contiguous()
+        logits = model.compute_logits(rows, upcast=True)
+        torch.softmax(logits, dim=-1)  # the sampler's copy of the logits
+    runner.staging.end_step()
+    return cache.numel() * cache.element_size()
+
+
+def profile_activation_bytes(runner: ModelRunner) -> int | None:
+    """The measured activation bytes of the largest step on CUDA; None elsewhere (or where the
+    dummy step cannot run: the caller keeps its estimate, with a log line saying why)."""
+    if runner.device.type != "cuda":
+        return None
+    sc = runner.config.scheduler
+    tokens = min(sc.max_num_batched_tokens, runner.max_model_len)
+    rows = min(sc.max_num_seqs, tokens)
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    before = torch.cuda.memory_allocated(runner.device)
+    try:
+        cache_bytes = run_dummy_step(runner, tokens, rows)
+    except torch.OutOfMemoryError as e:
+        # The weights leave less than one step's activations: nothing a KV budget can fix.
+        raise RuntimeError(
+            f"one step of {tokens} tokens does not fit on {runner.device} next to the weights "
+            f"({torch.cuda.memory_allocated(runner.device)} bytes allocated): lower "
+            f"max_num_batched_tokens ({e})"
+        ) from e
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - before - cache_bytes
+    torch.cuda.empty_cache()
+    logger.info(
+        "profiled one step of %d tokens (%d sampled rows): %.1f MiB of activations",
+        tokens,
+        rows,
+        peak / 2**20,
+    )
+    return max(0, peak)
