@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_decode import build_model, make_prompts  # noqa: E402
+from gpu_decode import MAX_MODEL_LEN, build_model, make_prompts  # noqa: E402
 
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
             model=str(args.model_dir),
             dtype="bfloat16",
             device="cuda",
-            max_model_len=4096,
+            max_model_len=MAX_MODEL_LEN,
             cache=CacheConfig(block_size=16, kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len

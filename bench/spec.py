@@ -146,6 +146,8 @@ def main() -> None:
                 "max_model_len": 1024,
                 "max_num_seqs": max(args.batches),
             }
+            if args.device == "cuda":  # one engine after another in this process: each its own share
+                kw["kv_cache_memory_bytes"] = 2 << 30
             if method == "ngram":
                 kw["speculative"] = spec_cfg
             elif method == "ngram-guard":
