@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config.engine import EngineConfig
+from pdserve.config.engine import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
@@ -31,7 +31,9 @@ def _run(eng: LLMEngine, prompts: dict[str, list[int]], params: dict[str, Sampli
 
 @pytest.mark.parametrize("handed", [1, 3])
 def test_seeded_rows_are_batch_independent_and_continue_on_another_engine(tiny_models, handed) -> None:
-    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cuda")
+    # Two engines live at once: each its own KV budget (the default takes 0.9 of the device).
+    cache = CacheConfig(kv_cache_memory_bytes=256 << 20)
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cuda", cache=cache)
     eng = LLMEngine(cfg)
     assert isinstance(eng.runner, ModelRunner) and eng.runner._counter_draws
     prompt = [5, 17, 29, 41, 53, 65]
