@@ -120,6 +120,7 @@ class ExpertLoRASlots:
             zeros(s, e, max_rank),
         )
         self.step: LoRAStep | None = None  # set by the manager around each forward
+        self.has_lora = [False] * max_loras  # per slot: the adapter adapts some expert of this layer
 
     def set_slot(self, slot: int, modules: dict[str, LoRAModuleWeights]) -> None:
         """Pack one adapter's expert modules of this layer into ``slot`` (zeros if it has none)."""
@@ -135,16 +136,18 @@ class ExpertLoRASlots:
             (self.a13, p.a13), (self.b13, p.b13), (self.s13, p.s13), (self.a2, p.a2), (self.b2, p.b2), (self.s2, p.s2)
         ):  # fmt: skip
             dst[slot] = src.to(dst.dtype)
+        self.has_lora[slot] = bool(p.s13.any() or p.s2.any())
 
     def clear_slot(self, slot: int) -> None:
         for t in (self.a13, self.b13, self.s13, self.a2, self.b2, self.s2):
             t[slot].zero_()
+        self.has_lora[slot] = False
 
     # -- fused_moe.ExpertLoRADelta ---------------------------------------------------------------
     def assignment_ids(self, topk_ids: torch.Tensor) -> torch.Tensor | None:
         step = self.step
-        if step is None:
-            return None
+        if step is None or not any(self.has_lora[s] for s in step.slots_present):
+            return None  # no row's adapter adapts this layer's experts: no LoRA GEMMs
         slots = step.row_slots  # [n]
         assert slots.shape[0] == topk_ids.shape[0], (tuple(slots.shape), tuple(topk_ids.shape))
         ids = slots[:, None] * self.num_experts + topk_ids  # [n, k]

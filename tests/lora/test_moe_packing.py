@@ -86,3 +86,19 @@ def test_packed_experts_use_the_stored_rslora_scale(tmp_path, gated):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     wrong = _reference(x, logits, w13, w2, tensors, plain, gated)
     assert (got[:4] - wrong[:4]).abs().max() > 1e-2  # alpha / r would be visibly different
+
+
+def test_expert_lora_skipped_when_no_row_adapts_the_experts(tmp_path):
+    torch.manual_seed(0)
+    adapter, _ = _rslora_folder(tmp_path, gated=True)
+    slots = ExpertLoRASlots([(PREFIX, EXPERT_NAMES["qwen3_moe"])], E, H, INTER, 2, 8, torch.float32, CPU)
+    slots.set_slot(0, adapter.modules)
+    slots.set_slot(1, {})  # an adapter of attention layers only
+    topk_ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    slots.step = LoRAStep.build([(1, 2), (-1, 1)], 2, "segmented", torch.float32, CPU)
+    assert slots.assignment_ids(topk_ids) is None  # no LoRA GEMMs in this layer
+    slots.step = LoRAStep.build([(1, 1), (0, 1), (-1, 1)], 2, "segmented", torch.float32, CPU)
+    ids = slots.assignment_ids(topk_ids)
+    assert ids is not None and ids.tolist() == [1 * E + 0, 1 * E + 1, 2, 3, -1, -1]
+    slots.clear_slot(0)
+    assert slots.assignment_ids(topk_ids) is None
