@@ -106,8 +106,14 @@ class PDBackend(NodePool):
             "local": self.decode_first_delta_seconds.labels("local"),
         }
 
-    def _salt(self, req: BackendRequest) -> bytes | None:
-        return lora_block_salt(self.lora_idents, req.lora_name)
+    def prompt_hashes(self, req: BackendRequest, block_size: int) -> list[bytes]:
+        """The prompt's block hashes as a node's prefix cache makes them (an adapter's salted by
+        its content hash). Empty for embeddings (no token ids), images (placeholder ids are the
+        same for every image) or an adapter whose identity is not known yet."""
+        salt = lora_block_salt(self.lora_idents, req.lora_name)
+        if req.prompt_embeds is not None or req.mm_items or salt is None:
+            return []
+        return hash_prompt_blocks(req.prompt_token_ids, block_size, salt)
 
     def prefill_locally(self, req: BackendRequest, hashes: list[bytes], d_node: NodeHandle) -> bool:
         """Conditional disaggregation: prefill on the decode node when the prompt is short, when
@@ -122,7 +128,7 @@ class PDBackend(NodePool):
             # What the decode node holds (KV events): a follow-up whose history it kept computes
             # only its new tokens there, with no prefill leg and no transfer.
             if hashes and d_node.block_size != self.decode[0].block_size:  # hashed at decode[0]'s size
-                hashes = hash_prompt_blocks(req.prompt_token_ids, d_node.block_size, self._salt(req) or b"")
+                hashes = self.prompt_hashes(req, d_node.block_size)
             held = self.prefix_index.overlap(d_node.name, hashes)
             if req.num_prompt_tokens - held * d_node.block_size < self.policy.local_prefill_max_tokens:
                 return True
@@ -135,19 +141,13 @@ class PDBackend(NodePool):
         self.start()
         t_route = time.monotonic()
         bs = self.decode[0].block_size
-        # Embeddings have no token ids to hash (and image placeholders are the same ids for every
-        # image): no affinity, no "seen on decode" shortcut.
-        # An adapter's prompt hashes as its engine does (salted by the adapter's content); one
-        # whose identity is not known yet goes without, as embeddings do.
-        salt = self._salt(req)
-        hashes = (
-            hash_prompt_blocks(req.prompt_token_ids, bs, salt)
-            if req.prompt_embeds is None and not req.mm_items and salt is not None
-            else []
-        )
+        # No hashes (embeddings, images, an adapter not known yet): no affinity, no "seen on
+        # decode" shortcut.
+        hashes = self.prompt_hashes(req, bs)
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
         if key is not None and self.policy.policy == "cache_aware":
-            key = RouteKey(key, hashes, req.prompt_token_ids, bs, salt or b"")
+            salt = lora_block_salt(self.lora_idents, req.lora_name) or b""
+            key = RouteKey(key, hashes, req.prompt_token_ids, bs, salt)
         d_node = self.pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
