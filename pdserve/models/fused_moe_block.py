@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pdserve.distributed.parallel_state import tp_size
+from pdserve.distributed.parallel_state import all_reduce, tp_size
 from pdserve.errors import ConfigError
 from pdserve.models.config import ModelArchConfig
 from pdserve.models.fused_moe import FusedMoE, select_experts
@@ -33,17 +33,28 @@ _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "
 
 
 class SparseMoeBlock(nn.Module):
+    """With TP, every rank routes alike (the router is replicated) and holds I/tp rows of every
+    expert's gate and up and the same columns of its down projection (Megatron's MLP split per
+    expert); the partial outputs are all-reduced."""
+
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         moe = cfg.moe
         assert moe is not None
+        tp = tp_size()
+        if moe.expert_intermediate_size % tp:
+            raise ConfigError(
+                f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+                f"{moe.expert_intermediate_size}; use a tensor_parallel_size that divides it"
+            )
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size)
+        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size // tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # [n, k] each
-        return self.experts(x, topk_weights, topk_ids)  # [n, H]
+        out = self.experts(x, topk_weights, topk_ids)  # [n, H]: this rank's share with TP
+        return out if tp_size() == 1 else all_reduce(out)
 
 
 def use_moe_mlp(layer: LlamaDecoderLayer, cfg: ModelArchConfig, layer_idx: int) -> None:
@@ -60,11 +71,6 @@ class MoEForCausalLM(LlamaForCausalLM):
         if cfg.moe is None:
             raise ConfigError(
                 f"{cfg.architecture}: config.json lacks the MoE fields (num_experts_per_tok, ...)"
-            )
-        if tp_size() > 1:
-            raise ConfigError(
-                f"{cfg.architecture}: MoE models run with tensor_parallel_size=1 (got {tp_size()}); "
-                "split the model with pipeline_parallel_size instead"
             )
         super().__init__(cfg, layer_start, layer_end)
 
@@ -102,12 +108,14 @@ class MoEForCausalLM(LlamaForCausalLM):
             raise ConfigError(
                 f"checkpoint weight {name!r}: expert {expert} but config.json has {self.cfg.moe.num_experts} experts"
             )
-        inter = self.cfg.moe.expert_intermediate_size
+        inter = self.cfg.moe.expert_intermediate_size // self.tp_size  # this rank's share
         if part == "down":
             param_name = f"{layer}.mlp.experts.down_proj"
-            dst = self._param(params, param_name, name).data[expert]  # [H, I]
+            dst = self._param(params, param_name, name).data[expert]  # [H, I/tp]
+            tensor = self._tp_slice(tensor, 1)  # row-parallel: this rank's input columns
         else:
             param_name = f"{layer}.mlp.experts.gate_up_proj"
+            tensor = self._tp_slice(tensor, 0)  # column-parallel: this rank's rows
             dst = (
                 self._param(params, param_name, name)
                 .data[expert]
