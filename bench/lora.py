@@ -3,11 +3,14 @@ the base model alone, in one run (in-process ``LLM``, greedy, ``ignore_eos``).
 
     .venv/bin/python bench/lora.py [--device cpu|cuda] [--batch N] [--reps 3] [--max-tokens 64]
                                    [--apply-modes segmented dense] [--out bench/results/lora.json]
+                                   [--arch llama|mixtral|qwen3_moe]
 
 Defaults: CPU, batch 16; ``--device cuda`` defaults to batch 64 and bfloat16 (the GPU target
 is >= 0.8 of base throughput with 16 adapters). The model is a random tiny Llama (``MODEL``,
-written once under ``.models/``); the adapters are random PEFT folders (rank ``--rank`` on every
-linear layer, written next to it), so nothing is downloaded. Each (rep, variant) runs the same
+written once under ``.models/``; ``--arch`` mixtral / qwen3_moe: the MoE families, 8 experts,
+top 2); the adapters are random PEFT folders (rank ``--rank`` on every linear layer, and on an
+MoE model also on the experts' fused parameters as PEFT's target_parameters saves them, written
+next to it), so nothing is downloaded. Each (rep, variant) runs the same
 prompts; variants alternate within a rep so host load hits all alike. Rows:
 
     base            LLM without lora settings
@@ -56,6 +59,7 @@ def write_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pa
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
     shapes |= {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    sparse = _sparse_layers(cfg)
     paths = []
     for i in range(count):
         folder = out / f"adapter-{i}"
@@ -68,9 +72,13 @@ def write_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pa
         for layer in range(layers):
             for name, (i_f, o_f) in shapes.items():
                 part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                if part == "mlp" and layer in sparse:
+                    continue  # an MoE layer: its experts get _expert_tensors
                 key = f"base_model.model.model.layers.{layer}.{part}.{name}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, i_f, generator=gen) * 0.05
                 tensors[f"{key}.lora_B.weight"] = torch.randn(o_f, rank, generator=gen) * 0.05
+        experts = _expert_tensors(cfg, rank, gen)
+        tensors |= experts
         save_file(tensors, folder / "adapter_model.safetensors")
         config = {
             "peft_type": "LORA",
@@ -79,8 +87,36 @@ def write_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pa
             "target_modules": LINEAR,
             "bias": "none",
         }
+        if experts:
+            config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         (folder / "adapter_config.json").write_text(json.dumps(config))
     return paths
+
+
+def _sparse_layers(cfg: dict[str, Any]) -> set[int]:
+    """The layers holding experts (none for a dense model)."""
+    if not (cfg.get("num_local_experts") or cfg.get("num_experts")):
+        return set()
+    return set(range(cfg["num_hidden_layers"])) - set(cfg.get("mlp_only_layers") or [])
+
+
+def _expert_tensors(cfg: dict[str, Any], rank: int, gen: Any) -> dict[str, Any]:
+    """An MoE model's expert LoRA as PEFT's target_parameters saves it (lora/peft_experts.py):
+    per layer, gate_up_proj under ``experts.base_layer``, down_proj under ``experts``."""
+    import torch
+
+    e = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not e:
+        return {}
+    h = cfg["hidden_size"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    out = {}
+    for layer in sorted(_sparse_layers(cfg)):
+        key = f"base_model.model.model.layers.{layer}.mlp.experts"
+        for sub, (i_f, o_f) in {".base_layer": (h, 2 * inter), "": (inter, h)}.items():
+            out[f"{key}{sub}.lora_A.weight"] = torch.randn(rank * e, i_f, generator=gen) * 0.05
+            out[f"{key}{sub}.lora_B.weight"] = torch.randn(o_f, rank * e, generator=gen) * 0.05
+    return out
 
 
 def run_variant(llm: Any, prompts: list[list[int]], loras: list[str] | None, max_tokens: int) -> float:
@@ -106,7 +142,8 @@ def main() -> None:
     ap.add_argument(
         "--apply-modes", nargs="+", default=["auto"], choices=["auto", "segmented", "dense", "bgmv"]
     )
-    ap.add_argument("--model-dir", type=Path, default=ROOT / ".models" / "bench-lora-llama")
+    ap.add_argument("--arch", choices=["llama", "mixtral", "qwen3_moe"], default="llama")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: .models/bench-lora-ARCH")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lora.json")
     args = ap.parse_args()
     batch = args.batch or (64 if args.device == "cuda" else 16)
@@ -117,15 +154,17 @@ def main() -> None:
     from pdserve.engine.llm import LLM
     from pdserve.models.make_model import make_tiny_model
 
+    args.model_dir = args.model_dir or ROOT / ".models" / f"bench-lora-{args.arch}"
     if not (args.model_dir / "config.json").exists():
-        make_tiny_model("llama", args.model_dir, **MODEL)  # type: ignore[arg-type]
+        make_tiny_model(args.arch, args.model_dir, **MODEL)  # type: ignore[arg-type]
     n_adapters = max(args.adapters)
     paths = write_adapters(args.model_dir, args.model_dir / "adapters", n_adapters, args.rank)
     modules = {f"a{i}": str(p) for i, p in enumerate(paths)}
     rng = random.Random(0)
     common = dict(device=args.device, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_num_seqs=batch)
     log(
-        f"device {args.device}, batch {batch}, {args.max_tokens} new tokens, rank {args.rank}, load {loadavg()}"
+        f"{args.arch} on {args.device}, batch {batch}, {args.max_tokens} new tokens, rank {args.rank}, "
+        f"load {loadavg()}"
     )
     engines: dict[str, Any] = {"base": LLM(str(args.model_dir), **common)}  # type: ignore[arg-type]
     for mode in args.apply_modes:
@@ -154,7 +193,10 @@ def main() -> None:
         print(f"{name:<28} {med:>15.1f} {med / base:>8.2f}   {', '.join(f'{v:.0f}' for v in vals)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"device": args.device, "batch": batch, "rows": rows, "load": loadavg()}, indent=1)
+        json.dumps(
+            {"device": args.device, "arch": args.arch, "batch": batch, "rows": rows, "load": loadavg()},
+            indent=1,
+        )
     )
 
 

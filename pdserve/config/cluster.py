@@ -100,6 +100,12 @@ class ClusterConfig(_Frozen):
                 f"lora with router.workers={self.router.workers}: the adapter registry lives in one router "
                 "process (load / unload answer there); use router.workers: 1"
             )
+        split = [f"{n.name} (tp={n.tp}, pp={n.pp})" for n in self.nodes if n.tp > 1 or n.pp > 1]
+        if self.lora is not None and split:
+            raise ConfigError(
+                f"lora on nodes {', '.join(split)}: adapters are applied by the node's own process only "
+                "(TP ranks and pipeline stages hold no adapter slots); serve adapters with tp: 1 and pp: 1"
+            )
         return self
 
     @model_validator(mode="after")

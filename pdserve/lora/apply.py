@@ -34,6 +34,7 @@ class LoRAStep:
     # segmented: (slot, rows) per slot present; rows a slice when contiguous, else an index tensor
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     onehot: torch.Tensor | None = None  # dense: [n, S, 1] in the compute dtype
+    slots_present: frozenset[int] = frozenset()  # the slots some row uses (host side, every mode)
 
     @classmethod
     def build(
@@ -50,6 +51,7 @@ class LoRAStep:
             row_list.extend([slot] * n)
         rows = torch.tensor(row_list, dtype=torch.int64)
         step = cls(rows.to(device), mode, num_slots)
+        step.slots_present = frozenset(slot for slot, n in slots_per_chunk if slot >= 0 and n)
         if mode == "bgmv":
             return step
         if mode == "dense":

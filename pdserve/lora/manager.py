@@ -3,6 +3,9 @@
     registered (host memory, LoRAAdapter) --activate--> resident in a slot (LoRASlots of every layer)
                                           <--evict (LRU, only slots no step of now needs)--
 
+MoE layers (``models.fused_moe.FusedMoE``) get ``lora.moe.ExpertLoRASlots``: each adapter's
+expert LoRA packed into the fused expert layout, a slot's stacks beside the dense layers' ones.
+
 At most ``max_loras`` adapters are resident; the scheduler admits requests of at most that many
 distinct adapters at once (``Scheduler.max_loras``), so a step's adapters always fit.
 """
@@ -22,7 +25,8 @@ from torch import nn
 from pdserve.config.lora import LoRAConfig, check_lora_name
 from pdserve.errors import ConfigError, InvalidRequestError
 from pdserve.lora.apply import LoRASlots, LoRAStep
-from pdserve.lora.peft import LoRAAdapter, LoRAAdapterError, load_peft_adapter
+from pdserve.lora.moe import attach_expert_slots
+from pdserve.lora.peft import ExpertTarget, LoRAAdapter, LoRAAdapterError, load_peft_adapter
 
 # Our fused layer -> the HF modules it holds, in output order.
 FUSED_SHARDS: dict[str, tuple[str, ...]] = {
@@ -79,6 +83,10 @@ class LoRAManager:
             )
             module.lora = slots  # type: ignore[assignment]  # read by models.linear.Linear.forward
             self.layers.append((prefix, slots))
+        self.expert_targets: dict[str, ExpertTarget] = {}  # fused experts module -> its 3-D parameters
+        self.expert_layers = attach_expert_slots(
+            model, config, compute_dtype, device, self.targets, self.expert_targets
+        )
         if not self.layers:
             raise ConfigError(f"lora: the model {type(model).__name__} has no LoRA-capable layers")
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -104,7 +112,7 @@ class LoRAManager:
             check_lora_name(name)
         except ConfigError as e:
             raise LoRAAdapterError(str(e), field="lora_name") from e
-        adapter = load_peft_adapter(name, path, self.targets, self.config.max_lora_rank)
+        adapter = load_peft_adapter(name, path, self.targets, self.config.max_lora_rank, self.expert_targets)
         old = self.adapters.get(name)
         if old is not None:
             if old.content_hash == adapter.content_hash:
@@ -131,6 +139,8 @@ class LoRAManager:
         if slot is not None:
             for _, layer in self.layers:
                 layer.clear_slot(slot)
+            for experts in self.expert_layers:
+                experts.clear_slot(slot)
             self.free_slots.append(slot)
 
     def get(self, name: str) -> LoRAAdapter:
@@ -165,6 +175,8 @@ class LoRAManager:
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for prefix, layer in self.layers:
             layer.set_slot(slot, [adapter.modules.get(prefix + hf) for hf, _, _ in layer.shards])
+        for experts in self.expert_layers:
+            experts.set_slot(slot, adapter.modules)
 
     def begin_step(self, chunk_loras: Sequence[tuple[str, int]], device: torch.device) -> None:
         """Set every layer's per-row slots for a step of (adapter name or "", num_tokens) chunks."""
@@ -184,3 +196,5 @@ class LoRAManager:
     def _set_step(self, step: LoRAStep | None) -> None:
         for _, layer in self.layers:
             layer.step = step
+        for experts in self.expert_layers:
+            experts.step = step

@@ -6,6 +6,9 @@ are the module's entries of ``rank_pattern`` / ``alpha_pattern`` (PEFT's matchin
 pattern ``p`` with ``re.match(rf"(.*\\.)?({p})$", module)``) or the config's ``r`` /
 ``lora_alpha``. The scale is stored in ``LoRAModuleWeights.scale``; every apply path (the slot
 table's dense layers, packed expert weights) reads that field and never derives it again.
+Expert LoRA on transformers 5's fused 3-D expert parameters (PEFT's ``target_parameters``) is
+split per expert by ``peft_experts.py``, its scale from the parameter's own name
+(``model.layers.0.mlp.experts.gate_up_proj``) in the patterns, as PEFT does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 
-from pdserve.errors import InvalidRequestError
+from pdserve.lora.ident import adapter_ident
+from pdserve.lora.peft_experts import ExpertTarget, expert_pairs, split_experts
+from pdserve.lora.weights import LoRAAdapterError, LoRAModuleWeights
+
+__all__ = ["ExpertTarget", "LoRAAdapter", "LoRAAdapterError", "LoRAModuleWeights", "load_peft_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -36,28 +43,9 @@ _REFUSED_FLAGS = {
     "use_qalora": "QALoRA (use_qalora: true)",
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters (LoRA on nn.Parameter)",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "modules_to_save": "modules_to_save (full copies of base modules)",
 }
-
-
-class LoRAAdapterError(InvalidRequestError):
-    """An adapter cannot be served as given (file, config or shapes); names the problem."""
-
-
-@dataclass(frozen=True)
-class LoRAModuleWeights:
-    """One module's LoRA: ``delta = scale * (x @ a.T) @ b.T``."""
-
-    a: torch.Tensor  # [rank, in_features]
-    b: torch.Tensor  # [out_features, rank]
-    rank: int
-    scale: float  # computed once by module_scale(); read by every apply path
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference apply of one module (tests, MoE packing checks): [n, in] -> [n, out]."""
-        return (x.float() @ self.a.float().T) @ self.b.float().T * self.scale
 
 
 @dataclass(frozen=True)
@@ -71,7 +59,7 @@ class LoRAAdapter:
     @property
     def ident(self) -> str:
         """``name@hash`` (hex): what nodes compare to know they hold the same adapter."""
-        return f"{self.name}@{self.content_hash.hex()}"
+        return adapter_ident(self.name, self.content_hash)
 
     @property
     def num_bytes(self) -> int:
@@ -152,11 +140,15 @@ def check_config(config: dict[str, Any], where: str) -> None:
 
 
 def load_peft_adapter(
-    name: str, path: str | Path, targets: dict[str, tuple[int, int]], max_lora_rank: int
+    name: str,
+    path: str | Path,
+    targets: dict[str, tuple[int, int]],
+    max_lora_rank: int,
+    expert_targets: dict[str, ExpertTarget] | None = None,
 ) -> LoRAAdapter:
     """Read and check a PEFT LoRA folder against the model's ``targets`` (HF module name ->
-    (in_features, out_features)). Raises LoRAAdapterError naming the problem; reads nothing
-    into any model."""
+    (in_features, out_features)) and ``expert_targets`` (experts module name -> its 3-D
+    parameters). Raises LoRAAdapterError naming the problem; reads nothing into any model."""
     folder = Path(path)
     config, config_bytes = read_config(folder)
     weights_file = folder / WEIGHTS_FILE
@@ -170,6 +162,10 @@ def load_peft_adapter(
     pairs = _pairs(tensors, str(weights_file))
     use_rslora = bool(config.get("use_rslora", False))
     modules: dict[str, LoRAModuleWeights] = {}
+    for pair in expert_pairs(pairs, config, expert_targets or {}, str(weights_file)):
+        r, alpha = module_rank_alpha(config, pair.key)
+        check_rank(r, max_lora_rank, pair.key, str(weights_file))
+        modules.update(split_experts(pair, r, module_scale(r, alpha, use_rslora), str(weights_file)))
     for module, (a, b) in sorted(pairs.items()):
         if module not in targets:
             raise LoRAAdapterError(
@@ -190,12 +186,7 @@ def load_peft_adapter(
                 f"and the config (r={r}) need ({r}, {in_features}) and ({out_features}, {r}): base-model mismatch?",
                 field="lora_path",
             )
-        if r > max_lora_rank:
-            raise LoRAAdapterError(
-                f"{weights_file}: {module} has rank {r}, over max_lora_rank {max_lora_rank}; raise "
-                f"lora.max_lora_rank or serve a lower-rank adapter",
-                field="lora_path",
-            )
+        check_rank(r, max_lora_rank, module, str(weights_file))
         modules[module] = LoRAModuleWeights(
             a.float().contiguous(), b.float().contiguous(), r, module_scale(r, alpha, use_rslora)
         )
@@ -208,6 +199,15 @@ def load_peft_adapter(
         modules=modules,
         max_rank=max(m.rank for m in modules.values()),
     )
+
+
+def check_rank(r: int, max_lora_rank: int, module: str, where: str) -> None:
+    if r > max_lora_rank:
+        raise LoRAAdapterError(
+            f"{where}: {module} has rank {r}, over max_lora_rank {max_lora_rank}; raise "
+            f"lora.max_lora_rank or serve a lower-rank adapter",
+            field="lora_path",
+        )
 
 
 def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

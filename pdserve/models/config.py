@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pdserve.errors import ConfigError, UnsupportedError
+from pdserve.models.moe_config import MoEArchConfig, moe_fields
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -111,6 +112,8 @@ class ModelArchConfig:
     rope_local: RopeConfig | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture-of-experts families (Mixtral, Qwen3-MoE; models/moe_config.py); None for dense models.
+    moe: MoEArchConfig | None = None
 
     @property
     def architecture(self) -> str:
@@ -158,6 +161,7 @@ class ModelArchConfig:
             eos_token_ids=tuple(eos),
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            moe=moe_fields(hf),
             **hybrid,
         )
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "llava", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "llava", "gemma3", "mixtral", "qwen3_moe")
 # The tiny Gemma-3: sliding-window layers (this window) interleaved with full-attention ones.
 TINY_SLIDING_WINDOW = 32
 EOS_TOKEN = "<|endoftext|>"
@@ -23,6 +23,11 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The tiny MoE families: experts, experts per token, a Qwen3-MoE expert's MLP rows (Mixtral's
+# experts have intermediate_size rows, Qwen3-MoE's dense layers too). The tiny Qwen3-MoE
+# keeps its last layer dense (mlp_only_layers) and its top-k weights unnormalised
+# (norm_topk_prob false), so both of its departures from Mixtral are exercised.
+TINY_MOE = {"num_experts": 8, "top_k": 2, "moe_intermediate_size": 32}
 # Larger than transformers' 0.02 so random logits are spread out: with 0.02 the logit std is
 # ~0.15 and greedy top-2 near-ties (which make token-equality tests flaky) become common.
 INITIALIZER_RANGE = 0.2
@@ -64,7 +69,14 @@ def _train_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()):  # -
 
 
 def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfig
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     # No pad_token_id: transformers would zero that embedding row (padding_idx), and pad = eos here.
     common = dict(
@@ -85,6 +97,24 @@ def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfi
         )
     if arch == "qwen2":
         return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
+    if arch == "mixtral":
+        return MixtralConfig(
+            architectures=["MixtralForCausalLM"],
+            num_local_experts=TINY_MOE["num_experts"],
+            num_experts_per_tok=TINY_MOE["top_k"],
+            sliding_window=None,
+            **common,
+        )
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"],
+            num_experts=TINY_MOE["num_experts"],
+            num_experts_per_tok=TINY_MOE["top_k"],
+            moe_intermediate_size=TINY_MOE["moe_intermediate_size"],
+            norm_topk_prob=False,
+            mlp_only_layers=[kw["num_hidden_layers"] - 1],
+            **common,
+        )
     return Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)
 
 
@@ -107,7 +137,7 @@ def make_tiny_model(
     """Write a random ``arch`` checkpoint (config, safetensors, tokenizer, generation config).
 
     Deterministic for a given seed. ``tie_word_embeddings`` defaults to True for the Qwen archs
-    (as in the small Qwen releases) and False for Llama, so both load paths are exercised.
+    (as in the small Qwen releases) and False for Llama and Mixtral, so both load paths are exercised.
     Norm weights and biases are randomised too (transformers initialises them to 1 and 0, which
     would hide a missing or misplaced norm/bias).
     """
@@ -123,7 +153,7 @@ def make_tiny_model(
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
 
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch != "llama"
+        tie_word_embeddings = arch not in ("llama", "mixtral")
     cfg = _hf_config(
         arch,
         eos_id,

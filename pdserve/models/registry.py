@@ -8,8 +8,10 @@ from pdserve.errors import UnsupportedError
 from pdserve.models.gemma3 import Gemma3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.llava import LlavaForConditionalGeneration
+from pdserve.models.mixtral import MixtralForCausalLM
 from pdserve.models.qwen2 import Qwen2ForCausalLM
 from pdserve.models.qwen3 import Qwen3ForCausalLM
+from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +19,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

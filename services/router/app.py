@@ -102,7 +102,9 @@ def create_app(
         generation_defaults=dict(generation_defaults or {}),
         kv_capacity_tokens=getattr(backend, "kv_capacity_tokens", None),
         max_grammar_bytes=max_grammar_bytes,
-        lora=RouterLoRA(served_model_names[0], dict(lora_modules)) if lora_modules is not None else None,
+        lora=RouterLoRA(served_model_names[0], dict(lora_modules), idents=getattr(backend, "lora_idents", {}))
+        if lora_modules is not None
+        else None,
     )
     if max_body_bytes is None:
         max_body_bytes = max(DEFAULT_MIN_BODY_BYTES, 2 * (ctx.max_prompt_embeds_bytes * 4) // 3)

@@ -44,6 +44,7 @@ class RouteKey(bytes):
     block_hashes: Sequence[bytes]
     _ids: Sequence[int]
     block_size: int  # of block_hashes (0: unknown, every node is taken to hash at it)
+    salt: bytes  # the engine's extra hash bytes (a LoRA adapter's content hash; b"" for the base model)
     _by_size: dict[int, Sequence[bytes]]
 
     def __new__(
@@ -52,11 +53,13 @@ class RouteKey(bytes):
         block_hashes: Sequence[bytes],
         prompt_token_ids: Sequence[int] = (),
         block_size: int = 0,
+        salt: bytes = b"",
     ) -> RouteKey:
         obj = super().__new__(cls, key)
         obj.block_hashes = block_hashes
         obj._ids = prompt_token_ids
         obj.block_size = block_size
+        obj.salt = salt
         obj._by_size = {block_size: block_hashes}
         return obj
 
@@ -64,7 +67,7 @@ class RouteKey(bytes):
         """The prompt's block hashes at ``block_size`` (KV events hash at the node's own size)."""
         got = self._by_size.get(block_size)
         if got is None:
-            got = self._by_size[block_size] = hash_prompt_blocks(list(self._ids), block_size)
+            got = self._by_size[block_size] = hash_prompt_blocks(list(self._ids), block_size, self.salt)
         return got
 
 

@@ -46,6 +46,9 @@ class RouterLoRA:
     base_name: str
     adapters: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # name -> identity (name@hash) the nodes answered with: set by loads here and by prefill's
+    # answers (the backend's lora_idents, the same dict); it salts the adapter's block hashes
+    idents: dict[str, str] = field(default_factory=dict)
 
 
 def _stub(node: Any) -> Any:
@@ -105,7 +108,8 @@ async def load_everywhere(backend: Any, lora: RouterLoRA, name: str, path: str) 
             "lora_path",
         )
     lora.adapters[name] = path
-    return idents.pop()
+    ident = lora.idents[name] = idents.pop()
+    return ident
 
 
 async def unload_everywhere(backend: Any, lora: RouterLoRA, name: str) -> None:
@@ -113,6 +117,7 @@ async def unload_everywhere(backend: Any, lora: RouterLoRA, name: str) -> None:
         raise APIError(404, f"lora_name {name!r} is not loaded", param="lora_name", code="model_not_found")
     results = await _call_all(backend, "UnloadLoRA", pb.LoRAUnloadRequest(lora_name=name))
     del lora.adapters[name]  # new requests stop at the router; the nodes finish those in flight
+    lora.idents.pop(name, None)
     errors = [
         (n, r)
         for n, r in results

@@ -33,6 +33,7 @@ from pdserve.engine.outputs import GenerationDelta
 from pdserve.errors import CapacityError, InvalidRequestError
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
 from pdserve.kvtransfer.topology import need_send
+from pdserve.lora.ident import lora_block_salt
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
@@ -96,11 +97,23 @@ class PDBackend(NodePool):
             registry=reg,
         )
         self.recent_errors = RecentErrors()  # for /dashboard
+        # LoRA adapter name -> identity (name@hash) the nodes answered with (loads, prefill
+        # answers); its hash salts the adapter's block hashes (services/router/lora.py)
+        self.lora_idents: dict[str, str] = {}
         self._decode_leg_spans: dict[str, Any] = {}  # early decode legs' spans, until read
         self._first_delta_by_path = {
             "disaggregated": self.decode_first_delta_seconds.labels("disaggregated"),
             "local": self.decode_first_delta_seconds.labels("local"),
         }
+
+    def prompt_hashes(self, req: BackendRequest, block_size: int) -> list[bytes]:
+        """The prompt's block hashes as a node's prefix cache makes them (an adapter's salted by
+        its content hash). Empty for embeddings (no token ids), images (placeholder ids are the
+        same for every image) or an adapter whose identity is not known yet."""
+        salt = lora_block_salt(self.lora_idents, req.lora_name)
+        if req.prompt_embeds is not None or req.mm_items or salt is None:
+            return []
+        return hash_prompt_blocks(req.prompt_token_ids, block_size, salt)
 
     def prefill_locally(self, req: BackendRequest, hashes: list[bytes], d_node: NodeHandle) -> bool:
         """Conditional disaggregation: prefill on the decode node when the prompt is short, when
@@ -115,7 +128,7 @@ class PDBackend(NodePool):
             # What the decode node holds (KV events): a follow-up whose history it kept computes
             # only its new tokens there, with no prefill leg and no transfer.
             if hashes and d_node.block_size != self.decode[0].block_size:  # hashed at decode[0]'s size
-                hashes = hash_prompt_blocks(req.prompt_token_ids, d_node.block_size)
+                hashes = self.prompt_hashes(req, d_node.block_size)
             held = self.prefix_index.overlap(d_node.name, hashes)
             if req.num_prompt_tokens - held * d_node.block_size < self.policy.local_prefill_max_tokens:
                 return True
@@ -128,16 +141,13 @@ class PDBackend(NodePool):
         self.start()
         t_route = time.monotonic()
         bs = self.decode[0].block_size
-        # Embeddings have no token ids to hash (and image placeholders are the same ids for every
-        # image): no affinity, no "seen on decode" shortcut.
-        hashes = (
-            hash_prompt_blocks(req.prompt_token_ids, bs)
-            if req.prompt_embeds is None and not req.mm_items
-            else []
-        )
+        # No hashes (embeddings, images, an adapter not known yet): no affinity, no "seen on
+        # decode" shortcut.
+        hashes = self.prompt_hashes(req, bs)
         key = hashes[min(len(hashes), AFFINITY_BLOCKS) - 1] if hashes else None
         if key is not None and self.policy.policy == "cache_aware":
-            key = RouteKey(key, hashes, req.prompt_token_ids, bs)
+            salt = lora_block_salt(self.lora_idents, req.lora_name) or b""
+            key = RouteKey(key, hashes, req.prompt_token_ids, bs, salt)
         d_node = self.pick(self.decode, key)
         if req.mm_needs_ec and not self.prefill:
             raise CapacityError(
@@ -227,6 +237,8 @@ class PDBackend(NodePool):
         if resp.epoch:
             p.epoch_by_transfer[transfer_id] = resp.epoch  # read (and dropped) by the decode leg
         req.lora_ident = resp.lora_ident  # the adapter content the KV was computed under
+        if req.lora_name and resp.lora_ident:
+            self.lora_idents[req.lora_name] = resp.lora_ident
         return d
 
     def _decode_msg(

@@ -79,3 +79,36 @@ def peft_greedy(
                     g = model.generate(input_ids=ids, **kw)
             out.append(g[0, len(prompt) :].tolist())
     return out
+
+
+def peft_merged_greedy(
+    model_dir: Path, adapters: dict[str, Path], jobs: list[tuple[str, list[int]]], new_tokens: int
+) -> list[list[int]]:
+    """``peft_greedy`` with each adapter merged into its own copy of the base model
+    (``PeftModel.merge_and_unload``): what PEFT's forward computes for expert parameters anyway
+    (W + delta W, ``ParamWrapper``), without re-merging the experts at every forward (~50 ms a
+    parameter on the CI host: minutes for a tiny MoE's reference)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out: dict[int, list[int]] = {}
+    for name in ["", *adapters]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if name:
+            model = PeftModel.from_pretrained(model, str(adapters[name])).merge_and_unload()
+        model.generation_config.eos_token_id = None
+        model.eval()
+        with torch.no_grad():
+            for i, (job_name, prompt) in enumerate(jobs):
+                if job_name != name:
+                    continue
+                ids = torch.tensor([prompt])
+                g = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                out[i] = g[0, len(prompt) :].tolist()
+    return [out[i] for i in range(len(jobs))]

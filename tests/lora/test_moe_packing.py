@@ -1,6 +1,6 @@
 """Expert LoRA packed into the fused MoE layout reads the stored scale: an rsLoRA adapter (whose
 alpha / r and alpha / sqrt(r) differ) gives the rsLoRA result on the dense path and on the packed
-expert path, against a reference that computes alpha / sqrt(r) itself."""
+expert path of the fused MoE forward, against a reference that computes alpha / sqrt(r) itself."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from pdserve.lora.moe import grouped_moe, pack_expert_lora
+from pdserve.lora.apply import LoRAStep
+from pdserve.lora.moe import EXPERT_NAMES, ExpertLoRASlots
 from pdserve.lora.peft import load_peft_adapter
+from pdserve.models.fused_moe import fused_moe, select_experts
 
 E, H, INTER, R, ALPHA, TOP_K = 4, 8, 6, 4, 8.0, 2
 PREFIX = "model.layers.0.mlp.experts"
+CPU = torch.device("cpu")
 
 
 def _rslora_folder(tmp_path, gated: bool):
@@ -71,8 +74,31 @@ def test_packed_experts_use_the_stored_rslora_scale(tmp_path, gated):
     logits = torch.randn(5, E)
     w13 = torch.randn(E, (2 if gated else 1) * INTER, H) * 0.3
     w2 = torch.randn(E, H, INTER) * 0.3
-    packed = pack_expert_lora(adapter.modules, PREFIX, E, H, INTER, max_rank=8, gated=gated)
-    got = grouped_moe(x, logits, w13, w2, TOP_K, renormalize=True, lora=packed, gated=gated)
-    torch.testing.assert_close(got, _reference(x, logits, w13, w2, tensors, rs, gated), rtol=1e-4, atol=1e-4)
+    slots = ExpertLoRASlots(
+        [(PREFIX, EXPERT_NAMES["qwen3_moe"])], E, H, INTER, 2, 8, torch.float32, CPU, gated
+    )
+    slots.set_slot(1, adapter.modules)
+    slots.step = LoRAStep.build([(1, 4), (-1, 1)], 2, "segmented", torch.float32, CPU)  # last row: base
+    topk_weights, topk_ids = select_experts(logits, TOP_K, renormalize=True)
+    got = fused_moe(x, topk_weights, topk_ids, w13, w2, slots, gated=gated)
+    want = _reference(x, logits, w13, w2, tensors, rs, gated)
+    want[4] = _reference(x[4:], logits[4:], w13, w2, tensors, 0.0, gated)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     wrong = _reference(x, logits, w13, w2, tensors, plain, gated)
-    assert (got - wrong).abs().max() > 1e-2  # alpha / r would be visibly different
+    assert (got[:4] - wrong[:4]).abs().max() > 1e-2  # alpha / r would be visibly different
+
+
+def test_expert_lora_skipped_when_no_row_adapts_the_experts(tmp_path):
+    torch.manual_seed(0)
+    adapter, _ = _rslora_folder(tmp_path, gated=True)
+    slots = ExpertLoRASlots([(PREFIX, EXPERT_NAMES["qwen3_moe"])], E, H, INTER, 2, 8, torch.float32, CPU)
+    slots.set_slot(0, adapter.modules)
+    slots.set_slot(1, {})  # an adapter of attention layers only
+    topk_ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    slots.step = LoRAStep.build([(1, 2), (-1, 1)], 2, "segmented", torch.float32, CPU)
+    assert slots.assignment_ids(topk_ids) is None  # no LoRA GEMMs in this layer
+    slots.step = LoRAStep.build([(1, 1), (0, 1), (-1, 1)], 2, "segmented", torch.float32, CPU)
+    ids = slots.assignment_ids(topk_ids)
+    assert ids is not None and ids.tolist() == [1 * E + 0, 1 * E + 1, 2, 3, -1, -1]
+    slots.clear_slot(0)
+    assert slots.assignment_ids(topk_ids) is None
