@@ -1,7 +1,8 @@
 """Speculative decoding: output tok/s and mean accepted length, each method against no speculation.
 
     .venv/bin/python bench/spec.py [--models tiny smollm2] [--batches 1 8 64] [--max-tokens 64]
-        [--k 4] [--methods none ngram ngram-guard draft_model mtp] [--draft-layers 8]
+        [--k 4] [--methods none ngram ngram-guard draft_model draft_model-guard mtp mtp-guard]
+        [--draft-layers 8]
         [--device cpu|cuda] [--model-dir PATH] [--out bench/results/spec.json]
 
 One process, in-process engines (``LLM``), one engine per (model, method), every level after a
@@ -10,9 +11,10 @@ warm-up; a level is ``batch`` requests submitted at once and run to completion (
 is for: chat prompts asking to copy a passage back and to rewrite a code snippet with a name
 changed (``copy`` and ``edit`` alternate), 150-300 prompt tokens.
 
-Methods: ``none``, ``ngram`` (k = ``--k``, n-grams of 2-4 tokens), ``ngram-guard`` (the same
-with ``disable_by_batch_size`` = ``--disable-by-batch-size``: no drafts from that many running
-requests on, the switch-off under load), ``draft_model`` and ``mtp``.
+Methods: ``none``, ``ngram`` (k = ``--k``, n-grams of 2-4 tokens), ``draft_model`` and ``mtp``
+(k = ``--k``), and each with ``-guard``: the same with ``disable_by_batch_size`` =
+``--disable-by-batch-size`` (no drafts from that many running requests on, the switch-off under
+load; MTP then skips its decode rows too).
 
 Drafters: ``draft_model`` on ``tiny`` is a random 1-layer Llama with the target's tokenizer (its
 drafts are noise: the cost side); on ``smollm2`` it is the target's first ``--draft-layers``
@@ -142,14 +144,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument(
-        "--disable-by-batch-size", type=int, default=16, help="ngram-guard: no drafts from this many running"
+        "--disable-by-batch-size", type=int, default=16, help="*-guard: no drafts from this many running"
     )
-    ap.add_argument(
-        "--methods",
-        nargs="+",
-        default=["none", "ngram", "ngram-guard", "draft_model", "mtp"],
-        choices=["none", "ngram", "ngram-guard", "draft_model", "mtp"],
-    )
+    methods = ["none", "ngram", "ngram-guard", "draft_model", "draft_model-guard", "mtp", "mtp-guard"]
+    ap.add_argument("--methods", nargs="+", default=methods, choices=methods)
     ap.add_argument("--draft-layers", type=int, default=8, help="smollm2's draft_model: layers kept")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-dir", type=Path, default=None, help="SmolLM2 checkpoint folder")
@@ -192,7 +190,7 @@ def main() -> None:
                 model_dir, ROOT / ".models" / f"smollm2-draft-{args.draft_layers}l", args.draft_layers
             )
         for method in args.methods:
-            if method == "mtp" and name != "tiny":
+            if method.startswith("mtp") and name != "tiny":
                 results["skipped"][f"{name}/mtp"] = "the checkpoint ships no MTP module"
                 log(f"{name}: mtp skipped: the checkpoint ships no MTP module")
                 continue
@@ -201,18 +199,19 @@ def main() -> None:
                 "max_model_len": 1024,
                 "max_num_seqs": max(args.batches),
             }
-            if method == "ngram":
-                kw["speculative"] = spec_cfg
-            elif method == "ngram-guard":
-                kw["speculative"] = {**spec_cfg, "disable_by_batch_size": args.disable_by_batch_size}
-            elif method == "draft_model":
+            base = method.removesuffix("-guard")
+            if base == "ngram":
+                kw["speculative"] = dict(spec_cfg)
+            elif base == "draft_model":
                 kw["speculative"] = {
-                    "method": method,
+                    "method": base,
                     "model": str(draft_dir),
                     "num_speculative_tokens": args.k,
                 }
-            elif method == "mtp":
-                kw["speculative"] = {"method": method, "num_speculative_tokens": args.k}
+            elif base == "mtp":
+                kw["speculative"] = {"method": base, "num_speculative_tokens": args.k}
+            if method.endswith("-guard"):
+                kw["speculative"]["disable_by_batch_size"] = args.disable_by_batch_size
             llm = LLM(str(model_dir), **kw)
             run_level(llm, 2, 8)  # warm-up
             for batch in args.batches:
@@ -222,7 +221,7 @@ def main() -> None:
                 results["rows"].append(row)
             llm.close()
     base = {(r["model"], r["batch"]): r["output_tok_s"] for r in results["rows"] if r["method"] == "none"}
-    print(f"\n{'model':8} {'batch':>5} {'method':11} {'tok/s':>8} {'x none':>7} {'acc len':>8} {'load':>6}")
+    print(f"\n{'model':8} {'batch':>5} {'method':17} {'tok/s':>8} {'x none':>7} {'acc len':>8} {'load':>6}")
     for r in results["rows"]:
         ratio = (
             r["output_tok_s"] / base[(r["model"], r["batch"])]
@@ -232,7 +231,7 @@ def main() -> None:
         r["speedup"] = round(ratio, 3)
         acc = r["mean_accepted_len"] if r["mean_accepted_len"] is not None else "-"
         print(
-            f"{r['model']:8} {r['batch']:5d} {r['method']:11} {r['output_tok_s']:8.1f} {ratio:7.2f} {acc!s:>8} {r['loadavg'][0]:6.2f}"
+            f"{r['model']:8} {r['batch']:5d} {r['method']:17} {r['output_tok_s']:8.1f} {ratio:7.2f} {acc!s:>8} {r['loadavg'][0]:6.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

@@ -159,9 +159,14 @@ class Drafter:
         """The target's hidden states of the step just launched ([num_tokens, hidden])."""
 
     def after_step(
-        self, sched: SchedulerOutput, sampled: dict[str, int], spec_sampled: dict[str, list[int]]
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, int],
+        spec_sampled: dict[str, list[int]],
+        drafting_off: bool,
     ) -> None:
-        """A target step completed (its tokens on the host, not yet in the requests)."""
+        """A target step completed (its tokens on the host, not yet in the requests);
+        ``drafting_off``: the step ran without drafts because of ``disable_by_batch_size``."""
 
     def drop(self, request_ids: Iterable[str]) -> None:
         raise NotImplementedError

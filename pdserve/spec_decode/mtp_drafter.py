@@ -21,6 +21,10 @@ target's layers). The decode node's first step then computes position P itself a
 its second step on; no hidden state crosses the hop. Both sides must run the same MTP module
 (the handshake refuses a mismatch: kvtransfer/speculative_compat.py).
 
+While ``disable_by_batch_size`` keeps drafts off, decode rows are skipped (prompts are not: a
+prefill node's transfer needs their KV); once drafts are on again a row's state restarts at its
+chunk, the module's KV of the skipped positions left as it is (stale).
+
 A request's first chunk may start past 0 (a prefix-cache hit, remote KV): the module's KV of those
 positions is taken as it is in the blocks (written by the request that filled them; after a
 prefix hit the KV of a block's last position was computed with that request's next token, which
@@ -79,7 +83,11 @@ class MTPDrafter(Drafter):
         return g, self.argmax(self.module.compute_logits(g))
 
     def after_step(
-        self, sched: SchedulerOutput, sampled: dict[str, int], spec_sampled: dict[str, list[int]]
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, int],
+        spec_sampled: dict[str, list[int]],
+        drafting_off: bool,
     ) -> None:
         hidden, self._hidden = self._hidden, None
         if hidden is None:
@@ -91,6 +99,8 @@ class MTPDrafter(Drafter):
         for c in sched.chunks:
             req, s = c.request, c.start_pos
             rid, row, base = req.request_id, base, base + c.num_tokens
+            if drafting_off and s >= req.num_prompt_tokens:
+                continue  # a decode row while drafts are off: its state restarts when they are on
             if c.spec_token_ids:
                 nxt = list(spec_sampled.get(rid, ()))
             elif c.sample:

@@ -51,7 +51,11 @@ class ModelDrafter(Protocol):
     def draft(self, chunks: list[ScheduledChunk]) -> None: ...
 
     def after_step(
-        self, sched: SchedulerOutput, sampled: dict[str, int], spec_sampled: dict[str, list[int]]
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, int],
+        spec_sampled: dict[str, list[int]],
+        drafting_off: bool,
     ) -> None: ...
 
     def drop(self, request_ids: Iterable[str]) -> None: ...
@@ -70,6 +74,7 @@ class SpecScheduling:
         self.drafter = drafter  # None: n-gram drafts, proposed here
         self.stats = SpecDecodeStats()
         self.num_steps_off = 0  # steps without drafts because of disable_by_batch_size
+        self.drafting_off = False  # this step has none for that reason
 
     def max_drafts(self, req: Request) -> int:
         """Drafts the request may take this step: k, less what would pass max_tokens or
@@ -84,7 +89,8 @@ class SpecScheduling:
         """Draft for every running decode row (called before ``Scheduler.schedule``); none from
         ``disable_by_batch_size`` running requests on."""
         off = self.config.disable_by_batch_size
-        if off is not None and len(running) >= off:
+        self.drafting_off = off is not None and len(running) >= off
+        if self.drafting_off:
             for req in running:
                 req.spec_token_ids = []
             self.num_steps_off += 1
@@ -121,9 +127,11 @@ class SpecScheduling:
         self, sched: SchedulerOutput, sampled: dict[str, int], spec_sampled: dict[str, list[int]]
     ) -> None:
         """A step's tokens are on the host (before ``update_from_output``): MTP computes its KV
-        from the target's hidden states here."""
+        from the target's hidden states here (for prompts always; for decode rows only while
+        drafting is on, so a loaded node switched off by ``disable_by_batch_size`` does not pay
+        for it)."""
         if self.drafter is not None:
-            self.drafter.after_step(sched, sampled, spec_sampled)
+            self.drafter.after_step(sched, sampled, spec_sampled, self.drafting_off)
 
     @staticmethod
     def num_drafts(req: Request, gap: int, budget: int) -> int:

@@ -165,14 +165,7 @@ def test_mtp_kv_moves_from_prefill_to_decode(mtp_model: Any) -> None:
         on_hold_for_transfer=lambda r, blocks: held.append((list(r.output_token_ids), list(blocks))) or True,
     )
     decode = LLMEngine(cfg)
-    colo = LLMEngine(
-        EngineConfig(
-            model=str(mtp_model),
-            device="cpu",
-            max_model_len=512,
-            speculative={"method": "mtp", "disable_by_batch_size": 1},  # never drafts: g at every position
-        )
-    )
+    colo = LLMEngine(cfg)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         prefill.add_request(
@@ -203,13 +196,17 @@ def test_mtp_kv_moves_from_prefill_to_decode(mtp_model: Any) -> None:
         decode.finish_kv_load("d", True, KvLoadFailurePolicy.FAIL)
         got += [t for dlt in decode.step() for t in dlt.token_ids]  # position P: h_P, then g
         g_decode = decode.runner.drafter.states["d"].hidden
-        colo.add_request(prompt, greedy, "c")
-        want = [t for _ in range(2) for dlt in colo.step() for t in dlt.token_ids]
+        # "c" (max_tokens 2): its second step (position P) has no room for drafts, so its g is
+        # P's; "c2" keeps the engine busy, so c's state is read before it is dropped.
+        colo.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), "c")
+        colo.add_request(prompt, greedy, "c2")
+        deltas = colo.step() + colo.step()
         g_colo = colo.runner.drafter.states["c"].hidden
         assert g_decode is not None and g_colo is not None
         torch.testing.assert_close(g_decode, g_colo, atol=1e-5, rtol=1e-5)
         while colo.has_unfinished():
-            want += [t for dlt in colo.step() for t in dlt.token_ids]
+            deltas += colo.step()
+        want = [t for dlt in deltas if dlt.request_id == "c2" for t in dlt.token_ids]
         while decode.has_unfinished():
             got += [t for dlt in decode.step() for t in dlt.token_ids]
         assert list(first) + got == want and len(want) == max_tokens

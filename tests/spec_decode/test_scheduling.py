@@ -161,7 +161,7 @@ class _FakeDrafter:
             c.spec_token_ids = tuple(100 + i for i in range(len(c.spec_token_ids)))
             c.request.spec_token_ids = list(c.spec_token_ids)
 
-    def after_step(self, sched: object, sampled: dict, spec_sampled: dict) -> None:
+    def after_step(self, sched: object, sampled: dict, spec_sampled: dict, drafting_off: bool) -> None:
         pass
 
     def drop(self, request_ids: list[str]) -> None:
