@@ -215,3 +215,25 @@ def test_mtp_kv_moves_from_prefill_to_decode(mtp_model: Any) -> None:
     finally:
         for e in (prefill, decode, colo):
             e.close()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_preemption_and_seeded_replay(method: str, make_llm: Any, tiny_models: Any, mtp_model: Any) -> None:
+    """A KV budget too small for every request at once: preempted requests recompute and their
+    drafter state starts again (greedy tokens equal the engine's without speculation); seeded
+    sampled rows replay (the second time from the prefix cache)."""
+    model = mtp_model if method == "mtp" else tiny_models["llama"]
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(model)
+    kw = {"device": "cpu", "max_model_len": 160, "num_blocks_override": 12}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[2:6]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    base = make_llm(model, **kw)
+    llm = make_llm(model, speculative=spec, **kw)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, greedy)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    assert llm.engine.scheduler.num_preemptions_total > 0 and llm.engine.spec.stats.num_accepted_tokens > 0
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)] == first
