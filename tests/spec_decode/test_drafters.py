@@ -138,7 +138,9 @@ def test_mtp_greedy_equal(make_llm: Any, mtp_model: Any) -> None:
     got = _greedy(llm)
     assert got == want and [len(t) for t in got] == MAX_TOKENS
     st = llm.engine.spec.stats
-    assert st.num_drafts > 0 and st.num_accepted_tokens > 0, st
+    # A random module's drafts are rarely accepted (2 of 426 here); the module's correctness is
+    # test_mtp_module_matches_transformers and test_mtp_kv_moves_from_prefill_to_decode.
+    assert st.num_drafts > 0 and st.num_draft_tokens >= st.num_drafts, st
     assert llm.engine.runner.drafter.states == {}
 
 
@@ -220,8 +222,9 @@ def test_mtp_kv_moves_from_prefill_to_decode(mtp_model: Any) -> None:
 @pytest.mark.parametrize("method", ["draft_model", "mtp"])
 def test_preemption_and_seeded_replay(method: str, make_llm: Any, tiny_models: Any, mtp_model: Any) -> None:
     """A KV budget too small for every request at once: preempted requests recompute and their
-    drafter state starts again (greedy tokens equal the engine's without speculation); seeded
-    sampled rows replay (the second time from the prefix cache)."""
+    drafter state starts again (greedy tokens equal the engine's without speculation; the target
+    as its own draft still has its drafts accepted); seeded sampled rows replay (the second time
+    from the prefix cache)."""
     model = mtp_model if method == "mtp" else tiny_models["llama"]
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
@@ -233,7 +236,10 @@ def test_preemption_and_seeded_replay(method: str, make_llm: Any, tiny_models: A
     llm = make_llm(model, speculative=spec, **kw)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, greedy)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
-    assert llm.engine.scheduler.num_preemptions_total > 0 and llm.engine.spec.stats.num_accepted_tokens > 0
+    st = llm.engine.spec.stats
+    assert llm.engine.scheduler.num_preemptions_total > 0 and st.num_drafts > 0
+    if method == "draft_model":  # the target as its own draft: accepted after every restart
+        assert st.num_accepted_tokens >= 0.97 * st.num_draft_tokens, st
     sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)] == first
