@@ -243,3 +243,13 @@ def test_preemption_and_seeded_replay(method: str, make_llm: Any, tiny_models: A
     sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)] == first
+
+
+@pytest.mark.skipif(not FULL, reason="~6 s: PDSERVE_FULL_TESTS=1 runs it; test_mtp_greedy_equal covers Llama")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_mtp_on_qwen_families(arch: str, make_llm: Any, tiny_model_factory: Any) -> None:
+    """The module's decoder layer is the target family's (q/k/v bias, q/k norms)."""
+    model = tiny_model_factory(arch, mtp=True)
+    want = _greedy(make_llm(model, device="cpu", max_model_len=512))
+    llm = make_llm(model, device="cpu", max_model_len=512, speculative={"method": "mtp"})
+    assert _greedy(llm) == want and llm.engine.spec.stats.num_drafts > 0
