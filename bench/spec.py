@@ -1,7 +1,9 @@
-"""Speculative decoding: output tok/s and mean accepted length, n-gram against no speculation.
+"""Speculative decoding: output tok/s and mean accepted length, each method against no speculation.
 
     .venv/bin/python bench/spec.py [--models tiny smollm2] [--batches 1 8 64] [--max-tokens 64]
-        [--k 4] [--device cpu|cuda] [--model-dir PATH] [--out bench/results/spec.json]
+        [--k 4] [--methods none ngram ngram-guard draft_model draft_model-guard mtp mtp-guard]
+        [--draft-layers 8]
+        [--device cpu|cuda] [--model-dir PATH] [--out bench/results/spec.json]
 
 One process, in-process engines (``LLM``), one engine per (model, method), every level after a
 warm-up; a level is ``batch`` requests submitted at once and run to completion (greedy,
@@ -9,9 +11,17 @@ warm-up; a level is ``batch`` requests submitted at once and run to completion (
 is for: chat prompts asking to copy a passage back and to rewrite a code snippet with a name
 changed (``copy`` and ``edit`` alternate), 150-300 prompt tokens.
 
-Methods: ``none``, ``ngram`` (k = ``--k``, n-grams of 2-4 tokens) and ``ngram-guard`` (the same
-with ``disable_by_batch_size`` = ``--disable-by-batch-size``: no drafts from that many running
-requests on, the switch-off under load).
+Methods: ``none``, ``ngram`` (k = ``--k``, n-grams of 2-4 tokens), ``draft_model`` and ``mtp``
+(k = ``--k``), and each with ``-guard``: the same with ``disable_by_batch_size`` =
+``--disable-by-batch-size`` (no drafts from that many running requests on, the switch-off under
+load; MTP then skips its decode rows too).
+
+Drafters: ``draft_model`` on ``tiny`` is a random 1-layer Llama with the target's tokenizer (its
+drafts are noise: the cost side); on ``smollm2`` it is the target's first ``--draft-layers``
+layers with its norm and head (an early-exit self-draft written here, no other small checkpoint
+shares SmolLM2's tokenizer offline). ``mtp`` runs on ``tiny`` only (``make_tiny_model(mtp=True)``:
+a random module initialised near the identity on the hidden state, see models/mtp.py); SmolLM2
+ships no MTP module (the row says so).
 
 Columns: output tokens / wall second, its ratio to no speculation at the same batch, and the
 mean accepted length (tokens a drafted request emits per verification step, 1 + accepted /
@@ -76,6 +86,34 @@ def smollm2_dir(given: Path | None) -> tuple[Path | None, str]:
     return resolve_model_path(demo_gguf_path()), ""
 
 
+def early_exit_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
+    """A draft checkpoint of the target's first ``num_layers`` layers (embedding, norm, head and
+    tokenizer files kept), written once into ``out``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    tensors: dict[str, Any] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers:
+                tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", SAFETENSORS_INDEX):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
 def run_level(llm: Any, batch: int, max_tokens: int) -> dict[str, float]:
     from pdserve.engine.sampling_params import SamplingParams
 
@@ -106,8 +144,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument(
-        "--disable-by-batch-size", type=int, default=16, help="ngram-guard: no drafts from this many running"
+        "--disable-by-batch-size", type=int, default=16, help="*-guard: no drafts from this many running"
     )
+    methods = ["none", "ngram", "ngram-guard", "draft_model", "draft_model-guard", "mtp", "mtp-guard"]
+    ap.add_argument("--methods", nargs="+", default=methods, choices=methods)
+    ap.add_argument("--draft-layers", type=int, default=8, help="smollm2's draft_model: layers kept")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-dir", type=Path, default=None, help="SmolLM2 checkpoint folder")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
@@ -131,8 +172,12 @@ def main() -> None:
     }
     tmp = tempfile.TemporaryDirectory()
     for name in args.models:
+        draft_dir: Path | None = None
         if name == "tiny":
-            model_dir: Path | None = make_tiny_model("llama", Path(tmp.name) / "tiny")
+            model_dir: Path | None = make_tiny_model("llama", Path(tmp.name) / "tiny", mtp=True)
+            draft_dir = make_tiny_model(
+                "llama", Path(tmp.name) / "draft", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1
+            )
             why = ""
         else:
             model_dir, why = smollm2_dir(args.model_dir)
@@ -140,7 +185,15 @@ def main() -> None:
             log(f"{name}: skipped: {why}")
             results["skipped"][name] = why
             continue
-        for method in ("none", "ngram", "ngram-guard"):
+        if name == "smollm2" and model_dir is not None:
+            draft_dir = early_exit_draft(
+                model_dir, ROOT / ".models" / f"smollm2-draft-{args.draft_layers}l", args.draft_layers
+            )
+        for method in args.methods:
+            if method.startswith("mtp") and name != "tiny":
+                results["skipped"][f"{name}/mtp"] = "the checkpoint ships no MTP module"
+                log(f"{name}: mtp skipped: the checkpoint ships no MTP module")
+                continue
             kw: dict[str, Any] = {
                 "device": args.device,
                 "max_model_len": 1024,
@@ -148,10 +201,19 @@ def main() -> None:
             }
             if args.device == "cuda":  # one engine after another in this process: each its own share
                 kw["kv_cache_memory_bytes"] = 2 << 30
-            if method == "ngram":
-                kw["speculative"] = spec_cfg
-            elif method == "ngram-guard":
-                kw["speculative"] = {**spec_cfg, "disable_by_batch_size": args.disable_by_batch_size}
+            base = method.removesuffix("-guard")
+            if base == "ngram":
+                kw["speculative"] = dict(spec_cfg)
+            elif base == "draft_model":
+                kw["speculative"] = {
+                    "method": base,
+                    "model": str(draft_dir),
+                    "num_speculative_tokens": args.k,
+                }
+            elif base == "mtp":
+                kw["speculative"] = {"method": base, "num_speculative_tokens": args.k}
+            if method.endswith("-guard"):
+                kw["speculative"]["disable_by_batch_size"] = args.disable_by_batch_size
             llm = LLM(str(model_dir), **kw)
             run_level(llm, 2, 8)  # warm-up
             for batch in args.batches:
@@ -161,7 +223,7 @@ def main() -> None:
                 results["rows"].append(row)
             llm.close()
     base = {(r["model"], r["batch"]): r["output_tok_s"] for r in results["rows"] if r["method"] == "none"}
-    print(f"\n{'model':8} {'batch':>5} {'method':11} {'tok/s':>8} {'x none':>7} {'acc len':>8} {'load':>6}")
+    print(f"\n{'model':8} {'batch':>5} {'method':17} {'tok/s':>8} {'x none':>7} {'acc len':>8} {'load':>6}")
     for r in results["rows"]:
         ratio = (
             r["output_tok_s"] / base[(r["model"], r["batch"])]
@@ -171,7 +233,7 @@ def main() -> None:
         r["speedup"] = round(ratio, 3)
         acc = r["mean_accepted_len"] if r["mean_accepted_len"] is not None else "-"
         print(
-            f"{r['model']:8} {r['batch']:5d} {r['method']:11} {r['output_tok_s']:8.1f} {ratio:7.2f} {acc!s:>8} {r['loadavg'][0]:6.2f}"
+            f"{r['model']:8} {r['batch']:5d} {r['method']:17} {r['output_tok_s']:8.1f} {ratio:7.2f} {acc!s:>8} {r['loadavg'][0]:6.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

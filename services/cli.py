@@ -49,6 +49,7 @@ def make_model(
     intermediate_size: int = typer.Option(128),
     vocab_size: int = typer.Option(512),
     seed: int = typer.Option(0),
+    mtp: bool = typer.Option(False, help="add a one-layer MTP module (speculative method mtp)"),
 ) -> None:
     """Write a tiny random Hugging Face checkpoint (model + byte-level BPE tokenizer)."""
     from pdserve.models.make_model import make_tiny_model
@@ -64,6 +65,7 @@ def make_model(
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         seed=seed,
+        mtp=mtp,
     )
     typer.echo(f"wrote {arch} checkpoint to {path}")
 

@@ -26,7 +26,7 @@ from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvevents.publisher import KVEventPublisher, start_publisher
 from pdserve.kvoffload.metrics import kv_offload_metrics
 from pdserve.kvtransfer.backend import TransferBackend
-from pdserve.kvtransfer.connector import handshake_info_of, kv_regions_of
+from pdserve.kvtransfer.connector import drafter_kv_buffers, handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.handshake import new_epoch
@@ -99,6 +99,8 @@ class NodeBase:
             cache = runner.kv_cache
             assert cache is not None
             self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
+            for addr, nbytes in drafter_kv_buffers(runner):  # an MTP module's KV moves too
+                self.backend.register(addr, nbytes)
         self.regions = kv_regions_of(runner)  # stage 0's layers
         self.handshake = handshake_info_of(
             runner, opts.engine.model, self.epoch, opts.kv_transport, spec_wire(opts.engine.speculative)

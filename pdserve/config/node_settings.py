@@ -125,8 +125,9 @@ class NodeConfig(_Frozen):
     # torch's intra-op CPU threads per engine process (see EngineConfig.cpu_threads); None: half
     # the usable cores on a CPU device, torch's default elsewhere
     cpu_threads: int | None = Field(default=None, ge=1)
-    # Speculative decoding on this node (decode / colocated): {method: ngram, num_speculative_tokens,
-    # prompt_lookup_min, prompt_lookup_max}; None: off (pdserve/config/speculative_settings.py)
+    # Speculative decoding on this node (decode / colocated; mtp on the prefill node too): {method:
+    # ngram | draft_model | mtp, num_speculative_tokens, prompt_lookup_min / _max (ngram), model
+    # (draft_model)}; None: off (pdserve/config/speculative_settings.py)
     speculative: SpeculativeSettings | None = None
     # SIGTERM: stop admitting, finish in-flight work for at most this long, then exit (k8s:
     # terminationGracePeriodSeconds must exceed it, see deploy/k8s).

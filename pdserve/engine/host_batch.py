@@ -25,6 +25,7 @@ import torch
 
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import EngineStalledError
+from pdserve.models.attention import AttentionBackend, AttentionMetadata
 
 
 def extend_slots(slots: array, block_ids: Sequence[int], start: int, end: int, block_size: int) -> None:
@@ -120,6 +121,34 @@ def build_host_batch(
     return HostBatch(
         token_ids, positions, slots, query_lens, seq_lens, table, width, sample_idx, feed_dst, feed_src
     )
+
+
+def batch_to_device(
+    batch: HostBatch, staging: PinnedStaging, block_size: int, attn_backend: AttentionBackend
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Eager inputs: two host-to-device copies (int64 per token, int32 per request)."""
+    n, b = batch.num_tokens, batch.num_seqs
+    qsl = array("i", [0])
+    for q in batch.query_lens:
+        qsl.append(qsl[-1] + q)
+    put = staging.to_device
+    i64_d = put(batch.token_ids + batch.positions + batch.slots, torch.int64).view(3, n)
+    # [b seq_lens | b + 1 query_start_loc | b * width table]
+    i32_d = put(array("i", batch.seq_lens) + qsl + batch.block_table_flat, torch.int32)
+    meta = AttentionMetadata(
+        num_tokens=n,
+        slot_mapping=i64_d[2],
+        query_start_loc=i32_d[b : 2 * b + 1],
+        seq_lens=i32_d[:b],
+        block_tables=i32_d[2 * b + 1 :].view(b, batch.width),
+        query_lens_cpu=batch.query_lens,
+        seq_lens_cpu=batch.seq_lens,
+        max_query_len=max(batch.query_lens),
+        max_seq_len=max(batch.seq_lens),
+        block_size=block_size,
+        backend=attn_backend,
+    )
+    return i64_d[0], i64_d[1], meta
 
 
 def wait_event(event: torch.cuda.Event, timeout_s: float, what: str) -> None:

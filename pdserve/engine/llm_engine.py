@@ -383,6 +383,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if self.spec is not None:  # a drafter with weights drafts into the allocated slots
+            self.spec.fill_drafts(sched)
         self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
         deltas += self.execute_scheduled(sched)
         if self.lora is not None:  # adapters unloaded while in use go once their last request ended
@@ -521,6 +523,8 @@ class LLMEngine:
             runner = self.runner
             assert isinstance(runner, ModelRunner)
             runner.prepare_deferred_sampled(then, out.sampled)
+        if self.spec is not None:  # MTP: its KV from this step's hidden states
+            self.spec.after_step(sched, out.sampled, out.spec_sampled)
         self.fence.advance(sched.step_seq)
         self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
         if out.prompt_logprobs:

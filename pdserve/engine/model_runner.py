@@ -31,7 +31,14 @@ from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.grammar_masks import GrammarMasker, GrammarMasks
-from pdserve.engine.host_batch import HostBatch, PinnedStaging, apply_feed, build_host_batch, wait_event
+from pdserve.engine.host_batch import (
+    HostBatch,
+    PinnedStaging,
+    apply_feed,
+    batch_to_device,
+    build_host_batch,
+    wait_event,
+)
 from pdserve.engine.kv_sizing import (
     GpuMemory,
     cpu_kv_budget_bytes,
@@ -187,6 +194,13 @@ def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor: lazily zeroed pages on the CPU, ``torch.zeros`` elsewhere."""
+    if device.type == "cpu":
+        return lazily_zeroed_cpu_tensor(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, layer_start: int = 0, layer_end: int | None = None) -> None:
         self.config = config
@@ -227,6 +241,10 @@ class ModelRunner:
         self.lora = (
             LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora is not None else None
         )
+        # A speculative drafter with weights (draft_model, mtp): its model, its KV beside ours.
+        from pdserve.spec_decode.drafter import make_drafter
+
+        self.drafter = make_drafter(config, self)
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -241,7 +259,8 @@ class ModelRunner:
     def determine_cache_sizes(self) -> CacheSizes:
         """The KV budget (engine/kv_sizing.py) in blocks of this stage's layers."""
         cc = self.config.cache
-        per_block = self.bytes_per_block()
+        # A drafter's KV (spec_decode/drafter.py) shares our block ids: a block holds both.
+        per_block = self.bytes_per_block() + (self.drafter.bytes_per_block() if self.drafter else 0)
         if cc.num_blocks_override is not None:
             budget = cc.num_blocks_override * per_block
         elif cc.kv_cache_memory_bytes is not None:
@@ -279,12 +298,11 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
         shape = (num_blocks, self.num_local_layers, 2, self.block_size, self.num_kv_heads, a.head_dim)
-        if self.device.type == "cpu":
-            self.kv_cache = lazily_zeroed_cpu_tensor(shape, self.dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = zeroed_kv_tensor(shape, self.dtype, self.device)
         # [num_blocks, 2, block_size, num_kv_heads, head_dim] views, one per local layer
         self.layer_caches = [self.kv_cache[:, i] for i in range(self.num_local_layers)]
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks)
         reason = self._cuda_graphs_off_reason()
         if reason is not None:
             logger.info("CUDA graphs off: %s", reason)
@@ -319,29 +337,7 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------
     def _to_device(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Eager inputs: two host-to-device copies (int64 per token, int32 per request)."""
-        n, b = batch.num_tokens, batch.num_seqs
-        qsl = array("i", [0])
-        for q in batch.query_lens:
-            qsl.append(qsl[-1] + q)
-        put = self.staging.to_device
-        i64_d = put(batch.token_ids + batch.positions + batch.slots, torch.int64).view(3, n)
-        # [b seq_lens | b + 1 query_start_loc | b * width table]
-        i32_d = put(array("i", batch.seq_lens) + qsl + batch.block_table_flat, torch.int32)
-        meta = AttentionMetadata(
-            num_tokens=n,
-            slot_mapping=i64_d[2],
-            query_start_loc=i32_d[b : 2 * b + 1],
-            seq_lens=i32_d[:b],
-            block_tables=i32_d[2 * b + 1 :].view(b, batch.width),
-            query_lens_cpu=batch.query_lens,
-            seq_lens_cpu=batch.seq_lens,
-            max_query_len=max(batch.query_lens),
-            max_seq_len=max(batch.seq_lens),
-            block_size=self.block_size,
-            backend=self.attn_backend,
-        )
-        return i64_d[0], i64_d[1], meta
+        return batch_to_device(batch, self.staging, self.block_size, self.attn_backend)
 
     def _prompt_embeds(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Input embeddings for a step that computes prompt positions given as embeddings.
@@ -411,6 +407,8 @@ class ModelRunner:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self.grammar.drop(rid)
+        if self.drafter is not None:
+            self.drafter.drop(request_ids)
 
     def close(self) -> None:
         """Stop the bitmask filler thread, if one was started (idempotent)."""
@@ -475,6 +473,8 @@ class ModelRunner:
                 [], None, self.staging.end_step(), intermediate=out, timeout_s=self.config.step_timeout_s
             )
         assert isinstance(out, torch.Tensor)
+        if self.drafter is not None:  # MTP reads the target's hidden states of the step
+            self.drafter.keep_hidden(out)
         spans = prompt_logprob_spans(sched)
         prompt = (
             compute_prompt_logprobs(out, spans, self.model.compute_logits, self.staging) if spans else None

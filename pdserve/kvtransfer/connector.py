@@ -55,7 +55,7 @@ def kv_regions_of(runner: Any) -> list[Region]:
     its share of the KV heads: ``[num_blocks, L, 2, block_size, H_local, head_dim]``)."""
     cache = runner.kv_cache
     a = runner.arch
-    return regions_for_kv_cache(
+    regions = regions_for_kv_cache(
         cache.data_ptr(),
         cache.shape[0],
         runner.model.layer_names,
@@ -64,6 +64,20 @@ def kv_regions_of(runner: Any) -> list[Region]:
         a.head_dim,
         cache.element_size(),
     )
+    # A drafter whose KV the transfer moves (MTP: one more layer, its own tensor; the handshake's
+    # speculative field makes both sides hold it or neither: spec_decode/drafter.py)
+    drafter = getattr(runner, "drafter", None)
+    return regions + (drafter.kv_regions() if drafter is not None else [])
+
+
+def drafter_kv_buffers(runner: Any) -> list[tuple[int, int]]:
+    """(address, bytes) of a drafter's KV tensor that a transfer reads or writes (MTP), for the
+    transfer backend to register beside the runner's own KV tensor; [] without one."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not drafter.transfer_layer_names:
+        return []
+    cache = drafter.kv_cache
+    return [(cache.data_ptr(), cache.numel() * cache.element_size())]
 
 
 def handshake_info_of(

@@ -1,11 +1,16 @@
 """What the P/D handshake compares of the speculative config (docs/design.md §8). No torch.
 
-Each KV peer announces ``method|drafter identity|k`` ("" without speculation). A drafter that
-reads state prefill must fill (a draft model's or an MTP module's KV for the prompt, the last
-hidden state) makes a mismatch change tokens, so then both sides must announce the same
-identity. An n-gram drafter reads only the token ids the decode node already holds: it needs
-nothing from prefill, and a pair where one side drafts by n-gram and the other does not (or
-drafts by n-gram with other settings) is served, its tokens those of the decode node's config.
+Each KV peer announces ``method|drafter identity|k`` ("" without speculation). Verification is
+lossless whatever the drafts are, so no pair changes tokens; a decode node whose drafter reads
+state the prefill node computes would, without it, draft from stale KV and its acceptance would
+collapse without a word, so such a pair is refused. The rule per method:
+
+    ngram        reads the token ids the decode node holds: any pair is served
+    draft_model  the decode node rebuilds the draft model's KV from the prompt tokens itself
+                 (spec_decode/draft_model.py): any pair is served; its identity names the draft
+                 checkpoint by content (``draft_model[sha256 prefix]``)
+    mtp          reads MTP KV the prefill node computes and the transfer moves as one more layer
+                 (spec_decode/mtp_drafter.py): both sides must announce the same config
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from pdserve.config.speculative import SpeculativeConfig
 
 # Methods whose drafter needs state computed on the prefill node.
-NEEDS_PREFILL_STATE = frozenset({"draft_model", "mtp", "eagle", "eagle3", "medusa"})
+NEEDS_PREFILL_STATE = frozenset({"mtp", "eagle", "eagle3", "medusa"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ def speculative_mismatch(local: str, remote: str) -> str | None:
     if not needs or a == b:
         return None
     return (
-        "the drafter reads state the prefill node computes (method, drafter identity and "
-        "num_speculative_tokens must be equal on both sides; n-gram needs nothing from prefill)"
+        "the drafter reads state the prefill node computes (mtp: its KV for the prompt; method, "
+        "drafter identity and num_speculative_tokens must be equal on both sides; n-gram and "
+        "draft_model need nothing from prefill)"
     )

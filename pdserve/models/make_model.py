@@ -133,13 +133,15 @@ def make_tiny_model(
     tie_word_embeddings: bool | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    mtp: bool = False,
 ) -> Path:
     """Write a random ``arch`` checkpoint (config, safetensors, tokenizer, generation config).
 
     Deterministic for a given seed. ``tie_word_embeddings`` defaults to True for the Qwen archs
     (as in the small Qwen releases) and False for Llama and Mixtral, so both load paths are exercised.
     Norm weights and biases are randomised too (transformers initialises them to 1 and 0, which
-    would hide a missing or misplaced norm/bias).
+    would hide a missing or misplaced norm/bias). ``mtp``: add a one-layer DeepSeek-V3-style MTP
+    module (``num_nextn_predict_layers: 1``, weights as layer ``num_layers``: models/mtp.py).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -185,6 +187,10 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _ensure_chat_template_in_tokenizer_config(out)
+    if mtp:
+        from pdserve.models.mtp import write_mtp_weights
+
+        write_mtp_weights(out, seed, INITIALIZER_RANGE)
     return out
 
 

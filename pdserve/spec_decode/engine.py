@@ -40,7 +40,7 @@ def make_spec_scheduling(
         spec.num_speculative_tokens,
         spec.drafter_identity,
     )
-    return SpecScheduling(spec, max_model_len)
+    return SpecScheduling(spec, max_model_len, runner.drafter)
 
 
 def spec_async_scheduling(config: EngineConfig) -> bool:

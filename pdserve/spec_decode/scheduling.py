@@ -17,32 +17,64 @@ the exact token (drafts are also capped so a step never passes ``max_tokens`` or
 
 Rows with a structured-output grammar are never drafted (speculation is refused per request:
 they decode one token per step as without speculation).
+
+Who drafts: the n-gram proposer here, in ``propose`` (before the scheduler); a drafter with
+weights (draft model, MTP: spec_decode/drafter.py) gets m placeholders in ``propose`` and writes
+its drafts into the scheduled chunks in ``fill_drafts`` (after the scheduler allocated the
+slots its own KV writes need).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler_output import ScheduledChunk
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
 
+# The token a drafted row holds between the scheduler and the drafter (``fill_drafts``): a
+# drafter with weights drafts after the scheduler allocated the row's slots.
+DRAFT_PLACEHOLDER = 0
+
+
+class ModelDrafter(Protocol):
+    """A drafter with weights (spec_decode/drafter.py), as the scheduling side calls it."""
+
+    def can_draft(self, req: Request) -> bool: ...
+
+    def draft(self, chunks: list[ScheduledChunk]) -> None: ...
+
+    def after_step(
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, int],
+        spec_sampled: dict[str, list[int]],
+        drafting_off: bool,
+    ) -> None: ...
+
+    def drop(self, request_ids: Iterable[str]) -> None: ...
+
 
 class SpecScheduling:
     """Drafts for the running rows, and the bookkeeping of a verified step. Mutates requests'
     ``spec_token_ids``, counters and token lists, and (through the scheduler) their blocks."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, drafter: ModelDrafter | None = None
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config)
+        self.drafter = drafter  # None: n-gram drafts, proposed here
         self.stats = SpecDecodeStats()
         self.num_steps_off = 0  # steps without drafts because of disable_by_batch_size
+        self.drafting_off = False  # this step has none for that reason
 
     def max_drafts(self, req: Request) -> int:
         """Drafts the request may take this step: k, less what would pass max_tokens or
@@ -57,7 +89,8 @@ class SpecScheduling:
         """Draft for every running decode row (called before ``Scheduler.schedule``); none from
         ``disable_by_batch_size`` running requests on."""
         off = self.config.disable_by_batch_size
-        if off is not None and len(running) >= off:
+        self.drafting_off = off is not None and len(running) >= off
+        if self.drafting_off:
             for req in running:
                 req.spec_token_ids = []
             self.num_steps_off += 1
@@ -73,8 +106,32 @@ class SpecScheduling:
             if req.sampling_params.structured is not None:
                 continue  # grammar rows decode without drafts
             m = self.max_drafts(req)
-            if m > 0:
+            if m <= 0:
+                continue
+            if self.drafter is None:
                 req.spec_token_ids = self.proposer.propose(req.prompt_token_ids + req.output_token_ids, m)
+            elif self.drafter.can_draft(req):
+                req.spec_token_ids = [DRAFT_PLACEHOLDER] * m  # drafted by fill_drafts
+
+    def fill_drafts(self, sched: SchedulerOutput) -> None:
+        """After the scheduler, before the target's forward: a drafter with weights replaces the
+        scheduled rows' placeholders with its drafts (their slots are allocated now)."""
+        if self.drafter is None:
+            return
+        self.drafter.drop(sched.preempted_req_ids)  # their blocks are gone: state from 0 again
+        chunks = [c for c in sched.chunks if c.spec_token_ids]
+        if chunks:
+            self.drafter.draft(chunks)
+
+    def after_step(
+        self, sched: SchedulerOutput, sampled: dict[str, int], spec_sampled: dict[str, list[int]]
+    ) -> None:
+        """A step's tokens are on the host (before ``update_from_output``): MTP computes its KV
+        from the target's hidden states here (for prompts always; for decode rows only while
+        drafting is on, so a loaded node switched off by ``disable_by_batch_size`` does not pay
+        for it)."""
+        if self.drafter is not None:
+            self.drafter.after_step(sched, sampled, spec_sampled, self.drafting_off)
 
     @staticmethod
     def num_drafts(req: Request, gap: int, budget: int) -> int:

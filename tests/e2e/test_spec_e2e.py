@@ -1,8 +1,10 @@
-"""Speculative decoding through real processes and the official openai client: a decode node
-drafting by n-gram behind the router, on the P/D path (prefill -> decode: the drafter needs
-nothing from prefill) and the local path (the decode node prefills a short prompt itself), and
-a colocated node drafting by n-gram. Greedy tokens equal the engine's without speculation; the node's
-pdserve:spec_decode_* counters move."""
+"""Speculative decoding through real processes and the official openai client, for each method:
+a decode node drafting behind the router, on the P/D path (prefill -> decode) and the local path
+(the decode node prefills a short prompt itself), and a colocated node. n-gram and draft_model
+need nothing from prefill (the prefill node runs without speculation; a draft model's KV is
+rebuilt on the decode node); mtp runs on both (prefill computes the MTP module's KV for the
+prompt and the transfer moves it as one more layer). Greedy tokens equal the engine's without
+speculation; the node's pdserve:spec_decode_* counters move."""
 
 from __future__ import annotations
 
@@ -63,11 +65,22 @@ def _colocated(model, spec: dict) -> ClusterConfig:
     )
 
 
+def _method(method: str, tiny_models, tiny_model_factory) -> tuple[object, dict, bool]:
+    """(model, speculative setting, whether the prefill node runs it too)."""
+    if method == "ngram":
+        return tiny_models["llama"], SPEC, False
+    if method == "draft_model":  # the target as its own draft: nearly every draft is accepted
+        target = tiny_models["llama"]  # only where the decode node rebuilt the draft KV right
+        return target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}, False
+    return tiny_model_factory("llama", mtp=True), {"method": "mtp", "num_speculative_tokens": 3}, True
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
 @pytest.mark.parametrize("layout", ["pd", "colocated"])
-def test_greedy_through_the_router(layout, tiny_models, tmp_path_factory) -> None:
+def test_greedy_through_the_router(layout, method, tiny_models, tiny_model_factory, tmp_path_factory) -> None:
     from pdserve.engine.llm import LLM
 
-    model = tiny_models["llama"]
+    model, spec, on_prefill = _method(method, tiny_models, tiny_model_factory)
     with LLM(str(model), device="cpu") as llm:
         tok = llm.tokenizer
         want = [
@@ -81,10 +94,13 @@ def test_greedy_through_the_router(layout, tiny_models, tmp_path_factory) -> Non
         cfg = make_cluster_config(
             model,
             router={"local_prefill_max_tokens": 16},
-            **{"decode-0": {"speculative": SPEC, "max_model_len": 512}, "prefill-0": {"max_model_len": 512}},
+            **{
+                "decode-0": {"speculative": spec, "max_model_len": 512},
+                "prefill-0": {"max_model_len": 512} | ({"speculative": spec} if on_prefill else {}),
+            },
         )
     else:
-        cfg = _colocated(model, SPEC)
+        cfg = _colocated(model, spec)
     spec_node = "decode-0" if layout == "pd" else "colo-0"
     with running_cluster(cfg, tmp_path_factory.mktemp("spec-e2e")) as rc:
         client = openai.OpenAI(base_url=rc.base_url, api_key="unused", max_retries=0)
@@ -106,7 +122,13 @@ def test_greedy_through_the_router(layout, tiny_models, tmp_path_factory) -> Non
         m = _metrics(f"http://127.0.0.1:{rc.node(spec_node).metrics_port}/metrics")
         assert m["pdserve:spec_decode_num_drafts_total"] > 0
         assert m["pdserve:spec_decode_num_draft_tokens_total"] >= m["pdserve:spec_decode_num_drafts_total"]
-        assert m["pdserve:spec_decode_num_accepted_tokens_total"] > 0
+        if method != "mtp":  # a random tiny MTP module's drafts are rarely accepted
+            assert m["pdserve:spec_decode_num_accepted_tokens_total"] > 0
+        if method == "draft_model":
+            assert (
+                m["pdserve:spec_decode_num_accepted_tokens_total"]
+                >= 0.95 * m["pdserve:spec_decode_num_draft_tokens_total"]
+            )
         assert (
             m["pdserve:spec_decode_num_accepted_tokens_per_pos_total"]
             == m["pdserve:spec_decode_num_accepted_tokens_total"]

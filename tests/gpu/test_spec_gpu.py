@@ -31,3 +31,25 @@ def test_greedy_equal_with_cuda_graphs(dtype, tiny_models, make_llm) -> None:
     sp = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=64, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in spec.generate(prompts[:4], sp)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts[:4], sp)] == first
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_drafters_with_weights_greedy_equal(method, tiny_models, tiny_model_factory, make_llm) -> None:
+    """A draft model (the target as its own draft: nearly every draft accepted) and the MTP
+    module on CUDA, bf16, CUDA graphs captured for the steps without drafts."""
+    prompts = [{"prompt_token_ids": [(i * 7 + j) % 50 + 5 for j in range(3 + i * 9)] * 3} for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=1 + 37 * i, ignore_eos=True) for i in range(8)]
+    kw = {"device": "cuda", "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512}
+    model = tiny_models["llama"] if method == "draft_model" else tiny_model_factory("llama", mtp=True)
+    spec_cfg = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec_cfg["model"] = str(model)
+    base = make_llm(model, **kw)
+    spec = make_llm(model, speculative=spec_cfg, **kw)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    st = spec.engine.spec.stats
+    assert st.num_drafts > 0
+    if method == "draft_model":
+        assert st.num_accepted_tokens >= 0.9 * st.num_draft_tokens, st

@@ -1,6 +1,7 @@
-"""The speculative config in the P/D handshake: carried through the gRPC message, an n-gram decode
-node accepted with any prefill (it needs nothing from it), and a drafter that reads prefill's
-state refused on a mismatch with both sides named."""
+"""The speculative config in the P/D handshake: carried through the gRPC message, an n-gram or
+draft-model decode node accepted with any prefill (it needs nothing from it: a draft model's KV
+is rebuilt on the decode node), an MTP drafter (it reads the MTP KV prefill computes) refused on
+a mismatch with both sides named; a draft model named by its checkpoint's content."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ def _info(spec: str) -> HandshakeInfo:
 
 
 NGRAM = spec_wire(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
-# A drafter with weights of its own: its KV for the prompt comes from prefill. The engine refuses
-# to start it today; its identity is what such a node would announce.
-DRAFT_A = SpecIdentity("draft_model", "sha256:aaaa", 3).to_wire()
-DRAFT_B = SpecIdentity("draft_model", "sha256:bbbb", 3).to_wire()
-DRAFT_A_K5 = SpecIdentity("draft_model", "sha256:aaaa", 5).to_wire()
+DRAFT_A = SpecIdentity("draft_model", "draft_model[aaaa]", 3).to_wire()
+DRAFT_B = SpecIdentity("draft_model", "draft_model[bbbb]", 3).to_wire()
+# The MTP module's KV for the prompt comes from prefill.
+MTP = SpecIdentity("mtp", "mtp[1]", 3).to_wire()
+MTP_K5 = SpecIdentity("mtp", "mtp[1]", 5).to_wire()
 
 
 def test_speculative_config_crosses_the_wire() -> None:
@@ -34,14 +35,22 @@ def test_speculative_config_crosses_the_wire() -> None:
 
 @pytest.mark.parametrize(
     ("decode", "prefill"),
-    [(NGRAM, ""), ("", NGRAM), (NGRAM, spec_wire(SpeculativeConfig())), (DRAFT_A, DRAFT_A)],
+    [
+        (NGRAM, ""),
+        ("", NGRAM),
+        (NGRAM, spec_wire(SpeculativeConfig())),
+        (DRAFT_A, DRAFT_A),
+        (DRAFT_A, DRAFT_B),
+        (DRAFT_A, ""),
+        (MTP, MTP),
+    ],
 )
 def test_pairs_that_give_the_same_tokens_pass(decode: str, prefill: str) -> None:
     check_compat(_info(decode), _info(prefill))
 
 
 @pytest.mark.parametrize(
-    ("decode", "prefill"), [(DRAFT_A, DRAFT_B), (DRAFT_A, DRAFT_A_K5), (DRAFT_A, ""), ("", DRAFT_A)]
+    ("decode", "prefill"), [(MTP, MTP_K5), (MTP, ""), ("", MTP), (MTP, NGRAM), (MTP, DRAFT_A)]
 )
 def test_a_mismatch_that_changes_tokens_is_refused_naming_both(decode: str, prefill: str) -> None:
     with pytest.raises(HandshakeError, match="speculative") as e:
@@ -61,7 +70,33 @@ def test_cluster_file_setting(tmp_path) -> None:
     cluster = load_cluster_config(path)
     eng = resolve_node_settings(cluster, "decode-0", is_multimodal=lambda m: False).engine_config()
     assert eng.speculative == SpeculativeConfig(num_speculative_tokens=2)
-    data["nodes"][1]["speculative"] = {"method": "mtp"}
+    data["nodes"][1]["speculative"] = {"method": "eagle"}
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(Exception, match=r"speculative.method 'mtp' .*supported: ngram"):
+    with pytest.raises(Exception, match=r"speculative.method 'eagle' .*supported: ngram, draft_model, mtp"):
         load_cluster_config(path)
+    data["nodes"][1]["speculative"] = {"method": "mtp", "prompt_lookup_min": 2}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(Exception, match=r"prompt_lookup_min apply to method ngram only"):
+        load_cluster_config(path)
+
+
+def test_draft_identity_is_the_checkpoints_content(tiny_models, tmp_path) -> None:
+    """Equal for a copy at another path; different for other weights of the same sizes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    a = tiny_models["llama"]
+    b, c = tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(a, b)
+    shutil.copytree(a, c)
+    (f,) = c.glob("*.safetensors")
+    tensors = load_file(str(f))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1.0
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+    def ident(d) -> str:
+        return SpeculativeConfig(method="draft_model", model=str(d)).drafter_identity
+
+    assert ident(a).startswith("draft_model[") and ident(a) == ident(b)
+    assert ident(c) != ident(a) and f.stat().st_size == next(a.glob("*.safetensors")).stat().st_size

@@ -29,8 +29,8 @@ def test_ngram_proposer() -> None:
 
 
 def test_config_refusals() -> None:
-    with pytest.raises(ConfigError, match="'draft_model' \\(known, not built here\\) is not supported"):
-        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ConfigError, match="'medusa' \\(known, not built here\\) is not supported"):
+        SpeculativeConfig(method="medusa")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ConfigError, match="prompt_lookup_min <= prompt_lookup_max"):
@@ -144,3 +144,48 @@ def test_speculation_off_under_load() -> None:
     assert reqs[0].spec_token_ids == [1, 2]
     with pytest.raises(ConfigError, match="disable_by_batch_size"):
         SpeculativeConfig(disable_by_batch_size=0)
+
+
+class _FakeDrafter:
+    """Drafts ``[100, 101, ...]`` for every row (a unit test of the scheduling side only)."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = ready
+        self.dropped: list[str] = []
+
+    def can_draft(self, req: Request) -> bool:
+        return self.ready
+
+    def draft(self, chunks: list) -> None:
+        for c in chunks:
+            c.spec_token_ids = tuple(100 + i for i in range(len(c.spec_token_ids)))
+            c.request.spec_token_ids = list(c.spec_token_ids)
+
+    def after_step(self, sched: object, sampled: dict, spec_sampled: dict, drafting_off: bool) -> None:
+        pass
+
+    def drop(self, request_ids: list[str]) -> None:
+        self.dropped.extend(request_ids)
+
+
+def test_a_drafter_with_weights_fills_the_scheduled_placeholders() -> None:
+    """Placeholders before the scheduler (capped like n-gram drafts), the drafter's tokens in the
+    scheduled chunk after it, none for a request the drafter cannot draft for yet."""
+    from pdserve.spec_decode.scheduling import DRAFT_PLACEHOLDER
+
+    sched, req = _setup(max_tokens=4)  # one token out: at most 4 - 1 - 1 = 2 drafts
+    assert sched.spec is not None
+    sched.spec.drafter = _FakeDrafter(ready=False)
+    sched.spec.propose(sched.running)
+    assert req.spec_token_ids == []
+    sched.spec.drafter = drafter = _FakeDrafter(ready=True)
+    sched.spec.propose(sched.running)
+    assert req.spec_token_ids == [DRAFT_PLACEHOLDER] * 2
+    out = sched.schedule()
+    sched.spec.fill_drafts(out)
+    (c,) = out.chunks
+    assert (c.start_pos, c.num_tokens, c.spec_token_ids) == (12, 3, (100, 101))
+    assert drafter.dropped == []
+    sched.kv.fence.advance(out.step_seq)
+    sched.update_from_output(out, {}, {"r": [100, 7]})
+    assert req.output_token_ids == [3, 100, 7] and req.num_computed_tokens == 14
