@@ -76,7 +76,21 @@ def _assert_nothing_held(rc) -> None:
 
 
 # qwen3 runs every node with asynchronous scheduling (the CUDA default; off by default on CPU).
-@pytest.mark.parametrize(("arch", "async_scheduling"), [("llama", False), ("qwen3", True)])
+@pytest.mark.parametrize(
+    ("arch", "async_scheduling"),
+    [
+        pytest.param(
+            "llama",
+            False,
+            marks=pytest.mark.skipif(
+                not os.environ.get("PDSERVE_FULL_TESTS"),
+                reason="~15 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it (the qwen3 case runs the same "
+                "path with asynchronous scheduling; Llama P/D parity runs in tests/e2e/test_router_e2e.py)",
+            ),
+        ),
+        ("qwen3", True),
+    ],
+)
 def test_disaggregated_greedy_equals_colocated_and_transformers(
     arch, async_scheduling, tiny_models, make_llm, tmp_path
 ) -> None:

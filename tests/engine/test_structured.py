@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -136,7 +137,20 @@ def test_constraints_hold_under_async_scheduling_in_a_mixed_batch(tiny_models, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "temperature",
+    [
+        pytest.param(
+            0.0,
+            marks=pytest.mark.skipif(
+                not os.environ.get("PDSERVE_FULL_TESTS"),
+                reason="~11 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it (the sampled case runs the same "
+                "asynchronous grammar path; greedy constrained rows are checked below)",
+            ),
+        ),
+        1.0,
+    ],
+)
 def test_async_constrained_tokens_equal_the_synchronous_engine(
     temperature, device, tiny_models, make_llm
 ) -> None:
