@@ -161,27 +161,28 @@ def _check_pair(rc: RunningCluster, p_pp: int, d_pp: int, expected) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster_42(llama4, tmp_path_factory):
-    """P pp=4 -> D pp=2 behind the router; the kill test below ends it (it runs last)."""
-    cfg = _cluster(llama4, 4, 2, kv_lease_s=LEASE_S)
-    with running_cluster(cfg, tmp_path_factory.mktemp("pp42")) as rc:
+def cluster_12(llama4, tmp_path_factory):
+    """P pp=1 -> D pp=2 behind the router; the kill test below ends it (it runs last)."""
+    cfg = _cluster(llama4, 1, 2, kv_lease_s=LEASE_S)
+    with running_cluster(cfg, tmp_path_factory.mktemp("pp12")) as rc:
         yield rc
 
 
 LEASE_S = 6.0
 
 
-def test_pp4_to_pp2_greedy_equals_colocated(cluster_42, expected) -> None:
-    _check_pair(cluster_42, 4, 2, expected)
+def test_pp1_to_pp2_greedy_equals_colocated(cluster_12, expected) -> None:
+    _check_pair(cluster_12, 1, 2, expected)
 
 
-# The rest of the matrix, {(1,1), (2,1), (1,2), (2,4), (2,2)} (equal sizes > 1: decode stage i
+# The rest of the matrix, {(1,1), (2,1), (4,2), (2,4), (2,2)} (equal sizes > 1: decode stage i
 # asks prefill stage i only), takes ~20-60 s per pair on a 2-core machine: it runs with
-# ``PDSERVE_PP_MATRIX=1`` (all pairs, each its own cluster). CI runs the unequal 4 -> 2 pair
-# above; the stage pairing of every (p_pp, d_pp) is unit-tested in tests/kvtransfer.
+# ``PDSERVE_PP_MATRIX=1`` (all pairs, each its own cluster). CI runs the unequal 1 -> 2 pair
+# above (three stage processes; 4 -> 2 starts six); the stage pairing of every (p_pp, d_pp) is
+# unit-tested in tests/kvtransfer.
 PAIRS: list[tuple[int, int]] = []
 if os.environ.get("PDSERVE_PP_MATRIX"):
-    PAIRS = [(1, 1), (2, 1), (1, 2), (2, 4), (2, 2)]
+    PAIRS = [(1, 1), (2, 1), (4, 2), (2, 4), (2, 2)]
 
 
 @pytest.mark.parametrize(("p_pp", "d_pp"), PAIRS)
@@ -207,9 +208,9 @@ def _stage_pids(pid: int) -> list[int]:
     )
 
 
-def test_killing_a_decode_stage_fails_in_flight_and_frees_the_peer(cluster_42) -> None:
+def test_killing_a_decode_stage_fails_in_flight_and_frees_the_peer(cluster_12) -> None:
     """Runs after the greedy test on the same cluster (it takes decode-0 down for good)."""
-    kill_decode_worker_and_check_peer(cluster_42, "pipeline stage 1", LEASE_S)
+    kill_decode_worker_and_check_peer(cluster_12, "pipeline stage 1", LEASE_S)
 
 
 def kill_decode_worker_and_check_peer(rc: RunningCluster, label: str, lease: float) -> None:
