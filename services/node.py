@@ -88,7 +88,9 @@ class NodeBase:
                     "metrics port: give it a distinct port"
                 )
         kv_transfer = opts.role.moves_kv
-        self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold if kv_transfer else None)
+        self.engine = LLMEngine(
+            opts.engine, on_hold_for_transfer=self._on_hold if kv_transfer else None, moves_kv=kv_transfer
+        )
         self.backend: TransferBackend | None = None
         runner = self.engine.runner
         if opts.role.moves_kv:

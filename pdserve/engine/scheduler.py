@@ -209,6 +209,7 @@ class Scheduler:
             self.kv.block_ids_view(req.request_id),
             start + num_new - num_drafts == req.num_tokens_with_placeholders,
             tuple(req.spec_token_ids[:num_drafts]),
+            self.kv.group_block_ids_views(req.request_id),
         )
 
     def _finishes_by_length(self, req: Request) -> bool:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from pdserve.errors import UnsupportedError
 from pdserve.models.gemma3 import Gemma3ForCausalLM
+from pdserve.models.lfm2 import Lfm2ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.llava import LlavaForConditionalGeneration
 from pdserve.models.qwen2 import Qwen2ForCausalLM
@@ -17,6 +18,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 
