@@ -30,8 +30,8 @@ cached (the rounding above makes every hit end on one).
 
 Where each group has its own block table (engine/kv_group_tables.py) a sliding-window or
 short-convolution group frees the blocks before ``first_needed_block`` as the request advances;
-where the groups share one table (a node that moves KV between nodes or offloads it) every
-layer keeps the whole sequence, and a short-convolution group is refused.
+where the groups share one table (``kv_group_tables.tables_off_reason``: kv_offload, TP or PP)
+every layer keeps the whole sequence, and a short-convolution group is refused.
 """
 
 from __future__ import annotations

@@ -167,10 +167,14 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        group_start: int | None = None,
     ) -> list[int] | None:
         """Make the request's blocks cover ``num_computed + num_new_computed + num_new_tokens``.
 
         Returns the newly allocated block ids, or None (changing nothing) if the pool is short.
+        ``group_start``: the first position the request computes itself when it is not
+        ``num_computed + num_new_computed`` (a remote prompt's KV: the windows of the groups
+        after the first then get blocks from that position's window only).
         """
         st = self._reqs.get(req.request_id)
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -185,7 +189,7 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(need, 0) > self.pool.num_free_blocks - num_free_hits:
             return None
-        start = req.num_computed_tokens + num_new_computed_tokens
+        start = req.num_computed_tokens + num_new_computed_tokens if group_start is None else group_start
         if self.groups is not None and not self.groups.can_allocate(
             req.request_id, start, total, num_new_computed_tokens
         ):

@@ -41,17 +41,22 @@ NULL_BLOCK_ID = 0
 
 
 def tables_off_reason(
-    specs: Sequence[KVCacheGroupSpec], *, single_runner: bool, moves_kv: bool, kv_offload: bool
+    specs: Sequence[KVCacheGroupSpec],
+    *,
+    single_runner: bool,
+    kv_offload: bool,
+    shared_reason: str | None = None,
 ) -> str | None:
     """Why a model's groups share group 0's table (every layer keeps the whole sequence), or
-    None when each group gets its own table. The KV transfer and the offload tier copy one
-    block id list over one KV tensor; TP ranks and pipeline stages build their tensors apart."""
+    None when each group gets its own table. The offload tier copies blocks of one KV tensor;
+    TP ranks and pipeline stages build their tensors apart; ``shared_reason``: the node's own
+    (its KV transfer settings, kvtransfer/group_transfer.py)."""
     if len(specs) < 2:
         return "the model has one KV group"
     if specs[0].kind in WINDOWED_KINDS:
         return "the model has no full-attention layer (group 0 keeps the shared table)"
-    if moves_kv:
-        return "the node moves KV between nodes (one block table per request on the wire)"
+    if shared_reason is not None:
+        return shared_reason
     if kv_offload:
         return "kv_offload copies blocks of one KV tensor"
     if not single_runner:

@@ -71,12 +71,12 @@ class LLMEngine:
         *,
         load_tokenizer_: bool = True,
         on_hold_for_transfer: Callable[[Request, list[int]], bool] | None = None,
-        moves_kv: bool = False,
+        shared_kv_table_reason: str | None = None,
     ) -> None:
-        """``moves_kv``: the node transfers KV to or from other nodes (prefill, decode), which
-        keeps every KV cache group on one block table (engine/kv_group_tables.py)."""
+        """``shared_kv_table_reason``: why the node keeps every KV cache group on one block
+        table (its KV transfer settings; engine/kv_group_tables.py); None: the engine decides."""
         self.config = config
-        self._moves_kv = moves_kv
+        self._shared_reason = shared_kv_table_reason
         # Structured outputs: grammars compile off this thread (made by the first constrained request).
         self.grammars: GrammarCompileService | None = None
         self._grammar_pending: dict[str, Future[Any]] = {}  # request id -> its grammar's Future
@@ -116,8 +116,8 @@ class LLMEngine:
         reason = tables_off_reason(
             groups,
             single_runner=isinstance(self.runner, ModelRunner),
-            moves_kv=self._moves_kv,
             kv_offload=config.kv_offload is not None,
+            shared_reason=self._shared_reason,
         )
         group_blocks = split_kv_budget(
             groups,

@@ -13,7 +13,7 @@ Differences from Llama (transformers' ``Gemma3ForCausalLM``):
 
 The sliding layers form one KV cache group and the full layers another
 (engine/kv_cache_groups.py). Where each group has its own block table (engine/kv_group_tables.py:
-a single-process engine that neither moves KV between nodes nor offloads it) a sliding layer's
+a single-process engine without kv_offload; prefill -> decode moves each group's blocks) a sliding layer's
 table holds only the blocks its window still sees, and ``meta.for_layer(i)`` gives each layer
 its group's table; elsewhere every layer keeps the whole sequence in one table and a sliding
 layer reads the window of it.

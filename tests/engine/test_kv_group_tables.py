@@ -122,5 +122,6 @@ def test_budget_split_gives_the_window_what_it_can_need() -> None:
     assert split[0] == 179  # 100 blocks each with an equal split; the window needs 21
     # A budget too small for the bound: the sliding group gets an equal split at most.
     assert plan_group_blocks(GROUPS, 4 * layer * 10, (layer, layer), 4, 64) == (10, 10)
-    assert tables_off_reason(GROUPS, single_runner=True, moves_kv=False, kv_offload=False) is None
-    assert "moves KV" in str(tables_off_reason(GROUPS, single_runner=True, moves_kv=True, kv_offload=False))
+    assert tables_off_reason(GROUPS, single_runner=True, kv_offload=False) is None
+    assert "kv_offload" in str(tables_off_reason(GROUPS, single_runner=True, kv_offload=True))
+    assert tables_off_reason(GROUPS, single_runner=True, kv_offload=False, shared_reason="why") == "why"

@@ -94,4 +94,4 @@ def test_lfm2_refused_where_groups_share_one_table(tiny_model_factory) -> None:
     from pdserve.config.engine import EngineConfig
 
     with pytest.raises(ConfigError, match="short-convolution state"):
-        LLMEngine(EngineConfig(str(model_dir)), moves_kv=True, load_tokenizer_=False)
+        LLMEngine(EngineConfig(str(model_dir)), shared_kv_table_reason="a test", load_tokenizer_=False)
