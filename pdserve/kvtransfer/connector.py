@@ -32,7 +32,7 @@ from typing import Any
 
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
-from pdserve.kvtransfer.group_transfer import GroupPlan, group_kv_regions
+from pdserve.kvtransfer.group_transfer import GroupPlan, GroupPlans, group_kv_regions
 from pdserve.kvtransfer.handshake import HandshakeInfo
 from pdserve.kvtransfer.head_slices import GatherPlan, GatherWriter, HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.producer_transfer import ProducerTransfer
@@ -184,7 +184,7 @@ class KVProducer:
         self.layer_groups = list(layer_groups)
         # transfer_id -> the held tables of the KV groups after the first (with layer_groups)
         self._group_ids: dict[str, tuple[tuple[int, ...], ...]] = {}
-        self._group_plans: dict[tuple[Region, ...], GroupPlan] = {}
+        self._group_plans = GroupPlans(self.regions, self.layer_groups)
         # Counters for metrics.
         self.bytes_total = 0
         self.seconds_total = 0.0
@@ -402,7 +402,11 @@ class KVProducer:
         src_ids = entry.block_ids[:need_blocks]
         plan: DescriptorPlan | HeadSlicePlan | GatherPlan | GroupPlan
         if self.layer_groups:
-            plan = self._group_plan(dst_regions, dst_heads)
+            if dst_heads is not None and dst_heads != self.heads:
+                raise InvalidRequestError(
+                    "KV groups with tables of their own move between equal TP sizes only"
+                )
+            plan = self._group_plans.get(dst_regions)
             with self._lock:
                 held = self._group_ids.get(transfer_id, ())
             descs = plan.descriptors(src_ids, list(dst_block_ids), held, dst_group_block_ids)
@@ -464,20 +468,6 @@ class KVProducer:
                 if len(self._plans) >= 64:  # decode layouts seen; bounded against a churning fleet
                     self._plans.clear()
                 self._plans[key] = plan
-        return plan
-
-    def _group_plan(self, dst_regions: Sequence[Region], dst_heads: tuple[int, int] | None) -> GroupPlan:
-        if dst_heads is not None and dst_heads != self.heads:
-            raise InvalidRequestError("KV groups with tables of their own move between equal TP sizes only")
-        key = tuple(dst_regions)
-        with self._lock:
-            plan = self._group_plans.get(key)
-        if plan is None:  # RegionMismatchError: not cached
-            plan = GroupPlan(self.regions, dst_regions, self.layer_groups)
-            with self._lock:
-                if len(self._group_plans) >= 64:
-                    self._group_plans.clear()
-                self._group_plans[key] = plan
         return plan
 
     def keep_alive(self, transfer_ids: Sequence[str]) -> list[str]:

@@ -20,6 +20,7 @@ blocks. No torch.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,3 +129,26 @@ class GroupPlan:
                 dst_sel.append(d)
             raw += plan.descriptors(src_sel, dst_sel)
         return merge_adjacent(raw)
+
+
+class GroupPlans:
+    """A producer's ``GroupPlan`` per receiver layout (the same on every push from one decode
+    node; bounded against a churning fleet). Thread-safe."""
+
+    def __init__(self, src: Sequence[Region], layer_groups: Sequence[set[str]]) -> None:
+        self.src, self.layer_groups = list(src), list(layer_groups)
+        self._plans: dict[tuple[Region, ...], GroupPlan] = {}
+        self._lock = threading.Lock()
+
+    def get(self, dst: Sequence[Region]) -> GroupPlan:
+        """Raises RegionMismatchError (not cached) when the layouts do not pair up."""
+        key = tuple(dst)
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = GroupPlan(self.src, dst, self.layer_groups)
+            with self._lock:
+                if len(self._plans) >= 64:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
