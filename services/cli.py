@@ -39,7 +39,9 @@ def _setup_logging(level: str) -> None:
 
 @app.command("make-model")
 def make_model(
-    arch: str = typer.Option("llama", help="llama | qwen2 | qwen3 | llava | gemma3 | mixtral | qwen3_moe"),
+    arch: str = typer.Option(
+        "llama", help="llama | qwen2 | qwen3 | llava | gemma3 | mixtral | qwen3_moe | lfm2"
+    ),
     out: Path = typer.Option(..., help="folder to write the checkpoint into"),
     hidden_size: int = typer.Option(64),
     num_layers: int = typer.Option(2),

@@ -29,6 +29,7 @@ from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.connector import drafter_kv_buffers, handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
+from pdserve.kvtransfer.group_transfer import kv_groups_wire, kv_tensors_of, shared_table_reason
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.kvtransfer.speculative_compat import spec_wire
 from pdserve.rpc.limits import node_receive_limit_bytes
@@ -88,7 +89,11 @@ class NodeBase:
                     "metrics port: give it a distinct port"
                 )
         kv_transfer = opts.role.moves_kv
-        self.engine = LLMEngine(opts.engine, on_hold_for_transfer=self._on_hold if kv_transfer else None)
+        self.engine = LLMEngine(
+            opts.engine,
+            on_hold_for_transfer=self._on_hold if kv_transfer else None,
+            shared_kv_table_reason=shared_table_reason(kv_transfer, opts.kv_checksum, opts.kv_transport),
+        )
         self.backend: TransferBackend | None = None
         runner = self.engine.runner
         if opts.role.moves_kv:
@@ -96,14 +101,20 @@ class NodeBase:
             check_no_wildcard(
                 opts.name, opts.kv_transport, opts.host, opts.allow_unauthenticated_kv_ports, self.backend
             )
-            cache = runner.kv_cache
-            assert cache is not None
-            self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
+            for cache in kv_tensors_of(runner):  # each KV group's tensor, or the one
+                assert cache is not None
+                self.backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
             for addr, nbytes in drafter_kv_buffers(runner):  # an MTP module's KV moves too
                 self.backend.register(addr, nbytes)
         self.regions = kv_regions_of(runner)  # stage 0's layers
+        kv = self.engine.kv
         self.handshake = handshake_info_of(
-            runner, opts.engine.model, self.epoch, opts.kv_transport, spec_wire(opts.engine.speculative)
+            runner,
+            opts.engine.model,
+            self.epoch,
+            opts.kv_transport,
+            spec_wire(opts.engine.speculative),
+            kv_groups_wire([m.spec for m in kv.coordinator.managers], kv.groups is not None),
         )
         # The node's KV endpoints, one per pipeline stage or TP rank (one when pp = tp = 1): each
         # its layers, KV heads, session, regions.

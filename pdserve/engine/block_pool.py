@@ -120,6 +120,10 @@ class BlockPool:
             hits.append(blk)
         return hits
 
+    def cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        """The block cached under ``block_hash``, if any (does not touch)."""
+        return self._cached.get(block_hash) if self.enable_caching else None
+
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.num_queried_blocks += num_queried
         self.num_hit_blocks += num_hit

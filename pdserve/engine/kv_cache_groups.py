@@ -9,6 +9,8 @@ still needs (vLLM's hybrid allocator's vocabulary):
     sliding_window   those the window still sees:           the blocks holding positions
                      [num_computed - W + 1, num_computed)   [L - W + 1, L) are cached (older ones
                                                             may be gone)
+    short_conv       the inputs of the last K - 1           the blocks holding positions
+    (kernel K)       positions (the convolution's state)    [L - K + 1, L) are cached
 
 A hit must end on a block boundary of every group (no group resumes inside a block it does not
 hold), so it is rounded down to a multiple of every group's block size; every token a group's
@@ -18,12 +20,18 @@ lookup offered that the rounding or another group declined is counted by reason
 ``KVCacheCoordinator`` owns every group's geometry (``group_block_sizes``): no other module
 computes a group's block size. Whether a group's blocks are positionally stable (block i always
 holds positions [i * bs, (i + 1) * bs) for as long as the request holds it) is its manager's
-property. Recurrent / convolutional state groups (one state per request) are not built.
+property.
 
-The engine today runs every layer on one block table of one block size (a sliding-window layer
-keeps its whole sequence and reads the window of it), so its coordinator's groups share blocks
-and the rounding only ever declines for the block size; the per-group rules here are what a
-block table per group will use, and are tested on their own.
+A short-convolution group (LFM2's depthwise causal convolutions of kernel K) keeps its state as
+the convolution's inputs per position, paged like KV: the state after position p is exactly the
+inputs of positions p - K + 2 .. p, so the group is a window of K tokens, holds at most a few
+blocks per request, and a prefix hit resumes it at any block boundary whose last blocks are
+cached (the rounding above makes every hit end on one).
+
+Where each group has its own block table (engine/kv_group_tables.py) a sliding-window or
+short-convolution group frees the blocks before ``first_needed_block`` as the request advances;
+where the groups share one table (``kv_group_tables.tables_off_reason``: kv_offload, TP or PP)
+every layer keeps the whole sequence, and a short-convolution group is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from pdserve.errors import ConfigError
 
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
+SHORT_CONV = "short_conv"
+WINDOWED_KINDS = (SLIDING_WINDOW, SHORT_CONV)  # groups whose sliding_window bounds what they need
 
 # Reasons a looked-up hit is (partly) not used: pdserve:prefix_cache_declined_tokens_total{reason}
 DECLINE_ALIGNMENT = "block_alignment"  # the hit is not on every group's block boundary
@@ -47,14 +57,14 @@ DECLINE_REASONS = (DECLINE_ALIGNMENT, DECLINE_GROUP_MISS, DECLINE_WINDOW, DECLIN
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    kind: str  # FULL_ATTENTION | SLIDING_WINDOW
+    kind: str  # FULL_ATTENTION | SLIDING_WINDOW | SHORT_CONV
     layer_names: tuple[str, ...]
     block_size: int
-    sliding_window: int | None = None  # tokens, for SLIDING_WINDOW
+    sliding_window: int | None = None  # tokens: the window (SLIDING_WINDOW), the kernel (SHORT_CONV)
 
     def __post_init__(self) -> None:
-        assert self.kind in (FULL_ATTENTION, SLIDING_WINDOW), self.kind
-        assert (self.kind == SLIDING_WINDOW) == (self.sliding_window is not None), self
+        assert self.kind in (FULL_ATTENTION, *WINDOWED_KINDS), self.kind
+        assert (self.kind in WINDOWED_KINDS) == (self.sliding_window is not None), self
         if self.block_size <= 0:
             raise ConfigError(f"a KV group's block_size must be > 0, got {self.block_size}")
 
@@ -92,7 +102,7 @@ class SlidingWindowManager(GroupManager):
 
 
 def make_group_manager(spec: KVCacheGroupSpec) -> GroupManager:
-    return SlidingWindowManager(spec) if spec.kind == SLIDING_WINDOW else GroupManager(spec)
+    return SlidingWindowManager(spec) if spec.kind in WINDOWED_KINDS else GroupManager(spec)
 
 
 @dataclass
@@ -152,9 +162,14 @@ class KVCacheCoordinator:
 
 
 def groups_of_model(
-    layer_names: Sequence[str], layer_types: Sequence[str], sliding_window: int | None, block_size: int
+    layer_names: Sequence[str],
+    layer_types: Sequence[str],
+    sliding_window: int | None,
+    block_size: int,
+    conv_kernel_size: int | None = None,
 ) -> list[KVCacheGroupSpec]:
-    """The KV groups of a model's layers (one group for a model without ``layer_types``)."""
+    """The KV groups of a model's layers (one group for a model without ``layer_types``):
+    full attention first, then sliding-window attention, then short convolutions ("conv")."""
     if not layer_types:
         return [KVCacheGroupSpec(FULL_ATTENTION, tuple(layer_names), block_size)]
     assert len(layer_types) == len(layer_names), (layer_types, layer_names)
@@ -165,4 +180,8 @@ def groups_of_model(
         out.append(KVCacheGroupSpec(FULL_ATTENTION, full, block_size))
     if sliding:
         out.append(KVCacheGroupSpec(SLIDING_WINDOW, sliding, block_size, sliding_window))
+    conv = tuple(n for n, t in zip(layer_names, layer_types, strict=True) if t == "conv")
+    if conv:
+        assert conv_kernel_size is not None, "conv layers without a kernel size"
+        out.append(KVCacheGroupSpec(SHORT_CONV, conv, block_size, conv_kernel_size))
     return out

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pdserve.engine.kv_cache_groups import FULL_ATTENTION, KVCacheCoordinator, KVCacheGroupSpec
+from pdserve.engine.kv_group_tables import GroupTables
 from pdserve.engine.request import Request
 
 if TYPE_CHECKING:
@@ -61,12 +62,20 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         fence: StepFence | None = None,
         groups: list[KVCacheGroupSpec] | None = None,
+        group_num_blocks: tuple[int, ...] | None = None,
     ) -> None:
+        """``group_num_blocks`` (blocks of each group after the first): each of those groups
+        gets its own pool and block table per request (engine/kv_group_tables.py); None: every
+        group reads this manager's one table (``num_blocks`` is group 0's pool)."""
         self.block_size = block_size
-        # Every group's geometry and the rounding of hits across them (one block table today:
-        # every group's block size is ``block_size``).
+        # Every group's geometry and the rounding of hits across them.
         self.coordinator = KVCacheCoordinator(groups or [KVCacheGroupSpec(FULL_ATTENTION, (), block_size)])
         assert set(self.coordinator.group_block_sizes) == {block_size}, self.coordinator.group_block_sizes
+        self.groups: GroupTables | None = None
+        if group_num_blocks is not None:
+            assert self.coordinator.managers[0].spec.kind == FULL_ATTENTION
+            managers = self.coordinator.managers[1:]
+            self.groups = GroupTables(managers, group_num_blocks, enable_prefix_caching)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.fence = fence if fence is not None else StepFence()
         self._reqs: dict[str, _ReqState] = {}
@@ -87,6 +96,10 @@ class KVCacheManager:
         st = self._reqs.get(request_id)
         return st.block_ids if st else array("i")
 
+    def group_block_ids_views(self, request_id: str) -> tuple[array, ...]:
+        """The block tables of the groups after the first (empty without per-group tables)."""
+        return self.groups.views(request_id) if self.groups is not None else ()
+
     def holds(self, request_id: str) -> bool:
         return request_id in self._reqs
 
@@ -96,7 +109,8 @@ class KVCacheManager:
 
     @property
     def num_deferred_blocks(self) -> int:
-        return sum(len(b) for _, b in self._deferred)
+        n = self.groups.num_deferred_blocks if self.groups is not None else 0
+        return n + sum(len(b) for _, b in self._deferred)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -126,7 +140,13 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = self.pool.lookup(req.block_hashes[:max_blocks])
         self.pool.record_lookup(max_blocks, len(hits))
-        if len(self.coordinator.managers) > 1:  # the groups share the table: each sees these blocks
+        if self.groups is not None:  # each group's own cached blocks, the hit pinned to them
+            cached = [[True] * len(hits), *self.groups.cached_flags(req.block_hashes[:max_blocks])]
+            hit = self.coordinator.longest_hit(cached, req.num_tokens - 1)
+            hits = hits[: hit.num_tokens // self.block_size]
+            if hits:
+                self.groups.pin_hit(req.request_id, req.block_hashes, hit.num_tokens)
+        elif len(self.coordinator.managers) > 1:  # the groups share the table: each sees these blocks
             present = [True] * len(hits)
             hit = self.coordinator.longest_hit([present] * len(self.coordinator.managers), req.num_tokens - 1)
             hits = hits[: hit.num_tokens // self.block_size]
@@ -147,14 +167,20 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        group_start: int | None = None,
     ) -> list[int] | None:
         """Make the request's blocks cover ``num_computed + num_new_computed + num_new_tokens``.
 
         Returns the newly allocated block ids, or None (changing nothing) if the pool is short.
+        ``group_start``: the first position the request computes itself when it is not
+        ``num_computed + num_new_computed`` (a remote prompt's KV: the windows of the groups
+        after the first then get blocks from that position's window only).
         """
         st = self._reqs.get(req.request_id)
         total = req.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if st is not None and not new_computed_blocks and total <= len(st.block_ids) * self.block_size:
+            if self.groups is not None:  # blocks the windows left behind
+                self._free_groups(st, self.groups.release(req.request_id, req.num_computed_tokens))
             return []  # the common decode step: the last block has room
         new_computed_blocks = new_computed_blocks or []
         have = len(st.blocks) if st else 0
@@ -163,8 +189,16 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(need, 0) > self.pool.num_free_blocks - num_free_hits:
             return None
+        start = req.num_computed_tokens + num_new_computed_tokens if group_start is None else group_start
+        if self.groups is not None and not self.groups.can_allocate(
+            req.request_id, start, total, num_new_computed_tokens
+        ):
+            return None
         if st is None:
             st = self._reqs[req.request_id] = _ReqState()
+        if self.groups is not None:
+            released = self.groups.allocate(req.request_id, start, total, num_new_computed_tokens)
+            self._free_groups(st, released)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             st.blocks.extend(new_computed_blocks)
@@ -201,6 +235,8 @@ class KVCacheManager:
         for i in range(st.num_hashed_blocks, n_full):
             self.pool.cache_block(st.blocks[i], req.block_hashes[i], req.block_hashes[i - 1] if i else None)
         st.num_hashed_blocks = max(st.num_hashed_blocks, n_full)
+        if self.groups is not None:
+            self.groups.cache(req.request_id, req.block_hashes, n_full)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Return the request's blocks past those covering ``num_tokens`` positions (the slots of
@@ -214,6 +250,8 @@ class KVCacheManager:
         del st.blocks[keep:]
         del st.block_ids[keep:]
         extra.reverse()
+        if self.groups is not None:
+            self._free_groups(st, self.groups.trim(request_id, keep))
         if st.last_write_seq <= self.fence.completed_seq:
             self.pool.free(extra)
         else:
@@ -248,22 +286,34 @@ class KVCacheManager:
         A request with a transfer still writing into its blocks must not be freed: the caller
         (the transfer connector) frees it when the write ends.
         """
+        if self.groups is not None:
+            self.groups.drop_pin(request_id)
         st = self._reqs.get(request_id)
         if st is None:
             return
         assert st.inflight_writes == 0, f"free of {request_id} while a KV write is in flight"
         del self._reqs[request_id]
+        if self.groups is not None:
+            self._free_groups(st, self.groups.take(request_id))
         blocks = list(reversed(st.blocks))
         if st.last_write_seq <= self.fence.completed_seq:
             self.pool.free(blocks)
         else:
             self._deferred.append((st.last_write_seq, blocks))
 
+    def _free_groups(self, st: _ReqState, released: list[tuple[int, list[KVCacheBlock]]]) -> None:
+        """Free blocks of the groups after the first, behind the fence like the request's own."""
+        assert self.groups is not None
+        if released:
+            assert st.inflight_writes == 0, "group blocks released while a KV write is in flight"
+            self.groups.free(released, st.last_write_seq, self.fence.completed_seq)
+
     def process_deferred_frees(self) -> int:
         """Free deferred blocks whose writers completed; returns how many blocks were freed."""
-        if not self._deferred:
-            return 0
         done = self.fence.completed_seq
+        n_groups = self.groups.process_deferred(done) if self.groups is not None else 0
+        if not self._deferred:
+            return n_groups
         keep: deque[tuple[int, list[KVCacheBlock]]] = deque()
         n = 0
         for seq, blocks in self._deferred:
@@ -273,4 +323,4 @@ class KVCacheManager:
             else:
                 keep.append((seq, blocks))
         self._deferred = keep
-        return n
+        return n + n_groups

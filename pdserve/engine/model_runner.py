@@ -31,6 +31,7 @@ from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.grammar_masks import GrammarMasker, GrammarMasks
+from pdserve.engine.group_kv import GroupKV, group_block_shapes
 from pdserve.engine.host_batch import (
     HostBatch,
     PinnedStaging,
@@ -39,6 +40,7 @@ from pdserve.engine.host_batch import (
     build_host_batch,
     wait_event,
 )
+from pdserve.engine.kv_cache_groups import KVCacheGroupSpec
 from pdserve.engine.kv_sizing import (
     GpuMemory,
     cpu_kv_budget_bytes,
@@ -227,6 +229,7 @@ class ModelRunner:
         )
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
+        self.group_kv: GroupKV | None = None  # KV groups with tables of their own (init_group_kv_cache)
         a = self.arch
         self.max_model_len = config.max_model_len or a.max_position_embeddings  # as LLMEngine
         self.num_kv_heads = a.num_key_value_heads // tp_size()  # this TP rank's share
@@ -319,6 +322,27 @@ class ModelRunner:
             staging=self.staging,
         )
         self.cuda_graphs.capture()
+
+    def group_layer_block_bytes(self, specs: list[KVCacheGroupSpec]) -> tuple[int, ...]:
+        """Bytes of one layer's block in each KV cache group (engine/group_kv.py's shapes)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        shapes = group_block_shapes(specs, self.num_kv_heads, self.arch.head_dim, self.arch.hidden_size)
+        return tuple(math.prod(s) * elem for s in shapes)
+
+    def init_group_kv_cache(self, specs: list[KVCacheGroupSpec], num_blocks: tuple[int, ...]) -> None:
+        """One KV tensor per KV cache group (``num_blocks[g]`` blocks of group g's layers), for
+        groups with block tables of their own (engine/group_kv.py); steps run eagerly."""
+
+        def make(shape: tuple[int, ...]) -> torch.Tensor:
+            if self.device.type == "cpu":
+                return lazily_zeroed_cpu_tensor(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        shapes = group_block_shapes(specs, self.num_kv_heads, self.arch.head_dim, self.arch.hidden_size)
+        self.group_kv = GroupKV(self.model.layer_names, specs, num_blocks, shapes, make)
+        self.kv_cache = self.group_kv.tensors[0]
+        self.layer_caches = self.group_kv.layer_caches
+        logger.info("CUDA graphs off: KV cache groups with block tables of their own")
 
     def _cuda_graphs_off_reason(self) -> str | None:
         if self.device.type != "cuda":
@@ -457,6 +481,8 @@ class ModelRunner:
             out = graphs.run(batch, self._prev_sampled)  # [num_tokens, hidden], the graph's output buffer
         else:
             input_ids, positions, meta = self._to_device(batch)
+            if self.group_kv is not None:
+                self.group_kv.attach(meta, sched, batch, self.staging)
             if intermediate is None:
                 apply_feed(input_ids, batch, self._prev_sampled, self.staging)
             embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None

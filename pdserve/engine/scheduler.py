@@ -209,6 +209,7 @@ class Scheduler:
             self.kv.block_ids_view(req.request_id),
             start + num_new - num_drafts == req.num_tokens_with_placeholders,
             tuple(req.spec_token_ids[:num_drafts]),
+            self.kv.group_block_ids_views(req.request_id),
         )
 
     def _finishes_by_length(self, req: Request) -> bool:
@@ -275,14 +276,15 @@ class Scheduler:
                 # Decode side: all prompt KV comes from the prefill node. Blocks for the whole
                 # prompt are allocated now; the pull writes into them.
                 num_remote = req.num_prompt_tokens
-                if self.kv.allocate_slots(req, num_remote) is None:
+                if self.kv.allocate_slots(req, num_remote, group_start=num_remote) is None:
                     break
                 self.waiting.pop(0)
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_kv[req.request_id] = req
                 self.kv.begin_inflight_write(req.request_id)
+                groups = tuple(tuple(t) for t in self.kv.group_block_ids_views(req.request_id))
                 out.kv_loads.append(
-                    KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, params)
+                    KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, params, groups)
                 )
                 continue
             hit_blocks: list[KVCacheBlock] = []

@@ -22,6 +22,9 @@ class ScheduledChunk:
     # Draft tokens computed after the last known token (speculative decoding): the chunk's last
     # len(spec_token_ids) positions; each of its 1 + len rows is verified (pdserve.spec_decode)
     spec_token_ids: tuple[int, ...] = ()
+    # The block tables of the KV cache groups after the first, when each group has its own
+    # (engine/kv_group_tables.py; read-only like block_ids); () when every group reads block_ids
+    group_block_ids: tuple[Sequence[int], ...] = ()
 
 
 @dataclass

@@ -32,6 +32,7 @@ from typing import Any
 
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.group_transfer import GroupPlan, GroupPlans, group_kv_regions
 from pdserve.kvtransfer.handshake import HandshakeInfo
 from pdserve.kvtransfer.head_slices import GatherPlan, GatherWriter, HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.producer_transfer import ProducerTransfer
@@ -52,7 +53,10 @@ def model_identity(model_dir: str | Path) -> str:
 
 def kv_regions_of(runner: Any) -> list[Region]:
     """The regions of a model runner's KV cache tensor (one per local layer; a TP rank's hold
-    its share of the KV heads: ``[num_blocks, L, 2, block_size, H_local, head_dim]``)."""
+    its share of the KV heads: ``[num_blocks, L, 2, block_size, H_local, head_dim]``), or of
+    each of its KV groups' tensors (kvtransfer/group_transfer.py)."""
+    if getattr(runner, "group_kv", None) is not None:
+        return group_kv_regions(runner)
     cache = runner.kv_cache
     a = runner.arch
     regions = regions_for_kv_cache(
@@ -81,7 +85,12 @@ def drafter_kv_buffers(runner: Any) -> list[tuple[int, int]]:
 
 
 def handshake_info_of(
-    runner: Any, model_dir: str | Path, epoch: str, kv_transport: str = "", speculative: str = ""
+    runner: Any,
+    model_dir: str | Path,
+    epoch: str,
+    kv_transport: str = "",
+    speculative: str = "",
+    kv_groups: str = "",
 ) -> HandshakeInfo:
     a = runner.arch
     return HandshakeInfo(
@@ -94,6 +103,7 @@ def handshake_info_of(
         epoch=epoch,
         kv_transport=kv_transport,
         speculative=speculative,
+        kv_groups=kv_groups,
     )
 
 
@@ -155,12 +165,15 @@ class KVProducer:
         heads: tuple[int, int] | None = None,
         layout: HeadLayout | None = None,
         gatherer: GatherWriter | None = None,
+        layer_groups: Sequence[set[str]] = (),
     ) -> None:
         """One producer per prefill stage and TP rank: ``regions`` are its layers, ``heads``
         the ``[start, end)`` KV heads it holds (of the model's; ``layout`` says a block's row
         geometry): a puller holding other heads gets head slices (``head_slices``). The
         producers of a node share one ``tracker`` (one block table per node), which frees a
-        request once every one of the ``num_stages`` producers counted its consumers."""
+        request once every one of the ``num_stages`` producers counted its consumers.
+        ``layer_groups``: the layer names of each KV group when the groups have block tables of
+        their own (kvtransfer/group_transfer.py); () for one table."""
         self.backend = backend
         self.regions = list(regions)
         self.block_size = block_size
@@ -182,6 +195,10 @@ class KVProducer:
         self.heads = heads
         self.layout = layout
         self.gatherer = gatherer  # packs a puller's heads next to the KV tensor (GatherPlan)
+        self.layer_groups = list(layer_groups)
+        # transfer_id -> the held tables of the KV groups after the first (with layer_groups)
+        self._group_ids: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._group_plans = GroupPlans(self.regions, self.layer_groups)
         # Counters for metrics.
         self.bytes_total = 0
         self.seconds_total = 0.0
@@ -230,6 +247,7 @@ class KVProducer:
         hold fail now, and so does one that comes later."""
         with self._lock:
             t = self._transfers.pop(transfer_id, None)
+            self._group_ids.pop(transfer_id, None)
             self._note_ended(transfer_id)
         if t is not None:
             _wake(t.waiters, False)
@@ -254,12 +272,20 @@ class KVProducer:
             return transfer_id in self._ended
 
     def on_hold(
-        self, transfer_id: str, block_ids: list[int], need_send: int, first_token_ids: Sequence[int] = ()
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        need_send: int,
+        first_token_ids: Sequence[int] = (),
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         """Engine thread: the request's KV is complete; hold its blocks under a lease.
-        ``first_token_ids``: the request's tokens now (what every push answers with)."""
+        ``first_token_ids``: the request's tokens now (what every push answers with);
+        ``group_block_ids``: the held tables of the KV groups after the first."""
         with self._lock:
             t = self._transfers.setdefault(transfer_id, _Transfer(admitted=True))
+            if group_block_ids:
+                self._group_ids[transfer_id] = tuple(tuple(g) for g in group_block_ids)
         self.tracker.add(transfer_id, block_ids, need_send, self.num_stages)
         with self._lock:
             t.first_token_ids = list(first_token_ids)
@@ -365,13 +391,16 @@ class KVProducer:
         dst_session: str,
         consumer: tuple[int, int] | None = None,
         dst_heads: tuple[int, int] | None = None,
+        dst_group_block_ids: Sequence[Sequence[int]] = (),
     ) -> PushResult:
         """Write the held KV into the puller's blocks. Validation errors raise before anything is
         written (InvalidRequestError, RegionMismatchError, BlockIdError, UnknownTransferError);
         a failed write returns ok=False and counts as a report (docs/design.md §3). ``consumer`` is the
         asking (decode pp_rank, tp_rank): counted once however often it asks. A puller that
         shares no layer with this stage moves no bytes and still counts. ``dst_heads``: the KV
-        heads the puller holds (None: the same as this producer's, as between equal TP sizes)."""
+        heads the puller holds (None: the same as this producer's, as between equal TP sizes).
+        ``dst_group_block_ids``: the puller's tables of the KV groups after the first, when the
+        groups have tables of their own (each group's blocks move with its own ids)."""
         entry = self.tracker.get(transfer_id)
         if entry is None:
             raise UnknownTransferError(transfer_id)
@@ -384,9 +413,20 @@ class KVProducer:
             raise InvalidRequestError(
                 f"{len(dst_block_ids)} destination blocks for {num_tokens} tokens; expected {need_blocks}"
             )
-        plan = self._plan(dst_regions, dst_heads)
         src_ids = entry.block_ids[:need_blocks]
-        descs = plan.descriptors(src_ids, list(dst_block_ids))
+        plan: DescriptorPlan | HeadSlicePlan | GatherPlan | GroupPlan
+        if self.layer_groups:
+            if dst_heads is not None and dst_heads != self.heads:
+                raise InvalidRequestError(
+                    "KV groups with tables of their own move between equal TP sizes only"
+                )
+            plan = self._group_plans.get(dst_regions)
+            with self._lock:
+                held = self._group_ids.get(transfer_id, ())
+            descs = plan.descriptors(src_ids, list(dst_block_ids), held, dst_group_block_ids)
+        else:
+            plan = self._plan(dst_regions, dst_heads)
+            descs = plan.descriptors(src_ids, list(dst_block_ids))
         nbytes = sum(d[2] for d in descs)
         t0 = time.perf_counter()
         ok, err = False, ""

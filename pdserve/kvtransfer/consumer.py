@@ -262,6 +262,9 @@ class KVConsumer:
             dst_layer_start=st.layer_start,
             dst_layer_end=st.layer_end,
             early=rec.early,
+            dst_group_block_ids=tuple(
+                t[: -(-spec.num_tokens // self.block_size)] for t in spec.group_block_ids
+            ),
         )
 
     async def _pull_stage(self, addr: str, req: PullRequest) -> PullReply:

@@ -79,6 +79,9 @@ class HandshakeInfo:
     kv_transport: str = ""
     # the speculative config, ``method|drafter|k`` ("" = none; pdserve.kvtransfer.speculative_compat)
     speculative: str = ""
+    # the KV cache groups with tables of their own (kvtransfer/group_transfer.py; "" = one table
+    # for every layer): compared apart from the hash, as the speculative config
+    kv_groups: str = ""
     compat_hash: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +112,7 @@ class HandshakeInfo:
             "epoch": self.epoch,
             "kv_transport": self.kv_transport,
             "speculative": self.speculative,
+            "kv_groups": self.kv_groups,
             "compat_hash": self.compat_hash,
         }
 
@@ -125,6 +129,7 @@ class HandshakeInfo:
             epoch=str(d.get("epoch", "")),
             kv_transport=str(d.get("kv_transport", "")),
             speculative=str(d.get("speculative", "")),
+            kv_groups=str(d.get("kv_groups", "")),
         )
         sent = d.get("compat_hash")
         if sent is not None and sent != info.compat_hash:
@@ -175,6 +180,14 @@ def check_compat(
     why = speculative_mismatch(local.speculative, remote.speculative)
     if why is not None:
         raise HandshakeError("speculative", local.speculative or "off", remote.speculative or "off", why)
+    if local.kv_groups != remote.kv_groups:
+        raise HandshakeError(
+            "kv_groups",
+            local.kv_groups or "one table",
+            remote.kv_groups or "one table",
+            "prefill and decode must keep the model's KV groups alike (a block table per group on "
+            "both: one stage, one TP rank, no kv_offload, no kv_checksum, not cuda_ipc)",
+        )
     if expected_remote_epoch is not None and remote.epoch != expected_remote_epoch:
         raise HandshakeError(
             "epoch",

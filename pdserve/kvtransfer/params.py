@@ -48,3 +48,6 @@ class KVLoadSpec:
     block_ids: list[int]  # destination blocks, covering num_tokens positions from position 0
     num_tokens: int
     params: RemotePrefillParams  # the request's (peer address, transfer_id)
+    # destination tables of the KV groups after the first (engine/kv_group_tables.py), as long
+    # as block_ids; NULL (0) entries are blocks before the group's window, not pulled
+    group_block_ids: tuple[tuple[int, ...], ...] = ()

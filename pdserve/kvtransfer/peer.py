@@ -35,6 +35,9 @@ class PullRequest:
     dst_layer_end: int
     early: bool  # asked while the prompt may still be prefilled: the reply brings the first token
     dst_tp_size: int = 1  # the decode node's TP ranks (the asking rank holds 1/dst_tp_size of the KV heads)
+    # The block tables of the KV groups after the first (engine/kv_group_tables.py; 0 entries:
+    # blocks decode does not want); () when every layer reads dst_block_ids
+    dst_group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,7 @@ class KVProducerGroup:
                     req.dst_session,
                     consumer,
                     dst_heads,
+                    req.dst_group_block_ids,
                 )
                 for i in ask
             ),

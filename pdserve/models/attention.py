@@ -90,10 +90,17 @@ class AttentionMetadata:
     # and whether its positions did (for those positions and that cos/sin cache).
     _native_kv_ok: tuple[int, bool] | None = field(default=None, repr=False)
     _native_pos_ok: tuple[torch.Tensor, torch.Tensor, bool] | None = field(default=None, repr=False)
+    # KV cache groups with block tables of their own (engine/group_kv.py): local layer i reads
+    # layer_metas[i] (its group's slot_mapping and block_tables); None: every layer reads this one.
+    layer_metas: list[AttentionMetadata] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_layer(self, local_layer: int) -> AttentionMetadata:
+        """The metadata local layer ``local_layer`` attends with (its KV group's block table)."""
+        return self if self.layer_metas is None else self.layer_metas[local_layer]
 
     def refilled(self) -> None:
         """The device tensors were overwritten in place for a new step: drop derived caches."""

@@ -114,6 +114,9 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None
     # Mixture-of-experts families (Mixtral, Qwen3-MoE; models/moe_config.py); None for dense models.
     moe: MoEArchConfig | None = None
+    # LFM2: the depthwise causal convolutions' kernel size and bias ("conv" in layer_types)
+    conv_kernel_size: int | None = None
+    conv_bias: bool = False
 
     @property
     def architecture(self) -> str:
@@ -128,6 +131,8 @@ class ModelArchConfig:
 
         layer_types = hf.get("layer_types") or []
         hybrid = hybrid_fields(hf) if hf.get("model_type") == "gemma3_text" else {}
+        if hf.get("model_type") == "lfm2":
+            hf, hybrid = lfm2_fields(hf)
         if not hybrid and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
             raise UnsupportedError(
                 "sliding-window attention is supported for Gemma-3 text models only; set use_sliding_window=false"
@@ -213,6 +218,34 @@ def hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_local": local,
         "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or hf["head_dim"]),
         "final_logit_softcapping": None if softcap is None else float(softcap),
+    }
+
+
+def lfm2_fields(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An LFM2 config read as the common fields name them (its norm epsilon, its feed-forward
+    width after transformers' adjustment), and its layer types and convolution settings."""
+    n = int(hf["num_hidden_layers"])
+    layer_types = tuple(hf.get("layer_types") or ())
+    if not layer_types:
+        full = hf.get("full_attn_idxs")
+        full = range(n) if full is None else full
+        layer_types = tuple("full_attention" if i in full else "conv" for i in range(n))
+    if len(layer_types) != n or not set(layer_types) <= {"full_attention", "conv"}:
+        raise ConfigError(f"layer_types {list(layer_types)} must name full_attention or conv for {n} layers")
+    inter = int(hf.get("block_ff_dim", hf["intermediate_size"]))
+    if hf.get("block_auto_adjust_ff_dim", True):  # as transformers' Lfm2MLP
+        inter = int(2 * inter / 3)
+        mult = hf.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            multiple = int(hf.get("block_multiple_of", 256))
+            inter = multiple * ((int(mult * inter) + multiple - 1) // multiple)
+    tie = hf.get("tie_embedding", hf.get("tie_word_embeddings", True))
+    common = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5), "intermediate_size": inter}
+    common["tie_word_embeddings"] = tie
+    return common, {
+        "layer_types": layer_types,
+        "conv_kernel_size": int(hf.get("conv_L_cache", 3)),
+        "conv_bias": bool(hf.get("conv_bias", False)),
     }
 
 

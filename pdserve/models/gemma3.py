@@ -11,9 +11,12 @@ Differences from Llama (transformers' ``Gemma3ForCausalLM``):
                     positions only; full layers: ``rope``, every key
     logits          tanh soft cap when final_logit_softcapping is set
 
-Every layer keeps its KV for the whole sequence in the one paged cache (a sliding layer only
-reads the window of it), so the prefix cache, KV transfer and the offload tier treat the model
-as they treat Llama. Freeing the blocks a window no longer sees is not done.
+The sliding layers form one KV cache group and the full layers another
+(engine/kv_cache_groups.py). Where each group has its own block table (engine/kv_group_tables.py:
+a single-process engine without kv_offload; prefill -> decode moves each group's blocks) a sliding layer's
+table holds only the blocks its window still sees, and ``meta.for_layer(i)`` gives each layer
+its group's table; elsewhere every layer keeps the whole sequence in one table and a sliding
+layer reads the window of it.
 """
 
 from __future__ import annotations
@@ -137,10 +140,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             hidden = intermediate.hidden_states
         full = self.model.rotary_emb.cos_sin_cache(positions.device)
         local = self.rotary_local.cos_sin_cache(positions.device)
-        for layer, kv_cache in zip(self.model.layers.values(), kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers.values(), kv_caches, strict=True)):
             assert isinstance(layer, Gemma3DecoderLayer)
             cos_sin = full if layer.self_attn.window is None else local
-            hidden = layer(hidden, positions, cos_sin, kv_cache, meta)
+            hidden = layer(hidden, positions, cos_sin, kv_cache, meta.for_layer(i))
         if not self.is_last_stage:
             return IntermediateTensors(hidden, torch.zeros_like(hidden))
         assert self.model.norm is not None

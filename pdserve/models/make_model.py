@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "llava", "gemma3", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "llava", "gemma3", "mixtral", "qwen3_moe", "lfm2")
 # The tiny Gemma-3: sliding-window layers (this window) interleaved with full-attention ones.
 TINY_SLIDING_WINDOW = 32
+# The tiny LFM2: depthwise causal convolutions of this kernel beside attention layers.
+TINY_CONV_KERNEL = 3
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
 IMAGE_TOKEN = "<image>"  # LLaVA's placeholder; one per image patch in the prompt
@@ -71,6 +73,7 @@ def _train_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()):  # -
 def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfig
     from transformers import (
         Gemma3TextConfig,
+        Lfm2Config,
         LlamaConfig,
         MixtralConfig,
         Qwen2Config,
@@ -94,6 +97,18 @@ def _hf_config(arch: str, eos_id: int, **kw):  # -> transformers.PretrainedConfi
             sliding_window=TINY_SLIDING_WINDOW,
             query_pre_attn_scalar=kw["head_dim"],
             **common,
+        )
+    if arch == "lfm2":  # short convolutions (kernel 3) with an attention layer every third
+        n = kw["num_hidden_layers"]
+        lfm = {k: v for k, v in common.items() if k not in ("head_dim", "rms_norm_eps")}
+        return Lfm2Config(
+            architectures=["Lfm2ForCausalLM"],
+            layer_types=["full_attention" if i % 3 == 1 else "conv" for i in range(n)],
+            conv_L_cache=TINY_CONV_KERNEL,
+            conv_bias=True,
+            block_auto_adjust_ff_dim=False,
+            norm_eps=kw["rms_norm_eps"],
+            **lfm,
         )
     if arch == "qwen2":
         return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)

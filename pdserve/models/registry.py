@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from pdserve.errors import UnsupportedError
 from pdserve.models.gemma3 import Gemma3ForCausalLM
+from pdserve.models.lfm2 import Lfm2ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.llava import LlavaForConditionalGeneration
 from pdserve.models.mixtral import MixtralForCausalLM
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 

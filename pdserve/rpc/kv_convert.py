@@ -28,6 +28,7 @@ def handshake_from_pb(m: pb.HandshakeInfo) -> HandshakeInfo:
             "epoch": m.epoch,
             "kv_transport": m.kv_transport,
             "speculative": m.speculative,
+            "kv_groups": m.kv_groups,
             "compat_hash": m.compat_hash,
         }
     )
@@ -64,6 +65,7 @@ def pull_request_to_pb(r: PullRequest) -> pb.PushKVRequest:
         dst_layer_end=r.dst_layer_end,
         dst_tp_size=r.dst_tp_size,
         early=r.early,
+        dst_group_block_ids=[pb.GroupBlockIds(ids=list(t)) for t in r.dst_group_block_ids],
     )
 
 
@@ -85,6 +87,7 @@ def pull_request_from_pb(m: pb.PushKVRequest) -> PullRequest:
         dst_layer_end=m.dst_layer_end,
         dst_tp_size=m.dst_tp_size or 1,
         early=m.early,
+        dst_group_block_ids=tuple(tuple(g.ids) for g in m.dst_group_block_ids),
     )
 
 

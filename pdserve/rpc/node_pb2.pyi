@@ -157,7 +157,7 @@ class Region(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., occurrence: _Optional[int] = ..., base_addr: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
-    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport", "speculative", "stages")
+    __slots__ = ("model_id", "dtype", "block_size", "layer_names", "num_kv_heads", "head_dim", "layout_version", "epoch", "compat_hash", "kv_transport", "speculative", "stages", "kv_groups")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class HandshakeInfo(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     block_size: int
@@ -182,7 +183,8 @@ class HandshakeInfo(_message.Message):
     kv_transport: str
     speculative: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ..., speculative: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+    kv_groups: str
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout_version: _Optional[int] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., kv_transport: _Optional[str] = ..., speculative: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., kv_groups: _Optional[str] = ...) -> None: ...
 
 class StageInfo(_message.Message):
     __slots__ = ("pp_rank", "tp_rank", "pp_size", "layer_start", "layer_end", "session", "tp_size")
@@ -233,7 +235,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[HandshakeInfo, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end", "dst_tp_size", "early")
+    __slots__ = ("transfer_id", "dst_block_ids", "num_tokens", "dst_regions", "dst_session", "dst_compat_hash", "expected_src_epoch", "want_checksum", "dst_pp_rank", "dst_tp_rank", "dst_pp_size", "dst_layer_start", "dst_layer_end", "dst_tp_size", "early", "dst_group_block_ids")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +251,7 @@ class PushKVRequest(_message.Message):
     DST_LAYER_END_FIELD_NUMBER: _ClassVar[int]
     DST_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EARLY_FIELD_NUMBER: _ClassVar[int]
+    DST_GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -264,7 +267,14 @@ class PushKVRequest(_message.Message):
     dst_layer_end: int
     dst_tp_size: int
     early: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ..., dst_tp_size: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
+    dst_group_block_ids: _containers.RepeatedCompositeFieldContainer[GroupBlockIds]
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., dst_regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., dst_session: _Optional[str] = ..., dst_compat_hash: _Optional[str] = ..., expected_src_epoch: _Optional[str] = ..., want_checksum: _Optional[bool] = ..., dst_pp_rank: _Optional[int] = ..., dst_tp_rank: _Optional[int] = ..., dst_pp_size: _Optional[int] = ..., dst_layer_start: _Optional[int] = ..., dst_layer_end: _Optional[int] = ..., dst_tp_size: _Optional[int] = ..., early: _Optional[bool] = ..., dst_group_block_ids: _Optional[_Iterable[_Union[GroupBlockIds, _Mapping]]] = ...) -> None: ...
+
+class GroupBlockIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("ok", "failed", "bytes", "num_descriptors", "seconds", "stages", "checksum", "first_token_ids")

@@ -59,6 +59,8 @@ class PrefillNode(NodeBase):
         layout = HeadLayout(bs, h.head_dim, cache.element_size())
         runner = self.engine.runner
         self.producers: list[KVProducer] = []
+        kv = self.engine.kv  # KV groups with block tables of their own: each moves with its ids
+        groups = [set(m.spec.layer_names) for m in kv.coordinator.managers] if kv.groups is not None else []
         self.stager = Stager(self.backend, cache)  # rank 0's head gathers (kvtransfer/staging.py)
         for i, st in enumerate(self.stages):
             backend: TransferBackend = self.backend
@@ -79,6 +81,7 @@ class PrefillNode(NodeBase):
                     heads=kv_head_range(st.tp_rank, st.tp_size, h.num_kv_heads),
                     layout=layout,
                     gatherer=gatherer,
+                    layer_groups=groups,
                 )
             )
         self.producer = self.producers[0]
@@ -144,7 +147,13 @@ class PrefillNode(NodeBase):
         params = req.kv_transfer_params
         assert isinstance(params, RemoteDecodeParams), params
         try:
-            self.producer.on_hold(params.transfer_id, block_ids, params.need_send, list(req.output_token_ids))
+            self.producer.on_hold(
+                params.transfer_id,
+                block_ids,
+                params.need_send,
+                list(req.output_token_ids),
+                self.engine.kv.group_block_ids_views(req.request_id),
+            )
         except ValueError as e:  # already held (admission refuses this): free, never kill the step
             logger.error("not holding KV of %s: %s", req.request_id, e)
             return False

@@ -185,8 +185,23 @@ def test_scheduler_side_imports_no_torch() -> None:
     import sys
 
     code = (
-        "import sys; import pdserve.engine.scheduler, pdserve.kvoffload.manager, pdserve.engine.kv_cache_groups; "
+        "import sys; import pdserve.engine.scheduler, pdserve.kvoffload.manager, pdserve.engine.kv_cache_groups, "
+        "pdserve.engine.kv_group_tables; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2)])
+def test_offload_with_several_stages_or_ranks_is_refused_at_start(pp: int, tp: int) -> None:
+    """Each pipeline stage or TP rank would have to offload its own layers: refused when the
+    settings are made (before any worker process starts), naming the sizes and the fix."""
+    from pdserve.config.engine import EngineConfig, ParallelConfig
+
+    with pytest.raises(ConfigError, match=f"got {tp} / {pp}.*remove kv_offload"):
+        EngineConfig(
+            "unused",
+            kv_offload=KVOffloadConfig(cpu_bytes=1 << 20),
+            parallel=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        )
