@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Layers whose state is only the paged KV the dummy step gives them.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
 
 def dummy_prefill_batch(num_tokens: int, block_size: int) -> HostBatch:
     """One sequence of ``num_tokens`` tokens (id 0) at positions 0.., in blocks 0.. of a cache
@@ -76,6 +79,10 @@ def profile_activation_bytes(runner: ModelRunner) -> int | None:
     """The measured activation bytes of the largest step on CUDA; None elsewhere (or where the
     dummy step cannot run: the caller keeps its estimate, with a log line saying why)."""
     if runner.device.type != "cuda":
+        return None
+    other = sorted(set(runner.arch.layer_types or ()) - ATTENTION_LAYER_TYPES)
+    if other:  # the dummy step has no state for them: the caller's estimate serves
+        logger.info("one step's activations estimated, not profiled: layer types %s", other)
         return None
     sc = runner.config.scheduler
     tokens = min(sc.max_num_batched_tokens, runner.max_model_len)
