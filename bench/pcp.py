@@ -7,7 +7,9 @@
 Each size builds ``LLM(model, pcp=N)`` (rank 0 in this process, ranks 1..N-1 spawned, gloo on
 CPU), warms up on a short split prompt, then times ``generate`` of one ``--prompt-len`` prompt
 with ``max_tokens=1`` (a fresh prompt each round, prefix caching off): that is the TTFT of an
-idle engine, prefill and the first sample. ``--budget`` is the step's token budget (a prefill
+idle engine, prefill and the first sample; beside it each rank's CPU seconds in that call (on a
+shared host the wall time also holds other processes' work: the busiest rank's CPU time is
+what a host with a free core per rank would approach). ``--budget`` is the step's token budget (a prefill
 node's default is 16,384: the whole prompt in one split chunk). The first tokens of every size
 must agree (greedy). A CPU engine's ranks take ``cpu_threads`` each (auto: half the host's
 cores over the ranks, at least one); ``--threads`` sets it for every size, and the pcp 1 row
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -31,6 +34,12 @@ from bench._common import loadavg, log
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models.make_model import make_tiny_model
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def time_size(model: Path, pcp: int, args: argparse.Namespace, vocab: int) -> dict[str, object]:
@@ -47,23 +56,33 @@ def time_size(model: Path, pcp: int, args: argparse.Namespace, vocab: int) -> di
     if args.threads:
         kw["cpu_threads"] = args.threads
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    ttfts, firsts = [], []
+    ttfts: list[float] = []
+    cpus: list[list[float]] = []
+    firsts: list[int] = []
     t0 = time.perf_counter()
     with LLM(str(model), **kw) as llm:
         start_s = time.perf_counter() - t0
-        llm.generate([[rng.randrange(3, vocab) for _ in range(64 * max(pcp, 1))]], params)  # warm-up
+        llm.generate([[rng.randrange(3, vocab) for _ in range(64 * pcp)]], params)  # warm-up
+        workers = getattr(llm.engine.runner, "workers", None)
+        pids = [os.getpid(), *(workers.pids() if workers is not None else [])]
         for r in range(args.rounds):
             prompt = [random.Random(r).randrange(3, vocab) for _ in range(args.prompt_len)]
+            c0 = [cpu_seconds(pid) for pid in pids]
             t = time.perf_counter()
             out = llm.generate([prompt], params)
             ttfts.append(time.perf_counter() - t)
+            cpus.append([round(cpu_seconds(pid) - c, 2) for pid, c in zip(pids, c0, strict=True)])
             firsts.append(out[0].outputs[0].token_ids[0])
-            log(f"pcp {pcp} round {r}: TTFT {ttfts[-1]:.2f} s")
+            log(f"pcp {pcp} round {r}: TTFT {ttfts[-1]:.2f} s, CPU s per rank {cpus[-1]}")
         split = llm.engine.runner.pcp.num_split_tokens if pcp > 1 else 0  # type: ignore[attr-defined]
     return {
         "pcp": pcp,
         "ttft_s": ttfts,
         "ttft_median_s": statistics.median(ttfts),
+        "cpu_s_per_rank": cpus,  # each round: CPU seconds of rank 0, 1, ...
+        # the busiest rank's CPU seconds: what a host with a free core per rank approaches (the
+        # exchange's waits aside); on a busy host the wall time also holds other processes' work
+        "max_rank_cpu_median_s": statistics.median(max(c) for c in cpus),
         "first_tokens": firsts,
         "engine_start_s": round(start_s, 2),
         "rank0_split_tokens": split,
@@ -109,13 +128,16 @@ def main() -> None:
     print(
         f"\nTTFT of one {args.prompt_len}-token prompt, budget {args.budget}, {args.dtype}, model {args.model or 'tiny'}"
     )
-    print(f"{'pcp':>4} {'TTFT median s':>14} {'speedup':>8} {'rank 0 split tokens':>20}  first tokens")
+    cpu_base = rows[0]["max_rank_cpu_median_s"]
+    assert isinstance(cpu_base, float)
+    print(
+        f"{'pcp':>4} {'TTFT s':>8} {'speedup':>8} {'busiest rank CPU s':>19} {'speedup':>8} {'rank 0 split':>13}"
+    )
     for row in rows:
-        t = row["ttft_median_s"]
-        assert isinstance(t, float)
-        print(
-            f"{row['pcp']:>4} {t:>14.2f} {base / t:>7.2f}x {row['rank0_split_tokens']:>20}  {row['first_tokens']}"
-        )
+        t, c = row["ttft_median_s"], row["max_rank_cpu_median_s"]
+        assert isinstance(t, float) and isinstance(c, float)
+        speedups = f"{base / t:>7.2f}x {c:>19.2f} {cpu_base / c:>7.2f}x"
+        print(f"{row['pcp']:>4} {t:>8.2f} {speedups} {row['rank0_split_tokens']:>13}")
     firsts = {tuple(row["first_tokens"]) for row in rows}  # type: ignore[arg-type]
     print("first tokens agree across sizes" if len(firsts) == 1 else f"FIRST TOKENS DIFFER: {firsts}")
     log(f"load average after: {loadavg()}")
