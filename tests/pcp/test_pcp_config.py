@@ -62,10 +62,6 @@ def test_cluster_file_pcp_reaches_the_engine_and_is_checked() -> None:
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (
-            {"speculative": {"method": "ngram"}},
-            r"pcp \(prefill_context_parallel_size\) 2 with speculative .*ngram",
-        ),
         ({"async_scheduling": True}, r"pcp \(prefill_context_parallel_size\) 2 with async_scheduling true"),
         ({"kv_offload": {"cpu_bytes": 1 << 20}}, r"pcp \(prefill_context_parallel_size\) 2 with kv_offload"),
         (
@@ -81,6 +77,21 @@ def test_refused_before_any_rank_starts(tiny_models: Any, extra: dict[str, Any],
     with pytest.raises(ConfigError, match=match):
         LLM(str(tiny_models["llama"]), pcp=2, **(CPU | extra))
     assert len(mp.active_children()) == before
+
+
+def test_drafter_methods_are_refused() -> None:
+    from pdserve.config.speculative import SpeculativeConfig
+    from pdserve.pcp.checks import check_pcp_config
+
+    for method in ("draft_model", "mtp"):
+        spec = object.__new__(SpeculativeConfig)  # a method this checkout may not build yet
+        object.__setattr__(spec, "method", method)
+        config = EngineConfig(model="/m", parallel=ParallelConfig(prefill_context_parallel_size=2))
+        object.__setattr__(config, "speculative", spec)
+        with pytest.raises(
+            ConfigError, match=rf"pcp \(prefill_context_parallel_size\) 2 with speculative method '{method}'"
+        ):
+            check_pcp_config(config)
 
 
 def test_models_with_other_than_full_attention_are_refused(tiny_model_factory: Any) -> None:

@@ -108,6 +108,24 @@ def test_pcp_whole_prompt_in_one_step(tiny_models: Any) -> None:
     _check(tiny_models["llama"], 4, [1900, 700], seed=7, max_num_batched_tokens=2048)
 
 
+@pytest.mark.skipif(not FULL, reason="~20 s on 2 cores: PDSERVE_FULL_TESTS=1")
+def test_pcp_with_ngram_speculation_equals_pcp1(tiny_models: Any) -> None:
+    """n-gram drafts (from rank 0's token histories) verified on the replicated decode rows of
+    a pcp 2 engine after split prefills: greedy tokens equal pcp 1 without speculation."""
+    base = _prompts([40], 5)[0]
+    prompts = [base * 15, (base[:25] * 30)[:700], base * 8]  # repetitive: the lookup finds drafts
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(tiny_models["llama"]), **COMMON) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    with LLM(str(tiny_models["llama"]), pcp=2, speculative=spec, **COMMON) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.spec is not None and llm.engine.spec.stats.num_drafts > 0
+        runner = llm.engine.runner
+        assert isinstance(runner, PCPModelRunner) and runner.pcp is not None and runner.pcp.num_split_steps
+    assert got == want
+
+
 @pytest.mark.skipif(not FULL, reason="~10 s on 2 cores: PDSERVE_FULL_TESTS=1")
 def test_lost_rank_is_reported_by_rank(tiny_models: Any) -> None:
     llm = LLM(str(tiny_models["llama"]), pcp=2, **COMMON)
