@@ -121,6 +121,10 @@ class PCPModelRunner(PCPRankRunner):
         if request_ids:
             self.workers.broadcast(DropFinished(request_ids))
 
+    def check_alive(self) -> None:
+        """PCPWorkerError naming a worker rank whose process is gone (the node's watch polls it)."""
+        self.workers.check_alive()
+
     def close(self) -> None:
         super().close()
         self.workers.close()

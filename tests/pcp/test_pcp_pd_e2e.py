@@ -4,13 +4,15 @@ Mooncake TE (TCP, loopback), driven by the official ``openai`` client.
 
 Rank 0's KV cache holds every prompt token (the ranks all-gather each layer's K/V), so the
 decode node pulls from rank 0's one endpoint as from a pcp 1 prefill node; the greedy text of
-prompts of 300-2,000 tokens must equal the colocated pcp 1 engine's, and nothing stays held.
+prompts of 300-2,000 tokens must equal the colocated pcp 1 engine's, and nothing stays held;
+then a killed rank stops the idle prefill node.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,3 +63,8 @@ def test_pcp2_prefill_to_decode_equals_colocated_pcp1(expected, tmp_path) -> Non
             assert text == w, f"prompt {i} ({len(prompts[i])} tokens): {text!r} vs {w!r}\n{rc.logs()}"
         pp_e2e._assert_nothing_held(rc)
         assert pp_e2e._node_metric(rc.node("prefill-0").metrics_port, "pdserve:kv_leases_expired_total") == 0
+        # an idle node notices a dead rank: NOT_SERVING, then exit 1 naming it (docs/design.md §7)
+        (rank1,) = pp_e2e._stage_pids(prefill.proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert prefill.proc.wait(timeout=30) == 1
+        assert "PCP rank 1 exited" in prefill.log_path.read_text(errors="replace")
