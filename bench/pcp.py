@@ -1,11 +1,11 @@
 """Prefill context parallelism: time to first token of one long prompt at pcp 1 / 2 / 4.
 
     .venv/bin/python bench/pcp.py [--prompt-len 16384] [--sizes 1,2,4] [--budget 16384]
-        [--model DIR | --layers 4 --hidden 256 --heads 8 --kv-heads 2] [--dtype float32]
-        [--rounds 2] [--threads N] [--out results.json]
+        [--model DIR | --layers 4 --hidden 256 --heads 8 --kv-heads 2] [--dtype auto]
+        [--device cpu|cuda] [--rounds 2] [--threads N] [--out results.json]
 
-Each size builds ``LLM(model, pcp=N)`` (rank 0 in this process, ranks 1..N-1 spawned, gloo on
-CPU), warms up on a short split prompt, then times ``generate`` of one ``--prompt-len`` prompt
+Each size builds ``LLM(model, pcp=N)`` (rank 0 in this process, ranks 1..N-1 spawned; gloo on
+the CPU, NCCL on GPUs with rank r on GPU r), warms up on a short split prompt, then times ``generate`` of one ``--prompt-len`` prompt
 with ``max_tokens=1`` (a fresh prompt each round, prefix caching off): that is the TTFT of an
 idle engine, prefill and the first sample; beside it each rank's CPU seconds in that call (on a
 shared host the wall time also holds other processes' work: the busiest rank's CPU time is
@@ -46,7 +46,7 @@ def time_size(model: Path, pcp: int, args: argparse.Namespace, vocab: int) -> di
     rng = random.Random(1234)
     kw: dict[str, object] = dict(
         pcp=pcp,
-        device="cpu",
+        device=args.device,
         dtype=args.dtype,
         max_num_batched_tokens=args.budget,
         max_model_len=args.prompt_len + 8,
@@ -99,7 +99,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: rank r on GPU r (NCCL)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="cpu_threads of every rank (0: auto)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -126,7 +127,7 @@ def main() -> None:
     base = rows[0]["ttft_median_s"]
     assert isinstance(base, float)
     print(
-        f"\nTTFT of one {args.prompt_len}-token prompt, budget {args.budget}, {args.dtype}, model {args.model or 'tiny'}"
+        f"\nTTFT of one {args.prompt_len}-token prompt, budget {args.budget}, {args.dtype} on {args.device}, model {args.model or 'tiny'}"
     )
     cpu_base = rows[0]["max_rank_cpu_median_s"]
     assert isinstance(cpu_base, float)
