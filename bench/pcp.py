@@ -65,6 +65,8 @@ def time_size(model: Path, pcp: int, args: argparse.Namespace, vocab: int) -> di
         llm.generate([[rng.randrange(3, vocab) for _ in range(64 * pcp)]], params)  # warm-up
         workers = getattr(llm.engine.runner, "workers", None)
         pids = [os.getpid(), *(workers.pids() if workers is not None else [])]
+        ctx = getattr(llm.engine.runner, "pcp", None)  # the split tokens rank 0 computed itself
+        split0 = ctx.num_split_tokens if ctx is not None else 0
         for r in range(args.rounds):
             prompt = [random.Random(r).randrange(3, vocab) for _ in range(args.prompt_len)]
             c0 = [cpu_seconds(pid) for pid in pids]
@@ -74,7 +76,6 @@ def time_size(model: Path, pcp: int, args: argparse.Namespace, vocab: int) -> di
             cpus.append([round(cpu_seconds(pid) - c, 2) for pid, c in zip(pids, c0, strict=True)])
             firsts.append(out[0].outputs[0].token_ids[0])
             log(f"pcp {pcp} round {r}: TTFT {ttfts[-1]:.2f} s, CPU s per rank {cpus[-1]}")
-        split = llm.engine.runner.pcp.num_split_tokens if pcp > 1 else 0  # type: ignore[attr-defined]
     return {
         "pcp": pcp,
         "ttft_s": ttfts,
@@ -85,7 +86,7 @@ def time_size(model: Path, pcp: int, args: argparse.Namespace, vocab: int) -> di
         "max_rank_cpu_median_s": statistics.median(max(c) for c in cpus),
         "first_tokens": firsts,
         "engine_start_s": round(start_s, 2),
-        "rank0_split_tokens": split,
+        "rank0_split_tokens": ((ctx.num_split_tokens if ctx is not None else 0) - split0) // args.rounds,
     }
 
 
