@@ -32,6 +32,7 @@ from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.group_transfer import kv_groups_wire, kv_tensors_of, shared_table_reason
 from pdserve.kvtransfer.handshake import new_epoch
 from pdserve.kvtransfer.speculative_compat import spec_wire
+from pdserve.pcp.runner import PCPModelRunner
 from pdserve.rpc.limits import node_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from pdserve.spec_decode.metrics import spec_decode_metrics
@@ -319,7 +320,7 @@ class NodeBase:
         engine_watch = asyncio.create_task(self.engine_watchdog.run())
         mem_tasks = start_memwatch()
         watchdog = None
-        if isinstance(self.engine.runner, KVWorkers):
+        if isinstance(self.engine.runner, (KVWorkers, PCPModelRunner)):  # worker processes to watch
             watchdog = asyncio.create_task(self._watch_stages(self.engine.runner, health_servicer))
         await stop.wait()
         engine_watch.cancel()
@@ -376,15 +377,15 @@ class NodeBase:
         assert self.loop is not None
         self.loop.call_later(ENGINE_DEATH_LINGER_S, self._stop_event.set)
 
-    async def _watch_stages(self, runner: KVWorkers, health_servicer: Any) -> None:
-        """A node is healthy only while every stage / TP rank process is (docs/design.md §7): a dead one turns
+    async def _watch_stages(self, runner: KVWorkers | PCPModelRunner, health_servicer: Any) -> None:
+        """A node is healthy only while every stage / TP / PCP rank process is (docs/design.md §7): a dead one turns
         health NOT_SERVING, fails every in-flight request with the reason, and stops the node
         with exit code 1 (a prefill's held KV is then freed by the peer's lease on decode)."""
         while True:
             await asyncio.sleep(STAGE_WATCH_S)
             try:
                 runner.check_alive()
-            except WorkerError as e:  # a pipeline stage or TP rank
+            except WorkerError as e:  # a pipeline stage, TP rank or PCP rank
                 await self._out_of_service(str(e), health_servicer)
                 return
 

@@ -67,6 +67,8 @@ class ParallelConfig:
     # Layers per pipeline stage (len = pipeline_parallel_size, sums to the model's layers);
     # None: even split, the first stages one layer more (pdserve.kvtransfer.topology.split_layers)
     pp_layer_split: tuple[int, ...] | None = None
+    # Prefill context parallelism (pdserve/pcp): ranks that split a long prompt chunk's prefill
+    prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.pipeline_rank < self.pipeline_parallel_size:
@@ -85,6 +87,15 @@ class ParallelConfig:
             raise ConfigError(
                 "tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet; "
                 "use one of them"
+            )
+        pcp = self.prefill_context_parallel_size
+        if pcp < 1:
+            raise ConfigError(f"prefill_context_parallel_size (pcp) must be >= 1, got {pcp}")
+        if pcp > 1 and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ConfigError(
+                f"prefill_context_parallel_size (pcp) {pcp} with tensor_parallel_size "
+                f"{self.tensor_parallel_size} and pipeline_parallel_size {self.pipeline_parallel_size} "
+                "is not supported; use pcp with tp 1 and pp 1"
             )
 
 

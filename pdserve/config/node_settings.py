@@ -84,6 +84,9 @@ class NodeConfig(_Frozen):
     ec_role: EcRole | None = None  # derived by the resolver
     tp: int = 1
     pp: int = 1
+    # prefill context parallel ranks: a long prompt chunk's prefill split over this many processes
+    # (pdserve/pcp; tp 1 and pp 1 only)
+    pcp: int = 1
     # layers per pipeline stage (len pp, sums to the model's layers); None: even split
     pp_layer_split: tuple[int, ...] | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -170,11 +173,13 @@ class NodeConfig(_Frozen):
             )
         return v
 
-    @field_validator("tp", "pp")
+    @field_validator("tp", "pp", "pcp")
     @classmethod
     def _check_parallel(cls, v: int, info: Any) -> int:
         if v < 1:
-            what = "GPUs per pipeline stage" if info.field_name == "tp" else "pipeline stages"
+            what = {"tp": "GPUs per pipeline stage", "pp": "pipeline stages"}.get(
+                info.field_name, "prefill context parallel ranks"
+            )
             raise ConfigError(f"{info.field_name} must be >= 1 (the number of {what}), got {v}; use 1")
         return v
 
@@ -268,6 +273,14 @@ class NodeConfig(_Frozen):
                     f"pp {self.pp}): each stage offloading its own layers is not built; remove kv_offload"
                 )
             self.kv_offload_config()  # its own checks (a tier set, disk_path with disk_bytes)
+        if self.pcp != 1 and (
+            self.tp != 1 or self.pp != 1 or self.role not in (Role.PREFILL, Role.COLOCATED)
+        ):
+            # decode: pulled KV lands in rank 0's cache only, which a later split prefill would miss
+            raise ConfigError(
+                f"node {self.name!r}: pcp {self.pcp} runs on prefill and colocated nodes with tp 1 and "
+                f"pp 1 only (got role {self.role}, tp {self.tp}, pp {self.pp}); set pcp: 1"
+            )
         if self.role is Role.ENCODER:
             if self.tp != 1 or self.pp != 1:
                 raise ConfigError(

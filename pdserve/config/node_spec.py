@@ -89,13 +89,15 @@ class NodeSpec:
         **node_fields: Any,
     ) -> NodeSpec:
         """A node of a small cluster file built here (tests and bench scripts): ``engine`` as
-        given (its pp and tp become the entry's), ``node_fields`` the entry's other keys and
+        given (its pp, tp and pcp become the entry's), ``node_fields`` the entry's other keys and
         ``cluster`` the file's top-level keys, validated as a file's. A prefill node's file also
         lists one decode node (a cluster file needs one); it is never dialled."""
         par: ParallelConfig = engine.parallel
         entry: dict[str, Any] = {"name": name, "role": str(role), "model": engine.model, "host": "127.0.0.1"}
         entry |= {"grpc_port": grpc_port, "metrics_port": metrics_port or free_port()}
         entry |= {"pp": par.pipeline_parallel_size, "tp": par.tensor_parallel_size, **node_fields}
+        if par.prefill_context_parallel_size > 1:
+            entry["pcp"] = par.prefill_context_parallel_size
         nodes = [entry]
         if not Role(role).decodes:
             peer = {"name": f"{name}-peer", "role": "decode", "model": engine.model, "host": "192.0.2.1"}

@@ -162,6 +162,7 @@ class ResolvedNode:
                 pipeline_rank=pipeline_rank,
                 tensor_parallel_size=n.tp,
                 pp_layer_split=n.pp_layer_split,
+                prefill_context_parallel_size=n.pcp,
             ),
         )
 

@@ -24,14 +24,21 @@ def init_tp(world_size: int, rank: int, init_method: str, backend: str, timeout_
     assert world_size >= 1 and 0 <= rank < world_size, (world_size, rank)
     assert _TP_SIZE == 1, "the TP group is already initialised in this process"
     if world_size > 1:
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            world_size=world_size,
-            rank=rank,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        join_group(world_size, rank, init_method, backend, timeout_s)
     _TP_SIZE, _TP_RANK = world_size, rank
+
+
+def join_group(world_size: int, rank: int, init_method: str, backend: str, timeout_s: float) -> None:
+    """Join this process's ``torch.distributed`` group (blocks until all ``world_size`` ranks
+    joined; ``timeout_s`` also bounds each collective). TP ranks and prefill context parallel
+    ranks (``pdserve.pcp``, which leave the TP size at 1) both join through here."""
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def destroy_tp() -> None:

@@ -1,8 +1,9 @@
 """What the engine core runs its steps on: one protocol, three implementations.
 
 ``LLMEngine`` talks to a ``ModelExecutor`` only: a plain ``ModelRunner`` (one process), a
-``TPModelRunner`` (TP rank 0 here, ranks 1..N-1 as workers) or a ``PipelineExecutor`` (stage 0
-here, stages 1..N-1 as workers); ``make_executor`` picks one from the parallel settings. The
+``TPModelRunner`` (TP rank 0 here, ranks 1..N-1 as workers), a ``PipelineExecutor`` (stage 0
+here, stages 1..N-1 as workers) or a ``PCPModelRunner`` (prefill context parallel rank 0 here,
+``pdserve.pcp``); ``make_executor`` picks one from the parallel settings. The
 asynchronous-scheduling calls for grammar rows (``prepare_deferred``, ``sample_deferred``) exist
 on a ``ModelRunner`` only, since a pipeline's last stage samples in full.
 """
@@ -49,4 +50,8 @@ def make_executor(config: EngineConfig) -> ModelExecutor:
         return PipelineExecutor(config)
     if config.parallel.tensor_parallel_size > 1:
         return TPModelRunner(config)
+    if config.parallel.prefill_context_parallel_size > 1:
+        from pdserve.pcp.runner import PCPModelRunner
+
+        return PCPModelRunner(config)
     return ModelRunner(config)

@@ -27,7 +27,8 @@ class LLM:
     vLLM-shaped ``RequestOutput``s (one per prompt, its ``n`` samples in ``.outputs``).
 
     Keyword arguments are EngineConfig fields, or CacheConfig / SchedulerConfig / ParallelConfig
-    fields (e.g. ``block_size=16``, ``max_num_batched_tokens=256``, ``tensor_parallel_size=2``).
+    fields (e.g. ``block_size=16``, ``max_num_batched_tokens=256``, ``tensor_parallel_size=2``;
+    ``pcp=2`` for ``prefill_context_parallel_size``).
     With tensor parallelism, worker processes run until ``close()`` (or the end of a ``with``
     block, or interpreter exit). They are started with ``spawn``, so a script that builds a TP
     engine at import time needs the usual ``if __name__ == "__main__":`` guard.
@@ -38,6 +39,8 @@ class LLM:
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
         cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
+        if "pcp" in kwargs:  # LLM(..., pcp=N), as the cluster file's key
+            kwargs["prefill_context_parallel_size"] = kwargs.pop("pcp")
         par_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
         par_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in par_fields}
         if isinstance(kwargs.get("lora"), Mapping):  # LLM(..., lora={"max_loras": 4, "modules": {...}})
@@ -54,7 +57,7 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._counter = 0
         par = self.config.parallel
-        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+        if max(par.tensor_parallel_size, par.pipeline_parallel_size, par.prefill_context_parallel_size) > 1:
             atexit.register(self.close)
 
     def close(self) -> None:

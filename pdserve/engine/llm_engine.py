@@ -217,7 +217,9 @@ class LLMEngine:
             return spec_async_scheduling(config)
         if config.async_scheduling is None:
             p = config.parallel
-            single = p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1
+            single = (
+                p.tensor_parallel_size == p.pipeline_parallel_size == p.prefill_context_parallel_size == 1
+            )
             return self.runner.device.type == "cuda" and single
         return config.async_scheduling
 

@@ -23,6 +23,7 @@ import math
 import mmap
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,6 +61,9 @@ from pdserve.lora.manager import LoRAManager
 from pdserve.models.attention import AttentionMetadata, select_attention_backend
 from pdserve.models.config import IntermediateTensors
 from pdserve.models.loader import load_model
+
+if TYPE_CHECKING:
+    from pdserve.pcp.step import ContextParallel
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +248,7 @@ class ModelRunner:
         self.lora = (
             LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora is not None else None
         )
+        self.pcp: ContextParallel | None = None  # a prefill-context-parallel rank (pdserve/pcp)
         # A speculative drafter with weights (draft_model, mtp): its model, its KV beside ours.
         from pdserve.spec_decode.drafter import make_drafter
 
@@ -490,9 +495,17 @@ class ModelRunner:
                 embeds = substitute_mm_embeds(sched, input_ids, embeds, self.model.model.embed_tokens)
             if self.lora is not None:
                 self.lora.begin_step([(c.request.lora_name, c.num_tokens) for c in sched.chunks], self.device)
-            out = self.model(
-                input_ids, positions, self.layer_caches, meta, intermediate=intermediate, inputs_embeds=embeds
-            )
+            if self.pcp is not None:  # this rank's rows of the step; the global rows come back
+                out = self.pcp.forward(self, sched, batch, input_ids, positions, meta, embeds)
+            else:
+                out = self.model(
+                    input_ids,
+                    positions,
+                    self.layer_caches,
+                    meta,
+                    intermediate=intermediate,
+                    inputs_embeds=embeds,
+                )
         if not self.model.is_last_stage:
             assert isinstance(out, IntermediateTensors)
             return PendingStep(

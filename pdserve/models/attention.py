@@ -35,6 +35,7 @@ captured size): its K/V is not stored, and a request with seq_len 0 attends to n
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal
@@ -93,6 +94,9 @@ class AttentionMetadata:
     # KV cache groups with block tables of their own (engine/group_kv.py): local layer i reads
     # layer_metas[i] (its group's slot_mapping and block_tables); None: every layer reads this one.
     layer_metas: list[AttentionMetadata] | None = field(default=None, repr=False)
+    # Prefill context parallelism (pdserve/pcp): called with each layer's cache view once the
+    # step's local K/V are stored, it writes the other ranks' K/V of the step there; None: no split.
+    kv_exchange: Callable[[torch.Tensor], None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -296,15 +300,17 @@ def rotary_and_store_kv(
     ``kernels.apply_rotary`` followed by ``write_kv_cache``. On the Triton path this is one launch
     (``triton_rotary.rotary_store_kv_fwd``): the KV store rides along with the rotation.
     q: [n, H, D], k, v: [n, Hkv, D] (views of the fused qkv output are fine); kv_cache: one
-    layer's view. Returns the rotated q, [n, H, D] contiguous.
+    layer's view. Returns the rotated q, [n, H, D] contiguous. Under prefill context parallelism
+    the other ranks' K/V of the step are stored too (``_exchanged``).
     """
     if meta.backend == "triton" and kernels.rotary_can_run(q, k, positions, cos_sin_cache):
         from pdserve.kernels import triton_rotary
 
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        return triton_rotary.rotary_store_kv_fwd(
+        q_out = triton_rotary.rotary_store_kv_fwd(
             q, k, v, positions, cos_sin_cache.contiguous(), kv_cache, meta.slot_mapping, k_out
         )
+        return _exchanged(q_out, kv_cache, meta)
     if (
         k_out is None
         and kernels.wants_native(q)
@@ -313,7 +319,7 @@ def rotary_and_store_kv(
     ):
         q_rot = cpu_native.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping)
         if q_rot is not None:
-            return q_rot
+            return _exchanged(q_rot, kv_cache, meta)
     if kernels.wants_triton(q):
         q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
     else:  # the torch twin, its cos / sin gathered once per step
@@ -324,6 +330,14 @@ def rotary_and_store_kv(
     _store_kv(k, v, kv_cache, meta)
     if k_out is not None:
         k_out.copy_(k)
+    return _exchanged(q, kv_cache, meta)
+
+
+def _exchanged(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """This step's local K/V are stored; under prefill context parallelism (``meta.kv_exchange``)
+    the other ranks' K/V of the step are stored next, so attention reads the whole chunk. Returns q."""
+    if meta.kv_exchange is not None:
+        meta.kv_exchange(kv_cache)
     return q
 
 

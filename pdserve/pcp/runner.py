@@ -1,0 +1,131 @@
+"""Prefill context parallelism in the engine: this process is PCP rank 0, ranks 1..N-1 are workers.
+
+Every rank holds the whole model and a whole KV cache. The scheduler runs on rank 0 only; each
+step it launches goes to the workers first (``ExecuteStep``, the TP protocol of
+``pdserve.engine.workers``, served by ``pdserve.pcp.worker``), and every rank launches it the
+same way. A long prompt chunk is split zig-zag over the ranks (``index_map``), each rank
+computing its slice of the chunk through every layer, the K/V exchanged per layer
+(``exchange``); every other row (decode, short prompts) is replicated. After the forward every
+rank holds the sampled rows in global order and samples them (same generators as TP ranks:
+seeded per request, or the default generator seeded with ``EngineConfig.seed``); rank 0's
+tokens are the engine's, the workers' are dropped.
+
+    rank 0 (engine core)                      rank r (worker process)
+    sched = scheduler.schedule()
+    --pipe: ExecuteStep(sched) ---------->   launch(sched)
+    launch(sched)                               |
+       each layer: store own K/V <=== all_gather K/V ===> store own K/V
+       gather sampled rows       <=== all_gather ======> (rows it computed)
+       sample                                   sample (dropped)
+
+Decode after a PCP prefill is replicated on every rank (one token per request, no exchange), so
+every rank's cache stays whole: a prefix hit may later split a chunk after that context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from pdserve.config.engine import CacheSizes, EngineConfig
+from pdserve.distributed.workers import WorkerError, WorkerGroup
+from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.workers import DropFinished, ExecuteStep, InitKVCache, SizeKVCache
+from pdserve.pcp.checks import check_pcp_config, rank_config
+from pdserve.pcp.exchange import destroy_pcp_group, init_pcp_group
+from pdserve.pcp.step import ContextParallel
+
+
+class PCPWorkerError(WorkerError):
+    """A prefill-context-parallel worker rank failed or exited."""
+
+
+class PCPRankRunner(ModelRunner):
+    """The ``ModelRunner`` of one PCP rank (the process's group is already joined)."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int) -> None:
+        config = rank_config(config, rank)
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))  # NCCL's device for this rank
+        super().__init__(config)
+        self.pcp_size = size
+        self.pcp = ContextParallel(rank, size)
+
+    def determine_cache_sizes(self) -> CacheSizes:
+        """This rank's budget in blocks; every rank holds every block, so on the CPU the default
+        budget (min(4 GiB, half of MemAvailable)) is shared by the host's ranks.
+        ``kv_cache_memory_bytes`` and ``num_blocks_override`` are each rank's. Rank 0 takes the
+        smallest of the ranks' (``PCPModelRunner``)."""
+        sizes = super().determine_cache_sizes()
+        cc = self.config.cache
+        if self.device.type != "cpu" or cc.num_blocks_override is not None or cc.kv_cache_memory_bytes:
+            return sizes
+        num_blocks = max(1, sizes.num_blocks // self.pcp_size)
+        return dataclasses.replace(
+            sizes, num_blocks=num_blocks, budget_bytes=num_blocks * sizes.bytes_per_block
+        )
+
+
+class PCPModelRunner(PCPRankRunner):
+    """Rank 0's runner: every call that runs the model is sent to the worker ranks first."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pdserve.pcp.worker import PCPWorkerSpec, pcp_worker_main
+
+        size = config.parallel.prefill_context_parallel_size
+        check_pcp_config(config)  # before any process starts: a bad setting fails fast
+        # joining the group and every collective of a step: a step's limit (step_timeout_s)
+        group_timeout_s = config.step_timeout_s
+        spec = PCPWorkerSpec(config, size, group_timeout_s)
+        self.workers = WorkerGroup(size, "PCP rank", PCPWorkerError, pcp_worker_main, (spec,), config.device)
+        try:
+            init_pcp_group(size, 0, self.workers.init_method, self.workers.backend, group_timeout_s)
+            set_intra_op_threads(config, size)  # the host's cores are shared by the ranks
+            torch.manual_seed(config.seed)  # unseeded sampling draws the same on every rank
+            super().__init__(config, 0, size)
+        except BaseException:
+            self.workers.close()
+            destroy_pcp_group()
+            raise
+
+    def determine_cache_sizes(self) -> CacheSizes:
+        """The smallest budget of the ranks: every rank must hold every block rank 0 schedules."""
+        mine = super().determine_cache_sizes()
+        theirs = self.workers.ask_all(SizeKVCache(), self.config.step_timeout_s)
+        return min([mine, *theirs], key=lambda sizes: sizes.num_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.workers.ask_all(InitKVCache(num_blocks), self.config.step_timeout_s)
+        super().init_kv_cache(num_blocks)
+
+    def launch(self, sched: SchedulerOutput, *args: Any, **kwargs: Any) -> PendingStep:
+        """``ModelRunner.launch``, the workers told first (pp 1: no intermediate tensors)."""
+        assert not args and kwargs.get("intermediate") is None, "PCP runs with pp 1"
+        assert not sched.kv_loads, "PCP nodes pull no KV: pulled KV would reach rank 0's cache only"
+        self.workers.broadcast(ExecuteStep(sched))
+        try:
+            return super().launch(sched, **kwargs)
+        except RuntimeError:  # a collective whose peer died: raise naming that rank
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:  # a dying worker is reaped within moments
+                self.workers.check_alive()
+                time.sleep(0.05)
+            raise
+
+    def drop_finished(self, request_ids: list[str]) -> None:
+        super().drop_finished(request_ids)
+        if request_ids:
+            self.workers.broadcast(DropFinished(request_ids))
+
+    def check_alive(self) -> None:
+        """PCPWorkerError naming a worker rank whose process is gone (the node's watch polls it)."""
+        self.workers.check_alive()
+
+    def close(self) -> None:
+        super().close()
+        self.workers.close()
+        destroy_pcp_group()

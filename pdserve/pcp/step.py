@@ -1,0 +1,108 @@
+"""One PCP rank's forward of a global step: ``ModelRunner.launch`` hands it the global inputs.
+
+    global step (every rank builds it: token ids, positions, slots, AttentionMetadata)
+        | plan_step: this rank's rows and attention segments (index_map.py)
+    local forward: input_ids[rows], positions[rows], a local AttentionMetadata of segments,
+        each layer: store own K/V -> KVExchange (all-gather the split tokens' K/V) -> attend
+        | gather_output: the sampled / scored rows from the ranks that computed them
+    global hidden states [num_tokens, hidden]: sampling and prompt logprobs run on them as at pcp 1
+
+A step with nothing split (decode, short prompts) runs the model on the global inputs unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.prompt_logprobs import prompt_logprob_spans
+from pdserve.models.attention import AttentionMetadata
+from pdserve.pcp.exchange import KVExchange, gather_output
+from pdserve.pcp.index_map import StepPlan, plan_step
+
+if TYPE_CHECKING:
+    from pdserve.engine.host_batch import HostBatch
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.scheduler_output import SchedulerOutput
+
+
+class ContextParallel:
+    """A runner's PCP rank (``ModelRunner.pcp``): rank ``rank`` of ``size``. Counts the steps
+    it split and the prompt tokens it computed itself (a rank's share, for tests and benches)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        assert 0 <= rank < size, (rank, size)
+        self.rank, self.size = rank, size
+        self.num_split_steps = 0
+        self.num_split_tokens = 0  # split-chunk tokens this rank computed
+
+    def forward(
+        self,
+        runner: ModelRunner,
+        sched: SchedulerOutput,
+        batch: HostBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The step's last hidden states, [batch.num_tokens, hidden] in global row order (rows
+        that are neither this rank's, sampled nor scored are zero)."""
+        plan = plan_step(batch.query_lens, batch.seq_lens, self.size, runner.block_size)
+        if not plan.is_split:
+            out = runner.model(input_ids, positions, runner.layer_caches, meta, inputs_embeds=embeds)
+            assert isinstance(out, torch.Tensor)
+            return out
+        view = plan.views[self.rank]
+        rows = torch.tensor(view.token_rows, dtype=torch.int64, device=input_ids.device)
+        exchange = KVExchange(plan, self.rank, meta.slot_mapping, runner.block_size)
+        local_meta = local_metadata(plan, self.rank, meta, rows)
+        local_meta.kv_exchange = exchange
+        out = runner.model(
+            input_ids[rows],
+            positions[rows],
+            runner.layer_caches,
+            local_meta,
+            inputs_embeds=embeds[rows] if embeds is not None else None,
+        )
+        assert isinstance(out, torch.Tensor)
+        assert exchange.calls == runner.num_local_layers, (
+            f"{exchange.calls} of {runner.num_local_layers} layers exchanged their K/V: the model's "
+            "attention must store K/V through attention.rotary_and_store_kv"
+        )
+        self.num_split_steps += 1
+        self.num_split_tokens += len(view.send_rows)
+        needed = list(batch.sample_idx)
+        for span in prompt_logprob_spans(sched):
+            needed.extend(range(span.row, span.row + len(span.target_ids)))
+        return gather_output(plan, self.rank, out, list(view.token_rows), needed)
+
+
+def local_metadata(
+    plan: StepPlan, rank: int, meta: AttentionMetadata, rows: torch.Tensor
+) -> AttentionMetadata:
+    """``meta`` (the global step's) cut to rank ``rank``'s tokens: one attention row per segment
+    (query positions [start, end), sequence length end, its request's block table)."""
+    segments = plan.views[rank].segments
+    query_lens = [s.num_tokens for s in segments]
+    seq_lens = [s.end for s in segments]
+    device = meta.slot_mapping.device
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    lens = torch.tensor(seq_lens + starts, dtype=torch.int32, device=device)
+    seqs = torch.tensor([s.seq for s in segments], dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        num_tokens=len(rows),
+        slot_mapping=meta.slot_mapping[rows],
+        query_start_loc=lens[len(seq_lens) :],
+        seq_lens=lens[: len(seq_lens)],
+        block_tables=meta.block_tables.index_select(0, seqs),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=meta.block_size,
+        backend=meta.backend,
+    )
