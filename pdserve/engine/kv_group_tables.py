@@ -34,10 +34,9 @@ from pdserve.config.engine import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.kv_cache_groups import SHORT_CONV, WINDOWED_KINDS, GroupManager, KVCacheGroupSpec
 from pdserve.errors import ConfigError
+from pdserve.kvtransfer.group_transfer import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
-
-NULL_BLOCK_ID = 0
 
 
 def tables_off_reason(

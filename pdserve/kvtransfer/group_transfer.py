@@ -22,12 +22,28 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from pdserve.engine.kv_cache_groups import KVCacheGroupSpec
-from pdserve.engine.kv_group_tables import NULL_BLOCK_ID
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.regions import Descriptor, DescriptorPlan, Region, align_regions, merge_adjacent
+
+# The block every group's pool takes at start and never frees (engine/kv_group_tables.py): a
+# table entry of a block the group does not hold. Defined here, beneath the engine, so that this
+# package imports nothing of it (tests/distributed/test_import_floors.py).
+NULL_BLOCK_ID = 0
+
+
+class GroupSpec(Protocol):
+    """What the wire form reads of engine/kv_cache_groups.KVCacheGroupSpec."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def layer_names(self) -> tuple[str, ...]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None: ...
 
 
 def shared_table_reason(moves_kv: bool, kv_checksum: bool, kv_transport: str) -> str | None:
@@ -48,7 +64,7 @@ def kv_tensors_of(runner: Any) -> list[Any]:
     return list(gkv.tensors) if gkv is not None else [runner.kv_cache]
 
 
-def kv_groups_wire(specs: Sequence[KVCacheGroupSpec], own_tables: bool) -> str:
+def kv_groups_wire(specs: Sequence[GroupSpec], own_tables: bool) -> str:
     """The group layout a handshake compares: "" for one table shared by every layer."""
     if not own_tables:
         return ""
