@@ -15,7 +15,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 # bf16: verification runs 1 + m query rows a request through the prefill attention path, plain
 # steps one row through the decode kernel; their roundings differ, and a random tiny model's
-# near-ties flip (H100, 2026-12-06: row 2 of 8 diverged after 40 equal tokens). Not shown to be
+# near-ties flip (H100, 2026-12-06: row 2 of 8 diverged after at least 40 equal tokens). Not shown to be
 # only rounding: kept visible as an expected failure until a run with logits says which.
 BF16_DIVERGES = pytest.mark.xfail(
     reason="bf16 greedy diverged from the engine without drafts on an H100", strict=False
