@@ -20,7 +20,7 @@ from pdserve.distributed.pp_stage import (
     PipelineStageError,
     StageEndpoint,
 )
-from pdserve.distributed.workers import WorkerGroup
+from pdserve.distributed.workers import Ack, WorkerGroup
 from pdserve.engine.kv_workers import WorkerKV
 from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
@@ -34,6 +34,8 @@ from pdserve.engine.workers import (
     send_tensors,
     worker_main,
 )
+from pdserve.kvoffload.spec import KVOffloadSpec
+from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks
 from pdserve.kvtransfer.topology import split_layers
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 
@@ -148,6 +150,21 @@ class PipelineExecutor(WorkerKV, PipelineRunner):
         self._last = step = _PipelineStep(self)
         step.timeout_s = self._timeout_s
         return step
+
+    def init_stage_offload(self, msgs: list[InitKVOffload]) -> None:
+        """Stage i+1 maps the offload tier's shared host pool as ``msgs[i]`` says."""
+        for rank, msg in enumerate(msgs, start=1):
+            self.workers.send(rank, msg)
+        for rank in self.workers.ranks:
+            assert isinstance(self.workers.recv(rank, self._timeout_s), Ack)
+
+    def store_on_stages(self, spec: KVOffloadSpec) -> None:
+        """Every stage runs ``spec``'s stores now (the last step's result is read first: it
+        comes on the same pipe as the answers)."""
+        if self._last is not None:
+            self._last.receive()
+        for reply in self.workers.ask_all(StoreKVBlocks(spec), self._timeout_s):
+            assert isinstance(reply, Ack), reply
 
     def drop_finished(self, request_ids: list[str]) -> None:
         self.stage0.drop_finished(request_ids)

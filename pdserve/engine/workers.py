@@ -11,9 +11,12 @@ exits (``pdserve.distributed.workers``).
     SizeKVCache      determine_cache_sizes (collective)    -
     InitKVCache      allocate; Ack                         allocate; Ack
     RegisterKV       -                                     own transfer engine; KVEndpoint
-    ExecuteStep      launch (as rank 0 did); no reply      recv hidden, forward, send on;
-                                                           the last stage: StepResult
+    ExecuteStep      launch (as rank 0 did); no reply      offload copies, recv hidden,
+                                                           forward, send on; the last
+                                                           stage: StepResult
     DropFinished     forget finished requests' state       the same
+    InitKVOffload    -                                     map the offload pool; Ack
+    StoreKVBlocks    -                                     offload stores now; Ack
     WriteKV          -                                     (transfer pipe) write; Ack/WriteFailed
     Shutdown         exit                                  exit
 
@@ -39,6 +42,8 @@ from pdserve.distributed.workers import Ack, Shutdown, WorkerFailed
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.kvoffload.copier import KVOffloadCopier
+from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks, run_stage_copies, stage_copier
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.head_slices import HeadGather
 from pdserve.kvtransfer.regions import Descriptor
@@ -157,6 +162,7 @@ class _Worker:
         self.kv_backend: TransferBackend | None = None
         self.inflight: PendingStep | None = None  # TP under asynchronous scheduling
         self.last_sampled: dict[str, int] = {}  # the last pipeline stage's previous samples
+        self.offload: KVOffloadCopier | None = None  # this stage's copier of the offload tier
 
     def handle(self, msg: object) -> None:
         runner = self.runner
@@ -174,6 +180,13 @@ class _Worker:
             self.conn.send(Ack())
         elif isinstance(msg, RegisterKV):
             self.conn.send(self.register_kv(msg))
+        elif isinstance(msg, InitKVOffload):
+            self.offload = stage_copier(msg, runner)
+            self.conn.send(Ack())
+        elif isinstance(msg, StoreKVBlocks):
+            assert self.offload is not None, "StoreKVBlocks before InitKVOffload"
+            run_stage_copies(self.offload, msg.spec)
+            self.conn.send(Ack())
         else:
             raise AssertionError(f"{self.spec.role.value} {self.rank}: unknown command {msg!r}")
 
@@ -182,6 +195,9 @@ class _Worker:
         last = rank == self.spec.world - 1
         if last and msg.overlaps:  # the step before is in flight for the engine: not in sched yet
             _append_in_flight(msg.sched, self.last_sampled)
+        if msg.sched.kv_offload:  # stores of evicted blocks, loads of offload hits: before the forward
+            assert self.offload is not None, "an offload copy before InitKVOffload"
+            run_stage_copies(self.offload, msg.sched.kv_offload)
         inter = recv_tensors(rank - 1, runner.dtype, runner.device)
         out = runner.launch(msg.sched, inter).result()
         if last:

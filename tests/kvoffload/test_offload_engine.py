@@ -52,6 +52,14 @@ def _wait_for_disk_writes(disk: Any, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def tier_settings(tier: str, tmp_path: Path) -> dict[str, Any]:
+    """LLM settings of a small device cache over a 4 MiB host ("cpu") or disk ("disk") tier."""
+    kv_offload: dict[str, Any] = (
+        {"cpu_bytes": 1 << 22} if tier == "cpu" else {"disk_path": str(tmp_path), "disk_bytes": 1 << 22}
+    )
+    return {"block_size": BLOCK, "num_blocks_override": DEVICE_BLOCKS, "kv_offload": kv_offload}
+
+
 def _check_answer(model_dir: Path, prompt: list[int], got: list[int]) -> None:
     compare_greedy([got], _reference(model_dir, [prompt]))
 
@@ -65,16 +73,7 @@ def test_evicted_conversation_hits_offload_tier(
     tier: str, async_scheduling: bool, tiny_models, make_llm, tmp_path
 ) -> None:
     model_dir = tiny_models["llama"]
-    kv_offload: dict[str, Any] = (
-        {"cpu_bytes": 1 << 22} if tier == "cpu" else {"disk_path": str(tmp_path), "disk_bytes": 1 << 22}
-    )
-    llm = make_llm(
-        model_dir,
-        block_size=BLOCK,
-        num_blocks_override=DEVICE_BLOCKS,
-        kv_offload=kv_offload,
-        async_scheduling=async_scheduling,
-    )
+    llm = make_llm(model_dir, **tier_settings(tier, tmp_path), async_scheduling=async_scheduling)
     eng = llm.engine
     assert eng.offload is not None
     vocab = eng.arch.vocab_size

@@ -145,14 +145,15 @@ def test_settings_are_checked() -> None:
     assert KVOffloadConfig.coerce({"cpu_bytes": 5}) == KVOffloadConfig(cpu_bytes=5)
 
 
-def test_node_settings_refuse_pipeline_stages() -> None:
+def test_node_settings_take_pipeline_stages_refuse_tp() -> None:
     from pdserve.config.node_settings import NodeConfig
 
     base = {"name": "p0", "role": "prefill", "model": "m", "grpc_port": 1, "metrics_port": 2}
     node = NodeConfig(**base, kv_offload={"cpu_bytes": 1 << 20})
     assert node.kv_offload_config() == KVOffloadConfig(cpu_bytes=1 << 20)
-    with pytest.raises(ValueError, match="pp 2"):  # pydantic wraps the ConfigError
-        NodeConfig(**base, pp=2, kv_offload={"cpu_bytes": 1 << 20})
+    assert NodeConfig(**base, pp=2, kv_offload={"cpu_bytes": 1 << 20}).pp == 2
+    with pytest.raises(ValueError, match="tp 2"):  # pydantic wraps the ConfigError
+        NodeConfig(**base, tp=2, kv_offload={"cpu_bytes": 1 << 20})
     with pytest.raises(ValueError, match="no tier"):
         NodeConfig(**base, kv_offload={})
     assert NodeConfig(**base).kv_offload_config() is None
@@ -193,15 +194,16 @@ def test_scheduler_side_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2)])
-def test_offload_with_several_stages_or_ranks_is_refused_at_start(pp: int, tp: int) -> None:
-    """Each pipeline stage or TP rank would have to offload its own layers: refused when the
-    settings are made (before any worker process starts), naming the sizes and the fix."""
+def test_offload_with_tp_ranks_is_refused_at_start() -> None:
+    """Each TP rank would have to offload its own heads' slice: refused when the settings are
+    made (before any worker process starts), naming the size and the fix."""
     from pdserve.config.engine import EngineConfig, ParallelConfig
 
-    with pytest.raises(ConfigError, match=f"got {tp} / {pp}.*remove kv_offload"):
+    with pytest.raises(ConfigError, match=r"got 2:.*remove kv_offload"):
         EngineConfig(
             "unused",
             kv_offload=KVOffloadConfig(cpu_bytes=1 << 20),
-            parallel=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+            parallel=ParallelConfig(tensor_parallel_size=2),
         )
+    par = ParallelConfig(pipeline_parallel_size=2)
+    assert EngineConfig("unused", kv_offload=KVOffloadConfig(cpu_bytes=1 << 20), parallel=par).kv_offload

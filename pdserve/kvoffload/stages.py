@@ -1,0 +1,107 @@
+"""The offload tier on a pipeline-parallel engine: each stage copies its own layers' blocks.
+
+One scheduler (stage 0's process) decides every store and load by block hash, as with one stage;
+the step's ``KVOffloadSpec`` travels to every stage inside its ``SchedulerOutput``, and each
+stage's copier runs it against its own KV cache and its own columns of the shared host pool
+(``shared_pool``). Budgets are the node's: ``cpu_bytes`` and ``disk_bytes`` hold whole blocks
+(every stage's layers), split between the stages in proportion to their layers, so a budget
+holds as many tokens as with one stage.
+
+Completion: a stage other than 0 waits for its stores before its forward, so when the last
+stage's result of step N is read every stage's step-N stores are on the host; the scheduler
+side reads a stored row (to write it to disk) only after its step completed
+(``KVOffloadManager(stores_complete_with_step=True)``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.kvoffload.copier import KVOffloadCopier
+from pdserve.kvoffload.shared_pool import create_pool_file, map_pool, stage_columns
+from pdserve.kvoffload.spec import KVOffloadSpec
+
+
+@dataclass(frozen=True)
+class InitKVOffload:
+    """Map the shared host pool and copy this stage's columns ``[start, end)`` of its rows."""
+
+    pool_path: str
+    num_slots: int
+    row_bytes: int
+    start: int
+    end: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class StoreKVBlocks:
+    """Run these stores now and answer (remote KV writes into the evicted blocks come next)."""
+
+    spec: KVOffloadSpec
+
+
+class StageGroup(Protocol):
+    """What the tier needs of ``PipelineExecutor``."""
+
+    stage0: ModelRunner
+    ranges: list[tuple[int, int]]
+
+    def init_stage_offload(self, msgs: list[InitKVOffload]) -> None: ...
+    def store_on_stages(self, spec: KVOffloadSpec) -> None: ...
+
+
+def stage_block_bytes(group: StageGroup) -> list[int]:
+    """Bytes of one block of each stage's layers (stage 0's from its KV cache; every layer of a
+    stage holds the same bytes per block, which each stage checks when it maps the pool)."""
+    stage0 = group.stage0
+    assert stage0.kv_cache is not None
+    row0 = stage0.kv_cache[0].numel() * stage0.kv_cache.element_size()
+    start0, end0 = group.ranges[0]
+    per_layer, rest = divmod(row0, end0 - start0)
+    assert rest == 0, (row0, group.ranges[0])
+    return [row0] + [per_layer * (end - start) for start, end in group.ranges[1:]]
+
+
+def open_stage_pool(
+    group: StageGroup, num_slots: int, timeout_s: float
+) -> tuple[torch.Tensor, KVOffloadCopier]:
+    """Create and map the shared pool in every stage; returns the whole pool and stage 0's copier."""
+    widths = stage_block_bytes(group)
+    row_bytes = sum(widths)
+    columns = stage_columns(widths)
+    path = create_pool_file(num_slots, row_bytes)
+    try:
+        pool = map_pool(path, num_slots, row_bytes, group.stage0.device)
+        assert group.stage0.kv_cache is not None
+        start0, end0 = columns[0]
+        copier = KVOffloadCopier(group.stage0.kv_cache, num_slots, timeout_s, pool[:, start0:end0])
+        msgs = [InitKVOffload(path, num_slots, row_bytes, s, e, timeout_s) for s, e in columns[1:]]
+        group.init_stage_offload(msgs)
+    finally:
+        os.unlink(path)  # every stage mapped it (or failed): the mappings keep the memory
+    return pool, copier
+
+
+def stage_copier(msg: InitKVOffload, runner: ModelRunner) -> KVOffloadCopier:
+    """A stage process's copier over its columns of the shared pool."""
+    assert runner.kv_cache is not None, "InitKVOffload before InitKVCache"
+    row = runner.kv_cache[0].numel() * runner.kv_cache.element_size()
+    assert row == msg.end - msg.start, f"stage block of {row} bytes, pool columns of {msg.end - msg.start}"
+    pool = map_pool(msg.pool_path, msg.num_slots, msg.row_bytes, runner.device)
+    return KVOffloadCopier(runner.kv_cache, msg.num_slots, msg.timeout_s, pool[:, msg.start : msg.end])
+
+
+def run_stage_copies(copier: KVOffloadCopier, spec: KVOffloadSpec) -> None:
+    """A stage's copies of one step, before its forward; its stores are on the host on return."""
+    num_blocks, num_slots = copier.kv_bytes.shape[0], copier.pool.shape[0]
+    for block_id, slot in (*spec.stores, *spec.loads):
+        assert 0 <= block_id < num_blocks and 0 <= slot < num_slots, (block_id, slot)
+    copier.execute(spec)
+    if spec.stores:
+        copier.wait_stores()
