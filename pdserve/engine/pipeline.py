@@ -151,12 +151,10 @@ class PipelineExecutor(WorkerKV, PipelineRunner):
         step.timeout_s = self._timeout_s
         return step
 
-    def init_stage_offload(self, msgs: list[InitKVOffload]) -> None:
-        """Stage i+1 maps the offload tier's shared host pool as ``msgs[i]`` says."""
-        for rank, msg in enumerate(msgs, start=1):
-            self.workers.send(rank, msg)
-        for rank in self.workers.ranks:
-            assert isinstance(self.workers.recv(rank, self._timeout_s), Ack)
+    def init_stage_offload(self, msg: InitKVOffload) -> None:
+        """Every stage maps the offload tier's shared host pool."""
+        for reply in self.workers.ask_all(msg, self._timeout_s):
+            assert isinstance(reply, Ack), reply
 
     def store_on_stages(self, spec: KVOffloadSpec) -> None:
         """Every stage runs ``spec``'s stores now (the last step's result is read first: it

@@ -181,7 +181,7 @@ class _Worker:
         elif isinstance(msg, RegisterKV):
             self.conn.send(self.register_kv(msg))
         elif isinstance(msg, InitKVOffload):
-            self.offload = stage_copier(msg, runner)
+            self.offload = stage_copier(msg, runner, self.rank)
             self.conn.send(Ack())
         elif isinstance(msg, StoreKVBlocks):
             assert self.offload is not None, "StoreKVBlocks before InitKVOffload"

@@ -29,13 +29,12 @@ from pdserve.kvoffload.spec import KVOffloadSpec
 
 @dataclass(frozen=True)
 class InitKVOffload:
-    """Map the shared host pool and copy this stage's columns ``[start, end)`` of its rows."""
+    """Map the shared host pool; stage i copies columns ``columns[i]`` (``[start, end)``) of its rows."""
 
     pool_path: str
     num_slots: int
     row_bytes: int
-    start: int
-    end: int
+    columns: tuple[tuple[int, int], ...]
     timeout_s: float
 
 
@@ -52,7 +51,7 @@ class StageGroup(Protocol):
     stage0: ModelRunner
     ranges: list[tuple[int, int]]
 
-    def init_stage_offload(self, msgs: list[InitKVOffload]) -> None: ...
+    def init_stage_offload(self, msg: InitKVOffload) -> None: ...
     def store_on_stages(self, spec: KVOffloadSpec) -> None: ...
 
 
@@ -81,20 +80,20 @@ def open_stage_pool(
         assert group.stage0.kv_cache is not None
         start0, end0 = columns[0]
         copier = KVOffloadCopier(group.stage0.kv_cache, num_slots, timeout_s, pool[:, start0:end0])
-        msgs = [InitKVOffload(path, num_slots, row_bytes, s, e, timeout_s) for s, e in columns[1:]]
-        group.init_stage_offload(msgs)
+        group.init_stage_offload(InitKVOffload(path, num_slots, row_bytes, tuple(columns), timeout_s))
     finally:
         os.unlink(path)  # every stage mapped it (or failed): the mappings keep the memory
     return pool, copier
 
 
-def stage_copier(msg: InitKVOffload, runner: ModelRunner) -> KVOffloadCopier:
-    """A stage process's copier over its columns of the shared pool."""
+def stage_copier(msg: InitKVOffload, runner: ModelRunner, stage: int) -> KVOffloadCopier:
+    """Stage ``stage``'s copier over its columns of the shared pool."""
     assert runner.kv_cache is not None, "InitKVOffload before InitKVCache"
+    start, end = msg.columns[stage]
     row = runner.kv_cache[0].numel() * runner.kv_cache.element_size()
-    assert row == msg.end - msg.start, f"stage block of {row} bytes, pool columns of {msg.end - msg.start}"
+    assert row == end - start, f"stage {stage}: a block of {row} bytes, pool columns of {end - start}"
     pool = map_pool(msg.pool_path, msg.num_slots, msg.row_bytes, runner.device)
-    return KVOffloadCopier(runner.kv_cache, msg.num_slots, msg.timeout_s, pool[:, msg.start : msg.end])
+    return KVOffloadCopier(runner.kv_cache, msg.num_slots, msg.timeout_s, pool[:, start:end])
 
 
 def run_stage_copies(copier: KVOffloadCopier, spec: KVOffloadSpec) -> None:

@@ -18,15 +18,18 @@ BLOCK = 16
 DEVICE_BLOCKS = 40  # 640 tokens: each evicting prompt takes most of it
 
 
-def _conversation(llm: Any, vocab: int, corrupt_dir: Path | None = None) -> tuple[list[int], list[int], int]:
-    """Turn 1 of A, three long prompts, then A's turn 2. Returns (turn-2 prompt, its tokens, the
-    prefill tokens turn 2 computed)."""
+def _conversation(
+    llm: Any, vocab: int, corrupt_dir: Path | None = None, evict_tokens: int = NEW_TOKENS
+) -> tuple[list[int], list[int], int]:
+    """Turn 1 of A, three long prompts (``evict_tokens`` each), then A's turn 2. Returns (turn-2
+    prompt, its tokens, the prefill tokens turn 2 computed)."""
     rng = random.Random(7)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     turn1 = [rng.randrange(vocab) for _ in range(150)]
     out1 = llm.generate({"prompt_token_ids": turn1}, greedy)[0].outputs[0].token_ids
     for _ in range(3):  # other long prompts: A's blocks are evicted from the device cache
-        llm.generate({"prompt_token_ids": [rng.randrange(vocab) for _ in range(400)]}, greedy)
+        evict = SamplingParams(max_tokens=evict_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate({"prompt_token_ids": [rng.randrange(vocab) for _ in range(400)]}, evict)
     eng = llm.engine
     if corrupt_dir is not None:
         _wait_for_disk_writes(eng.offload.manager.disk)

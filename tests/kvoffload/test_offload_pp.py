@@ -5,27 +5,45 @@ comes back from the tier, computes only the remainder and answers as transformer
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
+import torch
 
+from pdserve.kvoffload.spec import KVOffloadSpec
 from tests.kvoffload.test_offload_engine import BLOCK, _check_answer, _conversation, tier_settings
 
 FULL = os.environ.get("PDSERVE_FULL_TESTS") == "1"
 
 
+FULL_ONLY = pytest.mark.skipif(not FULL, reason="PDSERVE_FULL_TESTS=1")
+
+
 @pytest.mark.parametrize(
-    "tier",
-    ["cpu", pytest.param("disk", marks=pytest.mark.skipif(not FULL, reason="PDSERVE_FULL_TESTS=1"))],
+    ("tier", "async_scheduling"),
+    [
+        ("cpu", False),
+        pytest.param("disk", False, marks=FULL_ONLY),
+        pytest.param("cpu", True, marks=FULL_ONLY),
+    ],
+    ids=["cpu", "disk", "cpu-async"],
 )
-def test_pp_stages_offload_their_own_layers(tier: str, tiny_models, make_llm, tmp_path) -> None:
+def test_pp_stages_offload_their_own_layers(
+    tier: str, async_scheduling: bool, tiny_models, make_llm, tmp_path
+) -> None:
     model_dir = tiny_models["llama"]
-    llm = make_llm(model_dir, **tier_settings(tier, tmp_path), pipeline_parallel_size=2)
+    llm = make_llm(
+        model_dir,
+        **tier_settings(tier, tmp_path),
+        pipeline_parallel_size=2,
+        async_scheduling=async_scheduling,
+    )
     eng = llm.engine
     assert eng.offload is not None and eng.offload.stages is not None
     mgr = eng.offload.manager
     stage0_bytes = eng.runner.stage0.bytes_per_block()
     assert mgr.host.block_bytes == 2 * stage0_bytes  # a slot holds both stages' layers
-    prompt, got, prefilled = _conversation(llm, eng.arch.vocab_size)
+    prompt, got, prefilled = _conversation(llm, eng.arch.vocab_size, evict_tokens=2)
     assert mgr.hit_tokens[tier] == 13 * BLOCK, mgr.hit_tokens  # turn 1's 13 full blocks
     assert prefilled == len(prompt) - 13 * BLOCK
     _check_answer(model_dir, prompt, got)
@@ -33,3 +51,23 @@ def test_pp_stages_offload_their_own_layers(tier: str, tiny_models, make_llm, tm
     if tier == "cpu":  # stage 1's columns of the rows hold its layer's K/V, copied by stage 1
         rows = list(mgr.host.entries.values())
         assert rows and all(any(mgr.host.view(s)[stage0_bytes:]) for s in rows)
+    _stores_before_remote_writes(eng, stage0_bytes)
+
+
+def _stores_before_remote_writes(eng: Any, stage0_bytes: int) -> None:
+    """Stores in a step whose remote KV writes come next run on every stage at once (the
+    stages' own copy of the step's spec then carries none)."""
+    host = eng.offload.manager.host
+    taken = host.take_slot()
+    assert taken is not None
+    slot = taken[0]
+    host.view(slot)[:] = bytes(host.block_bytes)
+    block_id = eng.kv.pool.num_blocks - 1  # written by the evicting prompts: not zeros on any stage
+    spec = KVOffloadSpec(stores=[(block_id, slot)])
+    eng.offload.execute(spec, before_remote_writes=True)
+    assert spec.stores == []
+    row = host.view(slot)
+    assert any(row[stage0_bytes:]), "stage 1 did not store its columns"
+    kv0 = eng.runner.stage0.kv_cache
+    assert bytes(row[:stage0_bytes]) == kv0[block_id].contiguous().view(torch.uint8).numpy().tobytes()
+    host.release(slot)
