@@ -135,6 +135,24 @@ def test_disk_only_stages_through_host_slots(tmp_path) -> None:
     disk.close()
 
 
+def test_stage_stores_go_to_disk_once_their_step_completed(tmp_path) -> None:
+    """Pipeline stages store in their own processes: a staged slot is written to disk only
+    after the step that stores it completed, not after stage 0's ``wait_stores``."""
+    disk = DiskTier(str(tmp_path), 10 * (BB + 48), BB)
+    host = HostTier(memoryview(bytearray(BB * 2)), BB, 2)
+    mgr = KVOffloadManager(
+        host, disk, 16, host_serves_hits=False, wait_stores=lambda: None, stores_complete_with_step=True
+    )
+    _store(mgr, 0, 1, seq=5)
+    mgr.begin_step(4)  # step 5 still runs on the other stages
+    assert _h(1) not in disk
+    mgr.begin_step(5)
+    assert _h(1) in disk
+    _wait_written(disk)
+    assert bytes(disk.get(_h(1)) or b"") == bytes([1]) * BB
+    disk.close()
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="no tier"):
         KVOffloadConfig()
