@@ -20,7 +20,7 @@ from pdserve.distributed.pp_stage import (
     PipelineStageError,
     StageEndpoint,
 )
-from pdserve.distributed.workers import Ack, WorkerGroup
+from pdserve.distributed.workers import WorkerGroup
 from pdserve.engine.kv_workers import WorkerKV
 from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
@@ -35,7 +35,7 @@ from pdserve.engine.workers import (
     worker_main,
 )
 from pdserve.kvoffload.spec import KVOffloadSpec
-from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks
+from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks, ask_stages, stage_block_bytes
 from pdserve.kvtransfer.topology import split_layers
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 
@@ -151,18 +151,22 @@ class PipelineExecutor(WorkerKV, PipelineRunner):
         step.timeout_s = self._timeout_s
         return step
 
+    def offload_runner(self) -> ModelRunner:
+        return self.stage0
+
+    def offload_widths(self) -> list[int]:
+        return stage_block_bytes(self.stage0, self.ranges)
+
     def init_stage_offload(self, msg: InitKVOffload) -> None:
         """Every stage maps the offload tier's shared host pool."""
-        for reply in self.workers.ask_all(msg, self._timeout_s):
-            assert isinstance(reply, Ack), reply
+        ask_stages(self.workers, msg, self._timeout_s)
 
     def store_on_stages(self, spec: KVOffloadSpec) -> None:
         """Every stage runs ``spec``'s stores now (the last step's result is read first: it
         comes on the same pipe as the answers)."""
         if self._last is not None:
             self._last.receive()
-        for reply in self.workers.ask_all(StoreKVBlocks(spec), self._timeout_s):
-            assert isinstance(reply, Ack), reply
+        ask_stages(self.workers, StoreKVBlocks(spec), self._timeout_s)
 
     def drop_finished(self, request_ids: list[str]) -> None:
         self.stage0.drop_finished(request_ids)

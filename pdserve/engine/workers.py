@@ -11,12 +11,12 @@ exits (``pdserve.distributed.workers``).
     SizeKVCache      determine_cache_sizes (collective)    -
     InitKVCache      allocate; Ack                         allocate; Ack
     RegisterKV       -                                     own transfer engine; KVEndpoint
-    ExecuteStep      launch (as rank 0 did); no reply      offload copies, recv hidden,
-                                                           forward, send on; the last
+    ExecuteStep      offload copies, launch (as rank 0     offload copies, recv hidden,
+                     did); no reply                        forward, send on; the last
                                                            stage: StepResult
     DropFinished     forget finished requests' state       the same
-    InitKVOffload    -                                     map the offload pool; Ack
-    StoreKVBlocks    -                                     offload stores now; Ack
+    InitKVOffload    map the offload pool; Ack             the same
+    StoreKVBlocks    offload stores now; Ack               the same
     WriteKV          -                                     (transfer pipe) write; Ack/WriteFailed
     Shutdown         exit                                  exit
 
@@ -195,9 +195,7 @@ class _Worker:
         last = rank == self.spec.world - 1
         if last and msg.overlaps:  # the step before is in flight for the engine: not in sched yet
             _append_in_flight(msg.sched, self.last_sampled)
-        if msg.sched.kv_offload:  # stores of evicted blocks, loads of offload hits: before the forward
-            assert self.offload is not None, "an offload copy before InitKVOffload"
-            run_stage_copies(self.offload, msg.sched.kv_offload)
+        self.offload_copies(msg.sched)
         inter = recv_tensors(rank - 1, runner.dtype, runner.device)
         out = runner.launch(msg.sched, inter).result()
         if last:
@@ -207,11 +205,18 @@ class _Worker:
             assert out.intermediate is not None
             send_tensors(out.intermediate, rank + 1)
 
+    def offload_copies(self, sched: SchedulerOutput) -> None:
+        """Stores of evicted blocks and loads of offload hits, before this process's forward."""
+        if sched.kv_offload:
+            assert self.offload is not None, "an offload copy before InitKVOffload"
+            run_stage_copies(self.offload, sched.kv_offload)
+
     def rank_step(self, msg: ExecuteStep) -> None:
         """The launch rank 0 made, in the same order against the step before (its samples feed
         this one's in-flight rows and, for grammar rows, advance the matchers first), so every
         rank samples the same tokens: logits are replicated and generators seeded alike."""
         runner = self.runner
+        self.offload_copies(msg.sched)
         prev, self.inflight = self.inflight, None
         if prev is not None and not msg.overlaps:  # rank 0 had read it before this launch
             prev.result()

@@ -15,7 +15,7 @@ from pdserve.kvoffload.host import HostTier
 from pdserve.kvoffload.manager import KVOffloadManager
 from pdserve.kvoffload.shared_pool import pool_buffer
 from pdserve.kvoffload.spec import KVOffloadSpec
-from pdserve.kvoffload.stages import StageGroup, open_stage_pool, stage_block_bytes
+from pdserve.kvoffload.stages import StageGroup, open_stage_pool
 
 
 def staging_slots(config: EngineConfig, num_device_blocks: int) -> int:
@@ -34,19 +34,16 @@ class KVOffloadTier:
         assert oc is not None
         par = config.parallel
         stages: StageGroup | None = None
-        if par.pipeline_parallel_size > 1:
+        if par.pipeline_parallel_size > 1 or par.tensor_parallel_size > 1:
             from pdserve.engine.pipeline import PipelineExecutor
+            from pdserve.engine.tensor_parallel import TPModelRunner
 
-            assert isinstance(runner, PipelineExecutor), type(runner)
+            assert isinstance(runner, (PipelineExecutor, TPModelRunner)), type(runner)
             stages = runner
-            block_bytes = sum(stage_block_bytes(runner))  # a host slot holds every stage's layers
-            kv_cache = runner.stage0.kv_cache
-        elif par.tensor_parallel_size > 1 or not isinstance(runner, ModelRunner):
-            raise ConfigError(
-                f"kv_offload is supported with tp 1 only (got tp {par.tensor_parallel_size}): each "
-                "rank would offload its own heads' slice, which is not built; remove kv_offload"
-            )
+            block_bytes = sum(runner.offload_widths())  # a host slot holds every process's share
+            kv_cache = runner.offload_runner().kv_cache
         else:
+            assert isinstance(runner, ModelRunner), type(runner)
             block_bytes = runner.bytes_per_block()
             kv_cache = runner.kv_cache
         assert kv_cache is not None
