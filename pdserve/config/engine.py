@@ -160,13 +160,6 @@ class EngineConfig:
                 "lora: adapters are served with tensor_parallel_size=1 and pipeline_parallel_size=1 "
                 f"only, got {self.parallel.tensor_parallel_size} / {self.parallel.pipeline_parallel_size}"
             )
-        par = self.parallel
-        if self.kv_offload is not None and (par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1):
-            raise ConfigError(
-                f"kv_offload is supported with tensor_parallel_size=1 and pipeline_parallel_size=1 only, "
-                f"got {par.tensor_parallel_size} / {par.pipeline_parallel_size}: each stage or rank would "
-                "offload its own layers, which is not built; remove kv_offload or run one stage"
-            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1 (or unset for auto), got {self.cpu_threads}")
 

@@ -10,6 +10,8 @@ from pdserve.errors import ConfigError
 
 @dataclass(frozen=True)
 class KVOffloadConfig:
+    # Both budgets are the node's: with pp or tp > 1 one block holds every stage's layers and every
+    # rank's heads, so the processes share them in proportion to their KV (kvoffload/stages.py).
     # Host-memory tier: bytes of the preallocated pool of evicted blocks (pinned on CUDA); 0: none.
     cpu_bytes: int = 0
     # Local-disk tier below the host tier: a folder for one file per block, and its byte budget.

@@ -267,11 +267,6 @@ class NodeConfig(_Frozen):
                 raise ConfigError(
                     f"node {self.name!r}: kv_offload acts on engine nodes, not encoders; remove it"
                 )
-            if self.tp != 1 or self.pp != 1:
-                raise ConfigError(
-                    f"node {self.name!r}: kv_offload is supported with tp 1 and pp 1 only (got tp {self.tp}, "
-                    f"pp {self.pp}): each stage offloading its own layers is not built; remove kv_offload"
-                )
             self.kv_offload_config()  # its own checks (a tier set, disk_path with disk_bytes)
         if self.pcp != 1 and (
             self.tp != 1 or self.pp != 1 or self.role not in (Role.PREFILL, Role.COLOCATED)

@@ -34,6 +34,8 @@ from pdserve.engine.workers import (
     send_tensors,
     worker_main,
 )
+from pdserve.kvoffload.spec import KVOffloadSpec
+from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks, ask_stages, stage_block_bytes
 from pdserve.kvtransfer.topology import split_layers
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 
@@ -148,6 +150,23 @@ class PipelineExecutor(WorkerKV, PipelineRunner):
         self._last = step = _PipelineStep(self)
         step.timeout_s = self._timeout_s
         return step
+
+    def offload_runner(self) -> ModelRunner:
+        return self.stage0
+
+    def offload_widths(self) -> list[int]:
+        return stage_block_bytes(self.stage0, self.ranges)
+
+    def init_stage_offload(self, msg: InitKVOffload) -> None:
+        """Every stage maps the offload tier's shared host pool."""
+        ask_stages(self.workers, msg, self._timeout_s)
+
+    def store_on_stages(self, spec: KVOffloadSpec) -> None:
+        """Every stage runs ``spec``'s stores now (the last step's result is read first: it
+        comes on the same pipe as the answers)."""
+        if self._last is not None:
+            self._last.receive()
+        ask_stages(self.workers, StoreKVBlocks(spec), self._timeout_s)
 
     def drop_finished(self, request_ids: list[str]) -> None:
         self.stage0.drop_finished(request_ids)

@@ -38,6 +38,8 @@ from pdserve.engine.workers import (
     WorkerSpec,
     worker_main,
 )
+from pdserve.kvoffload.spec import KVOffloadSpec
+from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks, ask_stages, block_bytes_of
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 from pdserve.models.llama import check_tp_divisible
 
@@ -116,6 +118,20 @@ class TPModelRunner(WorkerKV, ModelRunner, KVWorkers):
                 kv_transport, kv_host, self.config.step_timeout_s
             )
         ]
+
+    def offload_runner(self) -> ModelRunner:
+        return self
+
+    def offload_widths(self) -> list[int]:
+        """Every rank holds the same share of the KV heads (checked when each maps the pool)."""
+        return [block_bytes_of(self)] * self.workers.world
+
+    def init_stage_offload(self, msg: InitKVOffload) -> None:
+        ask_stages(self.workers, msg, self.config.step_timeout_s)
+
+    def store_on_stages(self, spec: KVOffloadSpec) -> None:
+        """Every rank runs ``spec``'s stores now (ranks answer nothing else on their pipes)."""
+        ask_stages(self.workers, StoreKVBlocks(spec), self.config.step_timeout_s)
 
     def check_alive(self) -> None:
         """Raise TPWorkerError naming a worker rank whose process is gone."""

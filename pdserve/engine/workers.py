@@ -11,9 +11,12 @@ exits (``pdserve.distributed.workers``).
     SizeKVCache      determine_cache_sizes (collective)    -
     InitKVCache      allocate; Ack                         allocate; Ack
     RegisterKV       -                                     own transfer engine; KVEndpoint
-    ExecuteStep      launch (as rank 0 did); no reply      recv hidden, forward, send on;
-                                                           the last stage: StepResult
+    ExecuteStep      offload copies, launch (as rank 0     offload copies, recv hidden,
+                     did); no reply                        forward, send on; the last
+                                                           stage: StepResult
     DropFinished     forget finished requests' state       the same
+    InitKVOffload    map the offload pool; Ack             the same
+    StoreKVBlocks    offload stores now; Ack               the same
     WriteKV          -                                     (transfer pipe) write; Ack/WriteFailed
     Shutdown         exit                                  exit
 
@@ -39,6 +42,8 @@ from pdserve.distributed.workers import Ack, Shutdown, WorkerFailed
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.kvoffload.copier import KVOffloadCopier
+from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks, run_stage_copies, stage_copier
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.head_slices import HeadGather
 from pdserve.kvtransfer.regions import Descriptor
@@ -157,6 +162,7 @@ class _Worker:
         self.kv_backend: TransferBackend | None = None
         self.inflight: PendingStep | None = None  # TP under asynchronous scheduling
         self.last_sampled: dict[str, int] = {}  # the last pipeline stage's previous samples
+        self.offload: KVOffloadCopier | None = None  # this stage's copier of the offload tier
 
     def handle(self, msg: object) -> None:
         runner = self.runner
@@ -174,6 +180,13 @@ class _Worker:
             self.conn.send(Ack())
         elif isinstance(msg, RegisterKV):
             self.conn.send(self.register_kv(msg))
+        elif isinstance(msg, InitKVOffload):
+            self.offload = stage_copier(msg, runner, self.rank)
+            self.conn.send(Ack())
+        elif isinstance(msg, StoreKVBlocks):
+            assert self.offload is not None, "StoreKVBlocks before InitKVOffload"
+            run_stage_copies(self.offload, msg.spec)
+            self.conn.send(Ack())
         else:
             raise AssertionError(f"{self.spec.role.value} {self.rank}: unknown command {msg!r}")
 
@@ -182,6 +195,7 @@ class _Worker:
         last = rank == self.spec.world - 1
         if last and msg.overlaps:  # the step before is in flight for the engine: not in sched yet
             _append_in_flight(msg.sched, self.last_sampled)
+        self.offload_copies(msg.sched)
         inter = recv_tensors(rank - 1, runner.dtype, runner.device)
         out = runner.launch(msg.sched, inter).result()
         if last:
@@ -191,11 +205,18 @@ class _Worker:
             assert out.intermediate is not None
             send_tensors(out.intermediate, rank + 1)
 
+    def offload_copies(self, sched: SchedulerOutput) -> None:
+        """Stores of evicted blocks and loads of offload hits, before this process's forward."""
+        if sched.kv_offload:
+            assert self.offload is not None, "an offload copy before InitKVOffload"
+            run_stage_copies(self.offload, sched.kv_offload)
+
     def rank_step(self, msg: ExecuteStep) -> None:
         """The launch rank 0 made, in the same order against the step before (its samples feed
         this one's in-flight rows and, for grammar rows, advance the matchers first), so every
         rank samples the same tokens: logits are replicated and generators seeded alike."""
         runner = self.runner
+        self.offload_copies(msg.sched)
         prev, self.inflight = self.inflight, None
         if prev is not None and not msg.overlaps:  # rank 0 had read it before this launch
             prev.result()

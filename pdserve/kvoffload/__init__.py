@@ -7,4 +7,6 @@ manager.KVOffloadManager                          copier.KVOffloadCopier
   take_spec(step_seq) -> KVOffloadSpec  ------->   execute(spec) before the step's forward
 host.HostTier: slots of a preallocated (pinned on CUDA) pool, LRU, pins
 disk.DiskTier: one checksummed file per block, LRU, a writer thread
+stages.py / shared_pool.py (pp or tp > 1): one host pool shared by the stage or rank processes,
+  a row per slot, each process copying its own layers' / heads' columns
 """

@@ -24,7 +24,10 @@ from pdserve.kvoffload.spec import KVOffloadSpec
 
 
 class KVOffloadCopier:
-    def __init__(self, kv_cache: torch.Tensor, num_slots: int, timeout_s: float) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, num_slots: int, timeout_s: float, pool: torch.Tensor | None = None
+    ) -> None:
+        """``pool``: this stage's columns of a shared pool (``shared_pool``), else one of its own."""
         assert kv_cache.is_contiguous()
         num_blocks = kv_cache.shape[0]
         self.kv_bytes = kv_cache.view(torch.uint8).view(num_blocks, -1)  # [num_blocks, bytes_per_block]
@@ -32,16 +35,21 @@ class KVOffloadCopier:
         self.device = kv_cache.device
         self.timeout_s = timeout_s
         shape = (num_slots, self.block_bytes)
+        self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+        if pool is not None:
+            assert tuple(pool.shape) == shape and pool.stride(1) == 1, (tuple(pool.shape), shape)
+            self.pool = pool
+        elif self.device.type == "cuda":
             self.pool = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)
         else:
             self.pool = lazily_zeroed_cpu_tensor(shape, torch.uint8)
-            self.stream = None
         self._store_event: torch.cuda.Event | None = None
 
     def buffer(self) -> memoryview:
-        """The pool's bytes for the scheduler side (``HostTier``)."""
+        """The pool's bytes for the scheduler side (``HostTier``); a pool of its own only."""
+        assert self.pool.is_contiguous()
         array: Any = self.pool.numpy()  # shares the pool's memory
         return memoryview(array).cast("B")
 

@@ -53,7 +53,10 @@ class KVOffloadManager:
         *,
         host_serves_hits: bool,
         wait_stores: Callable[[], None],
+        stores_complete_with_step: bool = False,
     ) -> None:
+        """``stores_complete_with_step``: other processes store too (pipeline stages), so a stored
+        slot is read (for the disk tier) only once its step completed, not after ``wait_stores``."""
         self.host = host
         self.disk = disk
         self.block_size = block_size
@@ -64,6 +67,7 @@ class KVOffloadManager:
         # Without a host budget: slots to give back (each holds one pin of its own), with the
         # hash of a store to write to disk first (None: a disk read, already there).
         self._staged: list[tuple[bytes | None, int]] = []
+        self._staged_seq: dict[int, int] | None = {} if stores_complete_with_step else None
         # metrics
         self.num_stored_blocks = 0
         self.num_dropped_blocks = 0  # evicted blocks no tier could take (every host slot pinned)
@@ -191,19 +195,30 @@ class KVOffloadManager:
             staged, self._staged = self._staged, []
             self._wait_stores()
             for block_hash, slot in staged:
-                if self.host.pin_count(slot) > 1:  # a load still reads it
-                    self._staged.append((block_hash, slot))
+                if self.host.pin_count(slot) > 1 or not self._store_completed(slot, completed_seq):
+                    self._staged.append((block_hash, slot))  # a load still reads it, a store writes
                     continue
                 self.host.unpin(slot)
                 if block_hash is not None and self.disk is not None:
                     self.disk.put(block_hash, self.host.view(slot))
                 self.host.release(slot)
 
+    def _store_completed(self, slot: int, completed_seq: int) -> bool:
+        if self._staged_seq is None:
+            return True  # wait_stores covers every store
+        seq = self._staged_seq.get(slot)
+        if seq is None or seq <= completed_seq:
+            self._staged_seq.pop(slot, None)
+            return True
+        return False
+
     def take_spec(self, step_seq: int) -> KVOffloadSpec:
         """This step's copies. Store pins are dropped once ``step_seq`` completed."""
         spec, self._spec = self._spec, KVOffloadSpec()
         if self.host_serves_hits and spec.stores:
             self._pins.append((step_seq, [slot for _, slot in spec.stores]))
+        elif self._staged_seq is not None:
+            self._staged_seq.update((slot, step_seq) for _, slot in spec.stores)
         return spec
 
     def record_load(self, seconds: float) -> None:

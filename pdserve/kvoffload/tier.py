@@ -13,7 +13,9 @@ from pdserve.kvoffload.copier import KVOffloadCopier
 from pdserve.kvoffload.disk import DiskTier
 from pdserve.kvoffload.host import HostTier
 from pdserve.kvoffload.manager import KVOffloadManager
+from pdserve.kvoffload.shared_pool import pool_buffer
 from pdserve.kvoffload.spec import KVOffloadSpec
+from pdserve.kvoffload.stages import StageGroup, open_stage_pool
 
 
 def staging_slots(config: EngineConfig, num_device_blocks: int) -> int:
@@ -31,20 +33,23 @@ class KVOffloadTier:
         oc = config.kv_offload
         assert oc is not None
         par = config.parallel
-        if (
-            par.pipeline_parallel_size > 1
-            or par.tensor_parallel_size > 1
-            or not isinstance(runner, ModelRunner)
-        ):
-            raise ConfigError(
-                f"kv_offload is supported with pp 1 and tp 1 only (got pp {par.pipeline_parallel_size}, "
-                f"tp {par.tensor_parallel_size}): each stage or rank would offload its own layers, which "
-                "is not built; remove kv_offload or run one stage"
-            )
-        assert runner.kv_cache is not None
+        stages: StageGroup | None = None
+        if par.pipeline_parallel_size > 1 or par.tensor_parallel_size > 1:
+            from pdserve.engine.pipeline import PipelineExecutor
+            from pdserve.engine.tensor_parallel import TPModelRunner
+
+            assert isinstance(runner, (PipelineExecutor, TPModelRunner)), type(runner)
+            stages = runner
+            block_bytes = sum(runner.offload_widths())  # a host slot holds every process's share
+            kv_cache = runner.offload_runner().kv_cache
+        else:
+            assert isinstance(runner, ModelRunner), type(runner)
+            block_bytes = runner.bytes_per_block()
+            kv_cache = runner.kv_cache
+        assert kv_cache is not None
         self.config: KVOffloadConfig = oc
-        block_bytes = runner.bytes_per_block()
-        num_device_blocks = runner.kv_cache.shape[0]
+        self.stages = stages
+        num_device_blocks = kv_cache.shape[0]
         if oc.cpu_bytes:
             num_slots = oc.cpu_bytes // block_bytes
             if num_slots < 1:
@@ -53,8 +58,14 @@ class KVOffloadTier:
                     "raise it or set it to 0 for a disk-only tier"
                 )
         else:
-            num_slots = staging_slots(config, num_device_blocks)
-        self.copier = KVOffloadCopier(runner.kv_cache, num_slots, config.step_timeout_s)
+            # stages: a staged store goes to disk once its step completed, up to two steps later
+            num_slots = staging_slots(config, num_device_blocks) * (2 if stages is not None else 1)
+        if stages is None:
+            self.copier = KVOffloadCopier(kv_cache, num_slots, config.step_timeout_s)
+            buffer = self.copier.buffer()
+        else:
+            pool, self.copier = open_stage_pool(stages, num_slots, config.step_timeout_s)
+            buffer = pool_buffer(pool)
         disk = None
         if oc.disk_path is not None:
             disk = DiskTier(oc.disk_path, oc.disk_bytes, block_bytes)
@@ -64,13 +75,14 @@ class KVOffloadTier:
                     f"kv_offload.disk_bytes {oc.disk_bytes} holds no KV block ({block_bytes} bytes "
                     "plus a 48-byte header each); raise it"
                 )
-        host = HostTier(self.copier.buffer(), block_bytes, num_slots)
+        host = HostTier(buffer, block_bytes, num_slots)
         self.manager = KVOffloadManager(
             host,
             disk,
             kv.block_size,
             host_serves_hits=oc.cpu_bytes > 0,
             wait_stores=self.copier.wait_stores,
+            stores_complete_with_step=stages is not None,
         )
         kv.offload = self.manager
         kv.pool.on_evict = self.manager.on_evict
@@ -85,6 +97,9 @@ class KVOffloadTier:
             self.manager.record_load(spec.read_s + load_s)
         if before_remote_writes and spec.stores:
             self.copier.wait_stores()
+            if self.stages is not None:  # every stage's stores, before remote writes reach its blocks
+                self.stages.store_on_stages(spec)
+                spec.stores = []  # done: the spec travels on to the stages with the step
 
     def close(self) -> None:
         self.manager.close()

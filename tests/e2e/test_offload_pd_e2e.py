@@ -46,17 +46,30 @@ async def _generate(rc, prompt: list[int], params: SamplingParams, rid: str) -> 
     return toks
 
 
-def test_prefill_node_answers_from_its_offload_tier(tiny_models, tmp_path) -> None:
+def _offload_node(pp: int) -> dict[str, object]:
+    """40 device blocks (of each stage's layers) over a host tier of 400 whole blocks."""
+    return {
+        "pp": pp,
+        "kv_cache_memory_bytes": 40 * BLOCK_BYTES // pp,
+        "kv_offload": {"cpu_bytes": 400 * BLOCK_BYTES},
+    }
+
+
+@pytest.mark.parametrize(
+    ("prefill_pp", "decode_offload_pp"),
+    [(1, None), (2, None), (1, 2)],
+    ids=["pp1", "prefill-pp2", "decode-pp2-offload"],
+)
+def test_prefill_node_answers_from_its_offload_tier(
+    prefill_pp: int, decode_offload_pp: int | None, tiny_models, tmp_path
+) -> None:
+    """pp 2 on the prefill node: each stage offloads its own layer and the hit is the same; a
+    decode node with pp 2 and a tier stores evicted blocks on every stage before pushes land."""
     model_dir = tiny_models["llama"]
-    cfg = make_cluster_config(
-        model_dir,
-        **{
-            "prefill-0": {
-                "kv_cache_memory_bytes": 40 * BLOCK_BYTES,
-                "kv_offload": {"cpu_bytes": 400 * BLOCK_BYTES},
-            }
-        },
-    )
+    nodes: dict[str, object] = {"prefill-0": _offload_node(prefill_pp)}
+    if decode_offload_pp is not None:
+        nodes["decode-0"] = _offload_node(decode_offload_pp)
+    cfg = make_cluster_config(model_dir, **nodes)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     rng = random.Random(11)
     vocab = 512
@@ -82,4 +95,7 @@ def test_prefill_node_answers_from_its_offload_tier(tiny_models, tmp_path) -> No
         )
         assert prefilled == len(turn2) - hit
         compare_greedy([out2], _reference(model_dir, [turn2]))
+        if decode_offload_pp is not None:
+            durl = f"http://127.0.0.1:{rc.node('decode-0').metrics_port}/metrics"
+            assert _metric(httpx.get(durl).text, "pdserve:kv_offload_stored_blocks_total") > 0
         _assert_nothing_held(rc)

@@ -18,15 +18,18 @@ BLOCK = 16
 DEVICE_BLOCKS = 40  # 640 tokens: each evicting prompt takes most of it
 
 
-def _conversation(llm: Any, vocab: int, corrupt_dir: Path | None = None) -> tuple[list[int], list[int], int]:
-    """Turn 1 of A, three long prompts, then A's turn 2. Returns (turn-2 prompt, its tokens, the
-    prefill tokens turn 2 computed)."""
+def _conversation(
+    llm: Any, vocab: int, corrupt_dir: Path | None = None, evict_tokens: int = NEW_TOKENS
+) -> tuple[list[int], list[int], int]:
+    """Turn 1 of A, three long prompts (``evict_tokens`` each), then A's turn 2. Returns (turn-2
+    prompt, its tokens, the prefill tokens turn 2 computed)."""
     rng = random.Random(7)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     turn1 = [rng.randrange(vocab) for _ in range(150)]
     out1 = llm.generate({"prompt_token_ids": turn1}, greedy)[0].outputs[0].token_ids
     for _ in range(3):  # other long prompts: A's blocks are evicted from the device cache
-        llm.generate({"prompt_token_ids": [rng.randrange(vocab) for _ in range(400)]}, greedy)
+        evict = SamplingParams(max_tokens=evict_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate({"prompt_token_ids": [rng.randrange(vocab) for _ in range(400)]}, evict)
     eng = llm.engine
     if corrupt_dir is not None:
         _wait_for_disk_writes(eng.offload.manager.disk)
@@ -52,6 +55,14 @@ def _wait_for_disk_writes(disk: Any, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def tier_settings(tier: str, tmp_path: Path) -> dict[str, Any]:
+    """LLM settings of a small device cache over a 4 MiB host ("cpu") or disk ("disk") tier."""
+    kv_offload: dict[str, Any] = (
+        {"cpu_bytes": 1 << 22} if tier == "cpu" else {"disk_path": str(tmp_path), "disk_bytes": 1 << 22}
+    )
+    return {"block_size": BLOCK, "num_blocks_override": DEVICE_BLOCKS, "kv_offload": kv_offload}
+
+
 def _check_answer(model_dir: Path, prompt: list[int], got: list[int]) -> None:
     compare_greedy([got], _reference(model_dir, [prompt]))
 
@@ -65,16 +76,7 @@ def test_evicted_conversation_hits_offload_tier(
     tier: str, async_scheduling: bool, tiny_models, make_llm, tmp_path
 ) -> None:
     model_dir = tiny_models["llama"]
-    kv_offload: dict[str, Any] = (
-        {"cpu_bytes": 1 << 22} if tier == "cpu" else {"disk_path": str(tmp_path), "disk_bytes": 1 << 22}
-    )
-    llm = make_llm(
-        model_dir,
-        block_size=BLOCK,
-        num_blocks_override=DEVICE_BLOCKS,
-        kv_offload=kv_offload,
-        async_scheduling=async_scheduling,
-    )
+    llm = make_llm(model_dir, **tier_settings(tier, tmp_path), async_scheduling=async_scheduling)
     eng = llm.engine
     assert eng.offload is not None
     vocab = eng.arch.vocab_size

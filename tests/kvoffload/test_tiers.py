@@ -135,6 +135,24 @@ def test_disk_only_stages_through_host_slots(tmp_path) -> None:
     disk.close()
 
 
+def test_stage_stores_go_to_disk_once_their_step_completed(tmp_path) -> None:
+    """Pipeline stages store in their own processes: a staged slot is written to disk only
+    after the step that stores it completed, not after stage 0's ``wait_stores``."""
+    disk = DiskTier(str(tmp_path), 10 * (BB + 48), BB)
+    host = HostTier(memoryview(bytearray(BB * 2)), BB, 2)
+    mgr = KVOffloadManager(
+        host, disk, 16, host_serves_hits=False, wait_stores=lambda: None, stores_complete_with_step=True
+    )
+    _store(mgr, 0, 1, seq=5)
+    mgr.begin_step(4)  # step 5 still runs on the other stages
+    assert _h(1) not in disk
+    mgr.begin_step(5)
+    assert _h(1) in disk
+    _wait_written(disk)
+    assert bytes(disk.get(_h(1)) or b"") == bytes([1]) * BB
+    disk.close()
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="no tier"):
         KVOffloadConfig()
@@ -145,14 +163,14 @@ def test_settings_are_checked() -> None:
     assert KVOffloadConfig.coerce({"cpu_bytes": 5}) == KVOffloadConfig(cpu_bytes=5)
 
 
-def test_node_settings_refuse_pipeline_stages() -> None:
+def test_node_settings_take_pipeline_stages_and_tp() -> None:
     from pdserve.config.node_settings import NodeConfig
 
     base = {"name": "p0", "role": "prefill", "model": "m", "grpc_port": 1, "metrics_port": 2}
     node = NodeConfig(**base, kv_offload={"cpu_bytes": 1 << 20})
     assert node.kv_offload_config() == KVOffloadConfig(cpu_bytes=1 << 20)
-    with pytest.raises(ValueError, match="pp 2"):  # pydantic wraps the ConfigError
-        NodeConfig(**base, pp=2, kv_offload={"cpu_bytes": 1 << 20})
+    assert NodeConfig(**base, pp=2, kv_offload={"cpu_bytes": 1 << 20}).pp == 2
+    assert NodeConfig(**base, tp=2, kv_offload={"cpu_bytes": 1 << 20}).tp == 2
     with pytest.raises(ValueError, match="no tier"):
         NodeConfig(**base, kv_offload={})
     assert NodeConfig(**base).kv_offload_config() is None
@@ -193,15 +211,8 @@ def test_scheduler_side_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (1, 2)])
-def test_offload_with_several_stages_or_ranks_is_refused_at_start(pp: int, tp: int) -> None:
-    """Each pipeline stage or TP rank would have to offload its own layers: refused when the
-    settings are made (before any worker process starts), naming the sizes and the fix."""
+def test_offload_with_tp_ranks_or_stages_is_taken() -> None:
     from pdserve.config.engine import EngineConfig, ParallelConfig
 
-    with pytest.raises(ConfigError, match=f"got {tp} / {pp}.*remove kv_offload"):
-        EngineConfig(
-            "unused",
-            kv_offload=KVOffloadConfig(cpu_bytes=1 << 20),
-            parallel=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp),
-        )
+    for par in (ParallelConfig(tensor_parallel_size=2), ParallelConfig(pipeline_parallel_size=2)):
+        assert EngineConfig("unused", kv_offload=KVOffloadConfig(cpu_bytes=1 << 20), parallel=par).kv_offload
