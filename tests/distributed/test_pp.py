@@ -5,6 +5,7 @@ Each PP engine is this process (engine core + stage 0) plus spawned stage proces
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,10 @@ def test_pp_matches_single_stage(llama4):
     assert _run(llama4, pipeline_parallel_size=2, pp_layer_split=(1, 3)) == ref
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="~10 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it (test_pp_matches_single_stage runs 4 stages with asynchronous scheduling)",
+)
 def test_pp_async_matches_single_stage_sync(llama4, monkeypatch):
     """Asynchronous scheduling with 2 stages: the engine processes step N while stage 1 computes
     step N+1; the last stage appends its own step-N samples before N+1's grammar masks. Greedy,

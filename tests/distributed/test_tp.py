@@ -6,6 +6,7 @@ GPUs with NCCL. fp32 tiny checkpoints (4 heads, 2 KV heads: divisible by 2).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,10 @@ def test_tp2_matches_tp1(tiny_models: Any, arch: str) -> None:
     assert seeded1 != greedy1  # the seeded run really sampled
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="~8 s on 2 cores: PDSERVE_FULL_TESTS=1 runs it (asynchronous scheduling is tested on one runner and on pipeline stages; TP 2 equals TP 1 synchronously here)",
+)
 def test_tp2_async_matches_tp1_sync(tiny_models: Any) -> None:
     """Asynchronous scheduling under TP 2: rank 0 launches step N+1 before reading step N and the
     worker rank repeats that order (grammar rows: step N's tokens advance the matchers before
