@@ -95,7 +95,7 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def _forward(self, rows: list[DraftRow]) -> list[int]:
-        input_ids, positions, meta, last = self.inputs(rows)
+        input_ids, positions, meta, last, _ = self.inputs(rows)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         assert isinstance(hidden, torch.Tensor)
         return self.argmax(self.model.compute_logits(hidden[last], upcast=False))

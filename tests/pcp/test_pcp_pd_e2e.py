@@ -5,7 +5,8 @@ Mooncake TE (TCP, loopback), driven by the official ``openai`` client.
 Rank 0's KV cache holds every prompt token (the ranks all-gather each layer's K/V), so the
 decode node pulls from rank 0's one endpoint as from a pcp 1 prefill node; the greedy text of
 prompts of 300-2,000 tokens must equal the colocated pcp 1 engine's, and nothing stays held;
-then a killed rank stops the idle prefill node.
+then a killed rank stops the idle prefill node. With MTP speculation on both nodes the prefill
+node's module KV moves too, and the decode node drafts from it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not os.environ.get("PDSERVE_FULL_TESTS"),
-        reason="~60 s on 2 cores: PDSERVE_FULL_TESTS=1 (test_pcp_engine.py runs pcp 2 in-process by default)",
+        reason="~60 s each on 2 cores: PDSERVE_FULL_TESTS=1 (test_pcp_engine.py and test_pcp_spec.py run pcp 2 "
+        "in process by default)",
     ),
 ]
 
