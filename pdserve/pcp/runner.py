@@ -20,6 +20,13 @@ tokens are the engine's, the workers' are dropped.
 
 Decode after a PCP prefill is replicated on every rank (one token per request, no exchange), so
 every rank's cache stays whole: a prefix hit may later split a chunk after that context.
+
+Speculative decoding: rank 0 drafts (n-gram, a draft model, the MTP module's draft forwards) and
+the drafts travel in ``ExecuteStep``'s SchedulerOutput; every rank verifies them on replicated
+rows. A draft model exists on rank 0 only. An MTP module exists on every rank: its KV is written
+after each step from the target's hidden states, which a split chunk leaves spread over the
+ranks, so rank 0 sends ``DrafterAfterStep`` (the step's tokens) and every rank runs the module
+over its rows of the step (``ContextParallel.run_split``), the module's K/V all-gathered.
 """
 
 from __future__ import annotations

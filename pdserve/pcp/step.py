@@ -8,6 +8,9 @@
     global hidden states [num_tokens, hidden]: sampling and prompt logprobs run on them as at pcp 1
 
 A step with nothing split (decode, short prompts) runs the model on the global inputs unchanged.
+``run_split`` is the split itself, for any forward whose attention stores K/V through
+``rotary_and_store_kv``: the target's step here, an MTP module's rows after it
+(spec_decode/mtp_drafter.py).
 """
 
 from __future__ import annotations
