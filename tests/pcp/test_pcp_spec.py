@@ -115,13 +115,13 @@ def test_pcp2_mtp_equals_pcp1(mtp_model: Path) -> None:
 FULL_CASES = [(4, [300, 1300, 2000 - 16, 45]), (2, [1999 - 16, 333])]
 
 
-@pytest.mark.skipif(not FULL, reason="~40 s on 2 cores: PDSERVE_FULL_TESTS=1 (pcp 2 runs by default)")
+@pytest.mark.skipif(not FULL, reason="~15 s on 2 cores: PDSERVE_FULL_TESTS=1 (pcp 2 runs by default)")
 @pytest.mark.parametrize(("pcp", "lengths"), FULL_CASES, ids=str)
 def test_pcp_draft_model_matrix(mtp_model: Path, pcp: int, lengths: list[int]) -> None:
     _check_draft_model(mtp_model, pcp, lengths, max_tokens=16)
 
 
-@pytest.mark.skipif(not FULL, reason="~40 s on 2 cores: PDSERVE_FULL_TESTS=1 (pcp 2 runs by default)")
+@pytest.mark.skipif(not FULL, reason="~15 s on 2 cores: PDSERVE_FULL_TESTS=1 (pcp 2 runs by default)")
 @pytest.mark.parametrize(("pcp", "lengths"), FULL_CASES, ids=str)
 def test_pcp_mtp_matrix(mtp_model: Path, pcp: int, lengths: list[int]) -> None:
     _check_mtp(mtp_model, pcp, lengths, max_tokens=16)
