@@ -67,16 +67,16 @@ def mtp_model(tiny_model_factory: Any) -> Path:
     return tiny_model_factory("llama", mtp=True)
 
 
-def _baseline(model: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    with LLM(str(model), **COMMON) as llm:
+def _baseline(model: Path, prompts: list[list[int]], max_tokens: int, **kw: Any) -> list[list[int]]:
+    with LLM(str(model), **(COMMON | kw)) as llm:
         return _run(llm, prompts, max_tokens)[0]
 
 
-def _check_draft_model(model: Path, pcp: int, lengths: list[int], max_tokens: int) -> None:
+def _check_draft_model(model: Path, pcp: int, lengths: list[int], max_tokens: int, **kw: Any) -> None:
     prompts = _prompts(lengths, seed=pcp)
-    want = _baseline(model, prompts, max_tokens)
+    want = _baseline(model, prompts, max_tokens, **kw)
     spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
-    with LLM(str(model), pcp=pcp, speculative=spec, **COMMON) as llm:
+    with LLM(str(model), pcp=pcp, speculative=spec, **(COMMON | kw)) as llm:
         got, _ = _run(llm, prompts, max_tokens)
         runner, st = llm.engine.runner, llm.engine.spec.stats
         assert isinstance(runner, PCPModelRunner) and runner.pcp.num_split_steps > 0
@@ -86,12 +86,12 @@ def _check_draft_model(model: Path, pcp: int, lengths: list[int], max_tokens: in
     assert st.num_draft_tokens >= 3 * len(prompts) and st.num_accepted_tokens >= 0.9 * st.num_draft_tokens, st
 
 
-def _check_mtp(model: Path, pcp: int, lengths: list[int], max_tokens: int) -> None:
+def _check_mtp(model: Path, pcp: int, lengths: list[int], max_tokens: int, **kw: Any) -> None:
     prompts = _prompts(lengths, seed=pcp + 1)
-    want = _baseline(model, prompts, max_tokens)
-    with LLM(str(model), speculative=MTP, **COMMON) as llm:
+    want = _baseline(model, prompts, max_tokens, **kw)
+    with LLM(str(model), speculative=MTP, **(COMMON | kw)) as llm:
         ref_tokens, ref = _run(llm, prompts, max_tokens)
-    with LLM(str(model), pcp=pcp, speculative=MTP, **COMMON) as llm:
+    with LLM(str(model), pcp=pcp, speculative=MTP, **(COMMON | kw)) as llm:
         got, first = _run(llm, prompts, max_tokens)
         runner, st = llm.engine.runner, llm.engine.spec.stats
         assert isinstance(runner, PCPModelRunner) and runner.pcp.num_split_steps > 0
