@@ -208,7 +208,7 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 
 class ModelRunner:
-    # A prefill-context-parallel rank (pdserve/pcp): set before __init__, which makes the drafter
+    # A prefill-context-parallel rank (pdserve/pcp): set before __init__ (make_drafter reads it)
     pcp: ContextParallel | None = None
 
     def __init__(self, config: EngineConfig, layer_start: int = 0, layer_end: int | None = None) -> None:

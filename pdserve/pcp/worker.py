@@ -64,7 +64,7 @@ def pcp_worker_main(
 
 
 def _serve(runner: PCPRankRunner, conn: Connection) -> None:
-    last: SchedulerOutput | None = None  # the step ran last (a drafter's after_step reads it)
+    last: SchedulerOutput | None = None  # the last step run (a drafter's after_step reads it)
     while True:
         match conn.recv():
             case ExecuteStep(sched=sched):
