@@ -208,6 +208,9 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 
 class ModelRunner:
+    # A prefill-context-parallel rank (pdserve/pcp): set before __init__ (make_drafter reads it)
+    pcp: ContextParallel | None = None
+
     def __init__(self, config: EngineConfig, layer_start: int = 0, layer_end: int | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -248,7 +251,6 @@ class ModelRunner:
         self.lora = (
             LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora is not None else None
         )
-        self.pcp: ContextParallel | None = None  # a prefill-context-parallel rank (pdserve/pcp)
         # A speculative drafter with weights (draft_model, mtp): its model, its KV beside ours.
         from pdserve.spec_decode.drafter import make_drafter
 

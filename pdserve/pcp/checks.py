@@ -19,13 +19,6 @@ def check_pcp_config(config: EngineConfig) -> None:
     """ConfigError naming the value and the fix for what PCP ranks cannot run."""
     pcp = config.parallel.prefill_context_parallel_size
     name = f"pcp (prefill_context_parallel_size) {pcp}"
-    if config.speculative is not None and config.speculative.method != "ngram":
-        # n-gram drafts come from the token history on rank 0; a drafter model's forward would
-        # need its own split prefill, which is not built
-        raise ConfigError(
-            f"{name} with speculative method {config.speculative.method!r} is not supported: a "
-            "drafter's prefill is not split over the ranks; use method ngram, pcp 1, or no speculative"
-        )
     if config.lora is not None:
         raise ConfigError(f"{name} with lora is not supported (adapters load on rank 0 only); use pcp 1")
     if config.kv_offload is not None:

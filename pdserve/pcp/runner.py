@@ -20,12 +20,20 @@ tokens are the engine's, the workers' are dropped.
 
 Decode after a PCP prefill is replicated on every rank (one token per request, no exchange), so
 every rank's cache stays whole: a prefix hit may later split a chunk after that context.
+
+Speculative decoding: rank 0 drafts (n-gram, a draft model, the MTP module's draft forwards) and
+the drafts travel in ``ExecuteStep``'s SchedulerOutput; every rank verifies them on replicated
+rows. A draft model exists on rank 0 only. An MTP module exists on every rank: its KV is written
+after each step from the target's hidden states, which a split chunk leaves spread over the
+ranks, so rank 0 sends ``DrafterAfterStep`` (the step's tokens) and every rank runs the module
+over its rows of the step (``ContextParallel.run_split``), the module's K/V all-gathered.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +52,17 @@ class PCPWorkerError(WorkerError):
     """A prefill-context-parallel worker rank failed or exited."""
 
 
+@dataclass(frozen=True)
+class DrafterAfterStep:
+    """Run the drafter's ``after_step`` on the step the worker ran last, with rank 0's tokens
+    (its arguments: ``Drafter.after_step``); no reply. Sent for drafters that run on every rank
+    (``Drafter.on_every_pcp_rank``: an MTP module's KV is split as the target's)."""
+
+    sampled: dict[str, int]
+    spec_sampled: dict[str, list[int]]
+    drafting_off: bool
+
+
 class PCPRankRunner(ModelRunner):
     """The ``ModelRunner`` of one PCP rank (the process's group is already joined)."""
 
@@ -51,9 +70,9 @@ class PCPRankRunner(ModelRunner):
         config = rank_config(config, rank)
         if config.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(config.device))  # NCCL's device for this rank
+        self.pcp = ContextParallel(rank, size)  # before the runner makes its drafter (make_drafter)
         super().__init__(config)
         self.pcp_size = size
-        self.pcp = ContextParallel(rank, size)
 
     def determine_cache_sizes(self) -> CacheSizes:
         """This rank's budget in blocks; every rank holds every block, so on the CPU the default
@@ -87,6 +106,8 @@ class PCPModelRunner(PCPRankRunner):
             set_intra_op_threads(config, size)  # the host's cores are shared by the ranks
             torch.manual_seed(config.seed)  # unseeded sampling draws the same on every rank
             super().__init__(config, 0, size)
+            if self.drafter is not None and self.drafter.on_every_pcp_rank:
+                self.drafter.after_step_peers = self._drafter_after_step
         except BaseException:
             self.workers.close()
             destroy_pcp_group()
@@ -115,6 +136,13 @@ class PCPModelRunner(PCPRankRunner):
                 self.workers.check_alive()
                 time.sleep(0.05)
             raise
+
+    def _drafter_after_step(
+        self, sampled: dict[str, int], spec_sampled: dict[str, list[int]], drafting_off: bool
+    ) -> None:
+        """Rank 0's drafter is about to run ``after_step`` on the step just completed: the worker
+        ranks run it too, with rank 0's tokens (their own samples are dropped)."""
+        self.workers.broadcast(DrafterAfterStep(sampled, spec_sampled, drafting_off))
 
     def drop_finished(self, request_ids: list[str]) -> None:
         super().drop_finished(request_ids)

@@ -8,10 +8,14 @@
     global hidden states [num_tokens, hidden]: sampling and prompt logprobs run on them as at pcp 1
 
 A step with nothing split (decode, short prompts) runs the model on the global inputs unchanged.
+``run_split`` is the split itself, for any forward whose attention stores K/V through
+``rotary_and_store_kv``: the target's step here, an MTP module's rows after it
+(spec_decode/mtp_drafter.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +40,9 @@ class ContextParallel:
         self.rank, self.size = rank, size
         self.num_split_steps = 0
         self.num_split_tokens = 0  # split-chunk tokens this rank computed
+        # Global rows of the last target step whose hidden states this rank holds (its own and
+        # the gathered ones); None: every row (nothing was split). An MTP module reads them.
+        self.hidden_rows: frozenset[int] | None = None
 
     def forward(
         self,
@@ -49,34 +56,59 @@ class ContextParallel:
     ) -> torch.Tensor:
         """The step's last hidden states, [batch.num_tokens, hidden] in global row order (rows
         that are neither this rank's, sampled nor scored are zero)."""
-        plan = plan_step(batch.query_lens, batch.seq_lens, self.size, runner.block_size)
-        if not plan.is_split:
-            out = runner.model(input_ids, positions, runner.layer_caches, meta, inputs_embeds=embeds)
+
+        def run(rows: torch.Tensor | None, m: AttentionMetadata) -> torch.Tensor:
+            if rows is None:
+                out = runner.model(input_ids, positions, runner.layer_caches, m, inputs_embeds=embeds)
+            else:
+                local_embeds = embeds[rows] if embeds is not None else None
+                out = runner.model(
+                    input_ids[rows], positions[rows], runner.layer_caches, m, inputs_embeds=local_embeds
+                )
             assert isinstance(out, torch.Tensor)
             return out
-        view = plan.views[self.rank]
-        rows = torch.tensor(view.token_rows, dtype=torch.int64, device=input_ids.device)
-        exchange = KVExchange(plan, self.rank, meta.slot_mapping, runner.block_size)
-        local_meta = local_metadata(plan, self.rank, meta, rows)
-        local_meta.kv_exchange = exchange
-        out = runner.model(
-            input_ids[rows],
-            positions[rows],
-            runner.layer_caches,
-            local_meta,
-            inputs_embeds=embeds[rows] if embeds is not None else None,
-        )
-        assert isinstance(out, torch.Tensor)
-        assert exchange.calls == runner.num_local_layers, (
-            f"{exchange.calls} of {runner.num_local_layers} layers exchanged their K/V: the model's "
-            "attention must store K/V through attention.rotary_and_store_kv"
-        )
-        self.num_split_steps += 1
-        self.num_split_tokens += len(view.send_rows)
+
         needed = list(batch.sample_idx)
         for span in prompt_logprob_spans(sched):
             needed.extend(range(span.row, span.row + len(span.target_ids)))
-        return gather_output(plan, self.rank, out, list(view.token_rows), needed)
+        out, plan = self.run_split(batch, meta, runner.block_size, run, needed, runner.num_local_layers)
+        self.hidden_rows = None
+        if plan.is_split:
+            view = plan.views[self.rank]
+            self.num_split_steps += 1
+            self.num_split_tokens += len(view.send_rows)
+            self.hidden_rows = frozenset(view.token_rows).union(needed)
+        return out
+
+    def run_split(
+        self,
+        batch: HostBatch,
+        meta: AttentionMetadata,
+        block_size: int,
+        forward: Callable[[torch.Tensor | None, AttentionMetadata], torch.Tensor],
+        needed: list[int],
+        num_layers: int,
+    ) -> tuple[torch.Tensor, StepPlan]:
+        """One forward of a global batch (the target's step, or an MTP module's rows) split as
+        ``plan_step`` splits it, and its plan. ``forward(rows, meta)`` runs the model on the
+        global token rows ``rows`` (None: all of them) with ``meta``; its ``num_layers``
+        attention layers store K/V through ``rotary_and_store_kv``, which exchanges the split
+        tokens' K/V. Returns the hidden states in global row order: this rank's rows and the
+        ``needed`` rows (gathered from their owners; identical on every rank), zero elsewhere."""
+        plan = plan_step(batch.query_lens, batch.seq_lens, self.size, block_size)
+        if not plan.is_split:
+            return forward(None, meta), plan
+        view = plan.views[self.rank]
+        rows = torch.tensor(view.token_rows, dtype=torch.int64, device=meta.slot_mapping.device)
+        exchange = KVExchange(plan, self.rank, meta.slot_mapping, block_size)
+        local_meta = local_metadata(plan, self.rank, meta, rows)
+        local_meta.kv_exchange = exchange
+        out = forward(rows, local_meta)
+        assert exchange.calls == num_layers, (
+            f"{exchange.calls} of {num_layers} layers exchanged their K/V: the model's "
+            "attention must store K/V through attention.rotary_and_store_kv"
+        )
+        return gather_output(plan, self.rank, out, list(view.token_rows), needed), plan
 
 
 def local_metadata(

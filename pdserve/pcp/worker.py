@@ -2,8 +2,9 @@
 
 The commands are the engine's worker protocol (``pdserve.engine.workers``): ``SizeKVCache``
 (replied with this rank's ``CacheSizes``), ``InitKVCache`` (``Ack``), ``ExecuteStep`` (launch
-and wait; no reply: rank 0's samples are the engine's), ``DropFinished``, ``Shutdown``. A failure is
-reported as ``WorkerFailed`` before the process exits (``pdserve.distributed.workers``).
+and wait; no reply: rank 0's samples are the engine's), ``DropFinished``, ``Shutdown``, and
+PCP's own ``DrafterAfterStep`` (an MTP module's KV of the last step, with rank 0's tokens). A
+failure is reported as ``WorkerFailed`` before the process exits (``pdserve.distributed.workers``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.workers import Ack, Shutdown, WorkerFailed
 from pdserve.engine.model_runner import set_intra_op_threads
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import DropFinished, ExecuteStep, InitKVCache, SizeKVCache
 from pdserve.pcp.exchange import destroy_pcp_group, init_pcp_group
-from pdserve.pcp.runner import PCPRankRunner
+from pdserve.pcp.runner import DrafterAfterStep, PCPRankRunner
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,15 @@ def pcp_worker_main(
 
 
 def _serve(runner: PCPRankRunner, conn: Connection) -> None:
+    last: SchedulerOutput | None = None  # the last step run (a drafter's after_step reads it)
     while True:
         match conn.recv():
             case ExecuteStep(sched=sched):
                 runner.launch(sched).result()  # rank 0's samples are the engine's
+                last = sched
+            case DrafterAfterStep(sampled=sampled, spec_sampled=spec_sampled, drafting_off=off):
+                assert runner.drafter is not None and last is not None, "after_step with no drafter or step"
+                runner.drafter.after_step(last, sampled, spec_sampled, off)
             case DropFinished(request_ids=request_ids):
                 runner.drop_finished(request_ids)
             case SizeKVCache():

@@ -17,6 +17,10 @@ model is small, so this costs a fraction of the target's prefill; nothing of the
 with the transfer and a prefill node needs no draft weights (kvtransfer/speculative_compat.py
 serves such a pair). A request's draft KV is never taken from the prefix cache for the same
 reason: every request catches up from 0.
+
+Under prefill context parallelism the draft model lives on rank 0 only (``on_every_pcp_rank``):
+it reads nothing the split prefill spread over the ranks, and its drafts reach the other ranks
+in the step that verifies them. Its catch-up forward over a long prompt is not split.
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def _forward(self, rows: list[DraftRow]) -> list[int]:
-        input_ids, positions, meta, last = self.inputs(rows)
+        input_ids, positions, meta, last, _ = self.inputs(rows)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         assert isinstance(hidden, torch.Tensor)
         return self.argmax(self.model.compute_logits(hidden[last], upcast=False))

@@ -26,7 +26,7 @@ drafter, which is what verification assumes (``verify.py``: a point-mass draft).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,11 @@ from pdserve.models.attention import AttentionMetadata, select_attention_backend
 if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.kvtransfer.regions import Region
+
+
+# ``Drafter.after_step_peers(sampled, spec_sampled, drafting_off)``: after_step's arguments
+# besides the step, which the peers already ran.
+AfterStepPeers = Callable[[dict[str, int], dict[str, list[int]], bool], None]
 
 
 @dataclass
@@ -83,6 +88,12 @@ class Drafter:
     # Layer names of the drafter's KV that a P/D transfer moves (MTP); () when the decode node
     # rebuilds the drafter's state itself (draft model).
     transfer_layer_names: tuple[str, ...] = ()
+    # Under prefill context parallelism (pdserve/pcp): whether every rank runs the drafter. One
+    # whose KV is written from the target's hidden states (MTP) does: a split prefill leaves
+    # them spread over the ranks, and every rank keeps the drafter's whole KV, as the target's.
+    # One that drafts from tokens alone (a draft model) runs on rank 0: its drafts reach the
+    # other ranks inside the step that verifies them (the SchedulerOutput every rank runs).
+    on_every_pcp_rank = False
 
     def __init__(
         self,
@@ -102,6 +113,9 @@ class Drafter:
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[torch.Tensor] = []
         self.num_forwards = 0  # drafter forwards run (a bench / test counter)
+        # Told first by ``after_step`` where other processes run it too (PCP rank 0 tells its
+        # worker ranks the step's tokens: pdserve/pcp/runner.py); None on a single runner.
+        self.after_step_peers: AfterStepPeers | None = None
 
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -131,15 +145,16 @@ class Drafter:
 
     def inputs(
         self, rows: Sequence[DraftRow]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input ids, positions, metadata, index of each request's last row) on the device."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, HostBatch]:
+        """(input ids, positions, metadata, index of each request's last row) on the device, and
+        the host batch they came from."""
         self.staging.begin_step()
         batch = draft_host_batch(rows, self.block_size)
         input_ids, positions, meta = batch_to_device(batch, self.staging, self.block_size, self.attn_backend)
         last = self.staging.to_device(array("q", batch.sample_idx), torch.int64)
         self.staging.end_step()
         self.num_forwards += 1
-        return input_ids, positions, meta, last
+        return input_ids, positions, meta, last, batch
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> list[int]:
@@ -179,8 +194,9 @@ def set_drafts(chunk: ScheduledChunk, drafts: list[int]) -> None:
 
 
 def make_drafter(config: EngineConfig, runner: ModelRunner) -> Drafter | None:
-    """The drafter ``config.speculative`` names (None for n-gram or no speculation, and on a TP
-    rank or pipeline stage, where ``spec_decode.engine`` refuses speculation at start)."""
+    """The drafter ``config.speculative`` names (None for n-gram or no speculation, on a TP
+    rank or pipeline stage, where ``spec_decode.engine`` refuses speculation at start, and on a
+    PCP worker rank for a drafter that runs on rank 0 only)."""
     spec = config.speculative
     if spec is None or spec.method == "ngram":
         return None
@@ -188,10 +204,15 @@ def make_drafter(config: EngineConfig, runner: ModelRunner) -> Drafter | None:
 
     if tp_size() > 1 or not (runner.model.is_first_stage and runner.model.is_last_stage):
         return None
+    pcp_worker = runner.pcp is not None and runner.pcp.rank > 0
     if spec.method == "draft_model":
         from pdserve.spec_decode.draft_model import DraftModelDrafter
 
+        if pcp_worker and not DraftModelDrafter.on_every_pcp_rank:
+            return None  # PCP rank 0 drafts
         return DraftModelDrafter(runner, spec)
     from pdserve.spec_decode.mtp_drafter import MTPDrafter
 
+    if pcp_worker and not MTPDrafter.on_every_pcp_rank:
+        return None
     return MTPDrafter(runner)

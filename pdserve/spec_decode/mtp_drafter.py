@@ -25,6 +25,16 @@ While ``disable_by_batch_size`` keeps drafts off, decode rows are skipped (promp
 prefill node's transfer needs their KV); once drafts are on again a row's state restarts at its
 chunk, the module's KV of the skipped positions left as it is (stale).
 
+Under prefill context parallelism (``pcp: N``, pdserve/pcp) every rank runs ``after_step``: rank 0
+first sends the step's tokens to the worker ranks (``after_step_peers``), and the module's rows
+are split over the ranks as the target's step was (the same lengths, so the same zig-zag
+pieces): each rank computes the rows whose h_i it holds, the next tokens coming from the global
+batch, and the module's K/V go through the same per-layer all-gather as the target's
+(``AttentionMetadata.kv_exchange``), so every rank ends with the module's whole KV. Its output
+rows that draft are gathered in global row order (the chunk's last position is rank 0's anyway).
+``draft`` runs on rank 0 only (its one-token rows read rank 0's whole KV); the drafts reach the
+other ranks in the step that verifies them.
+
 A request's first chunk may start past 0 (a prefix-cache hit, remote KV): the module's KV of those
 positions is taken as it is in the blocks (written by the request that filled them; after a
 prefix hit the KV of a block's last position was computed with that request's next token, which
@@ -41,6 +51,7 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.models.attention import AttentionMetadata
 from pdserve.models.mtp import load_mtp
 from pdserve.spec_decode.drafter import Drafter, DraftRow, set_drafts
 
@@ -56,6 +67,8 @@ class MTPState:
 
 
 class MTPDrafter(Drafter):
+    on_every_pcp_rank = True
+
     def __init__(self, runner: ModelRunner) -> None:
         self.module = load_mtp(runner.config.model, runner.model)
         a = runner.arch
@@ -76,10 +89,31 @@ class MTPDrafter(Drafter):
             self.states.pop(rid, None)
 
     @torch.inference_mode()
-    def _forward(self, rows: list[DraftRow], prev: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """(g of each request's last row [R, H], the greedy token there)."""
-        input_ids, positions, meta, last = self.inputs(rows)
-        g = self.module(input_ids, prev, positions, self.layer_caches[0], meta)[last]
+    def _forward(
+        self, rows: list[DraftRow], prev: torch.Tensor, hidden_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """(g of each request's last row [R, H], the greedy token there). ``hidden_rows``: the
+        target step's row of each of ``prev``'s (after_step); under prefill context parallelism
+        the rows are then split over the ranks as the target's were (``ContextParallel.run_split``:
+        a rank computes the rows whose h_i it holds, the module's K/V all-gathered)."""
+        input_ids, positions, meta, last, batch = self.inputs(rows)
+        cache = self.layer_caches[0]
+        pcp = self.runner.pcp
+        if pcp is None or hidden_rows is None:
+            g = self.module(input_ids, prev, positions, cache, meta)[last]
+            return g, self.argmax(self.module.compute_logits(g))
+
+        def run(local: torch.Tensor | None, m: AttentionMetadata) -> torch.Tensor:
+            if local is None:
+                return self.module(input_ids, prev, positions, cache, m)
+            return self.module(input_ids[local], prev[local], positions[local], cache, m)
+
+        out, plan = pcp.run_split(batch, meta, self.block_size, run, batch.sample_idx, 1)
+        if plan.is_split and pcp.hidden_rows is not None:  # each local row's h_i is on this rank
+            held = pcp.hidden_rows
+            missing = [r for r in plan.views[pcp.rank].token_rows if hidden_rows[r] not in held]
+            assert not missing, f"PCP rank {pcp.rank}: no target hidden state for MTP rows {missing[:8]}"
+        g = out[last]
         return g, self.argmax(self.module.compute_logits(g))
 
     def after_step(
@@ -89,6 +123,8 @@ class MTPDrafter(Drafter):
         spec_sampled: dict[str, list[int]],
         drafting_off: bool,
     ) -> None:
+        if self.after_step_peers is not None:  # PCP rank 0: the workers run this step with us
+            self.after_step_peers(sampled, spec_sampled, drafting_off)
         hidden, self._hidden = self._hidden, None
         if hidden is None:
             return
@@ -120,7 +156,7 @@ class MTPDrafter(Drafter):
         if not rows:
             return
         prev = hidden[torch.tensor(index, device=hidden.device)]
-        g, first = self._forward(rows, prev)
+        g, first = self._forward(rows, prev, index)
         for i, ((st, sample), r) in enumerate(zip(owners, rows, strict=True)):
             st.num_computed += len(r.token_ids)
             st.first_draft = first[i] if sample else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from itertools import pairwise
 
 import pytest
@@ -128,3 +129,42 @@ def test_a_single_rank_plan_is_the_global_batch() -> None:
     assert not plan.is_split
     assert list(plan.views[0].token_rows) == list(range(301))
     assert [(s.start, s.end) for s in plan.views[0].segments] == [(49, 50), (0, 300)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mtp_rows_read_hidden_states_their_rank_holds(seed: int) -> None:
+    """After a step, an MTP module's rows (spec_decode/mtp_drafter.after_step) are the step's
+    chunks fed their next tokens: a prompt chunk keeps its length, a verified chunk of 1 + m rows
+    keeps the a + 1 positions it verified, a decode row its one, and a decode row may be left out
+    (drafting off). Split by ``plan_step`` as the module's own batch, every row a rank computes
+    reads a hidden state that rank holds after the target's split step: its own rows, and the
+    sampled rows, which the output gather brings to every rank (small blocks here, so verified
+    chunks of up to 17 rows are split in the target's step too)."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        pcp, block = rng.choice([2, 3, 4]), rng.choice([1, 2, 4, 16])
+        q_lens: list[int] = []
+        ends: list[int] = []
+        sampled: list[int] = []
+        mtp: list[tuple[int, int, int]] = []  # (first target row, rows, end) of each module row
+        row = 0
+        for _ in range(rng.randrange(1, 6)):
+            kind = rng.choice(["prompt", "prompt_end", "verify", "decode", "skipped"])
+            start = rng.randrange(0, 300)
+            q = rng.randrange(1, 400) if kind.startswith("prompt") else 1
+            if kind == "verify":
+                q = 1 + rng.randrange(1, 17)
+            q_lens.append(q)
+            ends.append(start + q)
+            if kind != "prompt":  # every chunk but a middle prompt chunk samples its last row
+                sampled.extend(range(row + q - 1 if kind != "verify" else row, row + q))
+            fed = rng.randrange(1, q + 1) if kind == "verify" else q
+            if kind != "skipped":
+                mtp.append((row, fed, start + fed))
+            row += q
+        target = plan_step(q_lens, ends, pcp, block)
+        index = [r for first, n, _ in mtp for r in range(first, first + n)]
+        module = plan_step([n for _, n, _ in mtp], [e for _, _, e in mtp], pcp, block)
+        for rank in range(pcp):
+            held = set(target.views[rank].token_rows) | set(sampled)
+            assert all(index[r] in held for r in module.views[rank].token_rows), (pcp, block, q_lens)

@@ -79,19 +79,25 @@ def test_refused_before_any_rank_starts(tiny_models: Any, extra: dict[str, Any],
     assert len(mp.active_children()) == before
 
 
-def test_drafter_methods_are_refused() -> None:
-    from pdserve.config.speculative import SpeculativeConfig
-    from pdserve.pcp.checks import check_pcp_config
+def test_drafter_methods_pass_and_the_draft_model_stays_on_rank_0(tiny_models: Any) -> None:
+    """draft_model and mtp are accepted with pcp; a worker rank makes no draft model (rank 0
+    drafts; tests/pcp/test_pcp_spec.py runs both)."""
+    from types import SimpleNamespace
 
-    for method in ("draft_model", "mtp"):
-        spec = object.__new__(SpeculativeConfig)  # a method this checkout may not build yet
-        object.__setattr__(spec, "method", method)
-        config = EngineConfig(model="/m", parallel=ParallelConfig(prefill_context_parallel_size=2))
-        object.__setattr__(config, "speculative", spec)
-        with pytest.raises(
-            ConfigError, match=rf"pcp \(prefill_context_parallel_size\) 2 with speculative method '{method}'"
-        ):
-            check_pcp_config(config)
+    from pdserve.pcp.checks import check_pcp_config
+    from pdserve.pcp.step import ContextParallel
+    from pdserve.spec_decode.drafter import make_drafter
+
+    model = str(tiny_models["llama"])
+    for spec in ({"method": "draft_model", "model": model}, {"method": "mtp"}):
+        config = EngineConfig(
+            model=model, parallel=ParallelConfig(prefill_context_parallel_size=2), speculative=spec
+        )
+        check_pcp_config(config)  # no ConfigError
+    config = EngineConfig(model=model, speculative={"method": "draft_model", "model": model})
+    stages = SimpleNamespace(is_first_stage=True, is_last_stage=True)
+    worker = SimpleNamespace(pcp=ContextParallel(1, 2), model=stages)
+    assert make_drafter(config, worker) is None  # type: ignore[arg-type]
 
 
 def test_models_with_other_than_full_attention_are_refused(tiny_model_factory: Any) -> None:
