@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.host_batch import HostBatch
+from pdserve.engine.host_batch import HostBatch, batch_to_device
 from pdserve.models.config import IntermediateTensors
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def run_dummy_step(runner: ModelRunner, num_tokens: int, num_sampled_rows: int) 
     cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
     layer_caches = [cache[:, i] for i in range(runner.num_local_layers)]
     runner.staging.begin_step()
-    input_ids, positions, meta = runner._to_device(batch)
+    input_ids, positions, meta = batch_to_device(batch, runner.staging, bs, runner.attn_backend)
     model = runner.model
     if runner.lora is not None:  # base-model rows: the adapters' step state says so
         runner.lora.begin_step([("", num_tokens)], runner.device)
