@@ -403,14 +403,11 @@ class ModelRunner:
             return None
         return seed, chunk.start_pos + chunk.num_tokens - chunk.request.num_prompt_tokens
 
-    def _generator(
-        self, request: Request, vocab_size: int, *, always: bool = False
-    ) -> torch.Generator | None:
+    def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
         """The seeded request's generator (made on first use); None for unseeded requests, and on
-        the counter-based path unless ``always`` (speculative verification draws a varying number
-        of values per step, which the counter-based stream does not index)."""
+        the counter-based path (``_seed_draw`` serves)."""
         seed = request.sampling_params.seed
-        if seed is None or (self._counter_draws and not always):
+        if seed is None or self._counter_draws:
             return None
         g = self._generators.get(request.request_id)
         if g is None:

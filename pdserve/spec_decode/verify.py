@@ -6,16 +6,20 @@ penalties and min_tokens see them exactly as they would without speculation
 distribution P_j of that position (``apply_sampling_transforms``), the one the sampler draws from.
 
     greedy rows    accept d_{j+1} while it equals argmax P_j; then emit argmax P_a
-    sampled rows   the drafter's distribution is a point mass on d_{j+1} (n-gram), so the
-                   rejection rule min(1, P(d) / Q(d)) is: accept with probability P_j(d_{j+1});
-                   on the first rejection draw from the residual max(0, P_a - Q) normalised =
-                   P_a without d_{a+1}; after m acceptances draw the bonus token from P_m
+    sampled rows   row j draws the token t_j that the sampler would draw at that position (the
+                   exponential race over P_j, from the draws of the request's token index
+                   k + j); accept d_{j+1} while t_j == d_{j+1}; then emit t_a
 
-Every emitted token is therefore distributed as without speculation (the test draws 20k tokens
-from synthetic logits and compares, and shows a wrong rule failing). A seeded request draws its
-m uniforms, then one race row of V values, from its own generator: the same seed, batch and
-drafts give the same tokens. Logprobs of the emitted tokens come from row j's penalised logits,
-as the sampler's.
+Drafts are point masses (n-gram lookup, and the draft model's and MTP module's argmax), so
+"accept while the target's own sample equals the draft" is the rejection rule min(1, P(d) / Q(d))
+= P(d), and a rejected position emits a sample of P given "not d", which is the residual
+max(0, P - Q) normalised. Every emitted token is therefore the token the engine without drafts
+would have drawn from the same logits and the same draws: a seeded request's tokens are a
+function of its seed and token indices alone, whichever steps carried drafts (its draws come
+from the counter-based stream at index k + j on CUDA, and from its generator, one row of V per
+emitted token and nothing more, elsewhere). The test draws 20k tokens from synthetic logits and
+compares distributions, and shows wrong rules failing. Logprobs of the emitted tokens come from
+row j's penalised logits, as the sampler's.
 """
 
 from __future__ import annotations
@@ -38,18 +42,20 @@ from pdserve.engine.sampler import (
     race,
 )
 
-# (uniform draw u in [0, 1), target probability of the draft token) -> accept?
-AcceptRule = Callable[[float, float], bool]
+# (the target's sample at a draft's position, the draft) -> accept the draft?
+AcceptRule = Callable[[int, int], bool]
 
 
-def accept_point_mass_draft(u: float, p_draft: float) -> bool:
-    """Rejection sampling against a point-mass draft: accept with probability P(d) = min(1, P/Q)."""
-    return u < p_draft
+def accept_point_mass_draft(sample: int, draft: int) -> bool:
+    """Rejection sampling against a point-mass draft: accept while the target's own sample is
+    the draft (probability P(d) = min(1, P(d) / Q(d)))."""
+    return sample == draft
 
 
 @dataclass
 class VerifyGroup:
-    """One request's rows: its sampling state (row 0's history) and the drafts of this step."""
+    """One request's rows: its sampling state (row 0's history) and the drafts of this step.
+    ``input.seed_draw`` (seed, k), where set, is row 0's: row j draws at token index k + j."""
 
     request_id: str
     input: SamplerInput
@@ -80,13 +86,10 @@ def verify(
     groups: Sequence[VerifyGroup],
     put: ToDevice,
     accept: AcceptRule = accept_point_mass_draft,
-    residual: bool = True,
 ) -> VerifyOutput:
-    """``logits`` [sum(1 + m_g), V] float32, the groups' rows back to back. ``accept`` and
-    ``residual`` (draw from P less the rejected draft) exist for the test that shows a wrong
-    rule failing; callers keep the defaults."""
+    """``logits`` [sum(1 + m_g), V] float32, the groups' rows back to back. ``accept`` exists for
+    the test that shows a wrong rule failing; callers keep the default."""
     assert logits.dtype == torch.float32 and logits.shape[0] == sum(len(g.drafts) + 1 for g in groups)
-    device = logits.device
     inputs = _row_inputs(groups)
     pen = penalise(logits, inputs, put)  # [R, V]
     greedy_ids = kernels.argmax_rows(pen).tolist()
@@ -95,69 +98,77 @@ def verify(
         offsets.append(off)
         off += len(g.drafts) + 1
     sampled = [i for i, g in enumerate(groups) if not g.input.params.greedy]
-    # Sampled groups: their rows' processed logits (x) and the target probability of each draft.
-    srow_of: dict[int, int] = {}  # logits row -> row of x
-    x = None
-    p_draft: list[float] = []
-    uniforms: list[list[float]] = []
+    samples: dict[int, list[int]] = {}
     if sampled:
         rows = [offsets[i] + j for i in sampled for j in range(len(groups[i].drafts) + 1)]
-        srow_of = {r: k for k, r in enumerate(rows)}
         x = pen[put(rows, torch.long)]  # [S, V], a copy
         apply_sampling_transforms(x, [inputs[r].params for r in rows], put)
-        d_rows = [srow_of[offsets[i] + j] for i in sampled for j in range(len(groups[i].drafts))]
-        d_tok = [t for i in sampled for t in groups[i].drafts]
-        if d_rows:
-            logp = x[put(d_rows, torch.long)].log_softmax(dim=-1)
-            p_draft = logp.gather(1, put(d_tok, torch.long)[:, None]).exp().squeeze(1).tolist()
-        # Acceptance draws: a seeded request's from its generator, the others' in one call.
-        unseeded = [len(groups[i].drafts) for i in sampled if groups[i].input.generator is None]
-        shared = iter(torch.rand(sum(unseeded), device=device).tolist())
-        for i in sampled:
-            m, gen = len(groups[i].drafts), groups[i].input.generator
-            if gen is None:
-                uniforms.append([next(shared) for _ in range(m)])
-            else:
-                uniforms.append(torch.rand(m, generator=gen, device=device).tolist() if m else [])
-    # Host decisions.
+        samples = _sample_rows(x, groups, sampled, put, accept)
     tokens: dict[str, list[int]] = {}
-    finals: list[tuple[int, int, int | None]] = []  # (group, final row of x, draft to exclude)
-    k_s = 0
-    pd = iter(p_draft)
     for i, g in enumerate(groups):
-        m, base = len(g.drafts), offsets[i]
+        m = len(g.drafts)
+        drawn = samples[i] if i in samples else greedy_ids[offsets[i] : offsets[i] + m + 1]
+        rule = accept if i in samples else accept_point_mass_draft
         a = 0
-        if g.input.params.greedy:
-            while a < m and greedy_ids[base + a] == g.drafts[a]:
-                a += 1
-            tokens[g.request_id] = list(g.drafts[:a]) + [greedy_ids[base + a]]
-            continue
-        probs = [next(pd) for _ in range(m)]
-        u = uniforms[k_s]
-        k_s += 1
-        while a < m and accept(u[a], probs[a]):
+        while a < m and rule(drawn[a], g.drafts[a]):
             a += 1
-        tokens[g.request_id] = list(g.drafts[:a])
-        finals.append((i, srow_of[base + a], g.drafts[a] if a < m and residual else None))
-    if finals:
-        assert x is not None
-        f = x[put([r for _, r, _ in finals], torch.long)]  # [F, V], a copy
-        excl = [(k, d) for k, (_, _, d) in enumerate(finals) if d is not None]
-        if excl:
-            minus_inf = torch.full((len(excl),), float("-inf"), device=device)
-            f.index_put_(
-                (put([k for k, _ in excl], torch.long), put([d for _, d in excl], torch.long)), minus_inf
-            )
-        q = torch.empty_like(f)
-        seeded = [(k, groups[i].input.generator) for k, (i, _, _) in enumerate(finals)]
-        if any(gen is None for _, gen in seeded):
-            draw_(q, None)
-        for k, gen in seeded:
-            if gen is not None:
-                draw_(q[k], gen)
-        for (i, _, _), t in zip(finals, race(f, q).tolist(), strict=True):
-            tokens[groups[i].request_id].append(t)
+        tokens[g.request_id] = list(g.drafts[:a]) + [drawn[a]]
     return VerifyOutput(tokens, _logprobs(pen, groups, offsets, inputs, tokens, put))
+
+
+def _sample_rows(
+    x: torch.Tensor, groups: Sequence[VerifyGroup], sampled: list[int], put: ToDevice, accept: AcceptRule
+) -> dict[int, list[int]]:
+    """Sampled group -> the target's sample of each of its rows that decides something: every
+    row of a group drawing from the default generator or the counter-based stream (one race over
+    them all), and, for a group with its own generator, rows drawn one at a time up to the first
+    rejection, so the generator advances by one row of V draws per emitted token, as the plain
+    sampler advances it. ``x`` [S, V]: the sampled groups' rows after the sampling transforms."""
+    device = x.device
+    starts, s = {}, 0
+    for i in sampled:
+        starts[i] = s
+        s += len(groups[i].drafts) + 1
+    lazy = [i for i in sampled if groups[i].input.generator is not None]
+    batch = [i for i in sampled if groups[i].input.generator is None]
+    out: dict[int, list[int]] = {}
+    if batch:
+        rows = [starts[i] + j for i in batch for j in range(len(groups[i].drafts) + 1)]
+        xb = x if not lazy else x[put(rows, torch.long)]
+        q = torch.empty_like(xb)
+        counted: list[list[int]] = []  # (row of q, seed, token index)
+        r = 0
+        for i in batch:
+            n, sd = len(groups[i].drafts) + 1, groups[i].input.seed_draw
+            if sd is not None:
+                counted.extend([r + j, sd[0], sd[1] + j] for j in range(n))
+            r += n
+        if len(counted) < len(rows):
+            draw_(q, None)
+        if counted:
+            assert device.type == "cuda", "counter-based seeded draws are Exp(1) values: CUDA only"
+            from pdserve.kernels.triton_seeded_draw import seeded_exponential_
+
+            table = put(counted, torch.long)  # [C, 3]
+            seeded_exponential_(q, table[:, 0], table[:, 1], table[:, 2])
+        drawn = race(xb, q).tolist()
+        r = 0
+        for i in batch:
+            n = len(groups[i].drafts) + 1
+            out[i] = drawn[r : r + n]
+            r += n
+    for i in lazy:
+        g = groups[i]
+        gen, m = g.input.generator, len(g.drafts)
+        out[i] = []
+        for j in range(m + 1):
+            row = x[starts[i] + j : starts[i] + j + 1]
+            q = torch.empty_like(row)
+            draw_(q[0], gen)
+            out[i].append(int(race(row, q)[0]))
+            if j == m or not accept(out[i][j], g.drafts[j]):
+                break
+    return out
 
 
 def _logprobs(
