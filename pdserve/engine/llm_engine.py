@@ -38,15 +38,13 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from pdserve.config.choices import KvLoadFailurePolicy
-from pdserve.config.engine import CacheSizes, EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import ModelExecutor, make_executor
 from pdserve.engine.grammar_compile import GrammarCompileService
-from pdserve.engine.kv_cache_groups import DECLINE_OFFLOAD, groups_of_model
-from pdserve.engine.kv_cache_manager import KVCacheManager, StepFence
-from pdserve.engine.kv_group_tables import split_kv_budget, tables_off_reason
-from pdserve.engine.kv_sizing import fit_max_model_len
+from pdserve.engine.kv_cache_groups import DECLINE_OFFLOAD
+from pdserve.engine.kv_setup import build_kv_layout
 from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
 from pdserve.engine.output_processor import OutputProcessor, TrackedRequest
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
@@ -54,7 +52,7 @@ from pdserve.engine.request import MultiModalItem, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.errors import ConfigError, InvalidRequestError
+from pdserve.errors import InvalidRequestError
 from pdserve.kvoffload.tier import KVOffloadTier
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.lora.serving import make_lora_serving
@@ -99,61 +97,9 @@ class LLMEngine:
         self.runner: ModelExecutor = make_executor(config)
         arch = self.runner.arch
         self.arch = arch
-        self.max_model_len = config.max_model_len or arch.max_position_embeddings
-        if self.max_model_len > arch.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{arch.max_position_embeddings}"
-            )
-        self.cache_sizes = self.runner.determine_cache_sizes()
-        groups = groups_of_model(
-            [f"model.layers.{i}.self_attn" for i in range(arch.num_hidden_layers)],
-            arch.layer_types,
-            arch.sliding_window,
-            self.cache_sizes.block_size,
-            arch.conv_kernel_size,
-        )
-        reason = tables_off_reason(
-            groups,
-            single_runner=isinstance(self.runner, ModelRunner),
-            kv_offload=config.kv_offload is not None,
-            shared_reason=self._shared_reason,
-        )
-        group_blocks = split_kv_budget(
-            groups,
-            reason,
-            self.cache_sizes.budget_bytes,
-            lambda: self.runner.group_layer_block_bytes(groups),  # type: ignore[attr-defined]
-            config.scheduler,
-            arch.architecture,
-        )
-        if group_blocks is not None:  # group 0's pool: what the other groups leave of the budget
-            cs = self.cache_sizes
-            self.cache_sizes = CacheSizes(
-                group_blocks[0], cs.block_size, cs.bytes_per_block, budget_bytes=cs.budget_bytes
-            )
-        self.max_model_len = fit_max_model_len(
-            self.cache_sizes.num_tokens,
-            self.max_model_len,
-            config.max_model_len,
-            self.cache_sizes.budget_bytes,
-        )
-        if isinstance(self.runner, ModelRunner):  # its CUDA graphs are captured for this length
-            self.runner.max_model_len = self.max_model_len
-        if group_blocks is None:
-            self.runner.init_kv_cache(self.cache_sizes.num_blocks)
-        else:
-            assert isinstance(self.runner, ModelRunner)
-            self.runner.init_group_kv_cache(groups, group_blocks)
-        self.fence = StepFence()
-        self.kv = KVCacheManager(
-            self.cache_sizes.num_blocks,
-            self.cache_sizes.block_size,
-            config.cache.enable_prefix_caching,
-            self.fence,
-            groups,
-            group_blocks[1:] if group_blocks is not None else None,
-        )
+        layout = build_kv_layout(config, self.runner, self._shared_reason)
+        self.cache_sizes, self.max_model_len = layout.cache_sizes, layout.max_model_len
+        self.fence, self.kv = layout.fence, layout.kv
         # Evicted blocks kept in host memory / on disk; None: the prefix cache forgets them.
         self.offload: KVOffloadTier | None = None
         if config.kv_offload is not None:
