@@ -41,12 +41,15 @@ def seeded_exponential_(
     """Overwrite rows ``rows`` of ``q`` [S, V] (float32, unit stride along V) with Exp(1) draws:
     row ``rows[j]`` gets the ``draw_indices[j]``-th block of V draws of seed ``seeds[j]``.
     ``rows``, ``seeds`` and ``draw_indices`` are int64 tensors on ``q``'s device, one entry per
-    seeded row."""
+    seeded row (any strides)."""
     assert q.dim() == 2 and q.dtype == torch.float32 and q.stride(1) == 1, (q.shape, q.dtype, q.stride())
     num = rows.numel()
     if num == 0:
         return
     n_cols = q.shape[1]
-    counters = draw_indices * n_cols
+    # The kernel indexes each vector as a contiguous int64 array: the sampler passes the columns
+    # of one [R, 3] table (strided views), so make them contiguous (a few bytes each).
+    rows, seeds = rows.contiguous(), seeds.contiguous()
+    counters = draw_indices * n_cols  # a new, contiguous tensor
     grid = (num, triton.cdiv(n_cols, BLOCK))
     _seeded_exponential_kernel[grid](q, q.stride(0), rows, seeds, counters, n_cols, BLOCK=BLOCK)

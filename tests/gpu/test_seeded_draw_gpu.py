@@ -48,6 +48,8 @@ def test_seeded_rows_are_batch_independent_and_continue_on_another_engine(tiny_m
         {"a": noise, "r": sp, "b": other, "c": noise},
     )
     assert mixed["r"] == alone
+    # Every seeded row of a step draws its own stream (two here, in one launch).
+    assert mixed["b"] == _run(eng, {"b": [9, 8, 7]}, {"b": other})["b"]
     assert eng.runner.num_generators == 0  # no generator kept on the counter-based path
     rest = _run(LLMEngine(cfg), {"r": prompt}, {"r": sp}, first={"r": alone[:handed]})["r"]
     assert rest == alone[handed:]

@@ -79,3 +79,14 @@ def test_draws_are_exponential(draw, device) -> None:
     assert abs(float(x.mean()) - 1.0) < 0.03  # 40k draws: sd of the mean 0.005
     assert abs(float((x > 1.0).double().mean()) - math.exp(-1)) < 0.015
     assert abs(float((x > 3.0).double().mean()) - math.exp(-3)) < 0.006
+
+
+def test_columns_of_one_table_as_the_sampler_passes_them(draw, device) -> None:
+    """The sampler hands the columns of one [R, 3] (row, seed, k) table: strided views, which the
+    kernel must read as its rows' values (an index past q's rows would write out of bounds)."""
+    n_cols = 1000
+    table = _ids([[2, 11, 3], [0, 12, 4], [1, 13, 5]], device)
+    q = torch.zeros((3, n_cols), device=device)
+    draw(q, table[:, 0], table[:, 1], table[:, 2])
+    for row, seed, k in table.tolist():
+        np.testing.assert_allclose(q[row].cpu().numpy(), _reference(seed, k, n_cols), rtol=2e-6, atol=1e-7)
