@@ -75,6 +75,9 @@ def make_llm() -> Iterator[Callable[..., Any]]:
     made: list[LLM] = []
 
     def factory(model_dir: Any, **kwargs: Any) -> LLM:
+        # float32 unless a test asks otherwise: "auto" is float32 on CPU but bf16 on CUDA, and the
+        # parity tests (transformers, PEFT) compare at float32 near-ties on a GPU host too.
+        kwargs.setdefault("dtype", "float32")
         llm = LLM(str(model_dir), **kwargs)
         made.append(llm)
         return llm

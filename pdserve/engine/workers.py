@@ -135,14 +135,15 @@ class WriteFailed:
 
 
 def send_tensors(t: IntermediateTensors, dst: int) -> None:
-    shape = torch.tensor(list(t.hidden_states.shape), dtype=torch.int64)
+    # on the tensors' device: NCCL moves device tensors only, gloo host ones
+    shape = torch.tensor(list(t.hidden_states.shape), dtype=torch.int64, device=t.hidden_states.device)
     dist.send(shape, dst)
     dist.send(t.hidden_states.contiguous(), dst)
     dist.send(t.residual.contiguous(), dst)
 
 
 def recv_tensors(src: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
-    shape = torch.empty(2, dtype=torch.int64)
+    shape = torch.empty(2, dtype=torch.int64, device=device)
     dist.recv(shape, src)
     dims = [int(x) for x in shape.tolist()]
     hidden = torch.empty(dims, dtype=dtype, device=device)

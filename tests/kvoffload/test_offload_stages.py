@@ -40,6 +40,7 @@ def test_stages_and_ranks_offload_their_own_share(
     model_dir = tiny_models["llama"]
     llm = make_llm(
         model_dir,
+        device="cpu",  # two processes: one GPU each under NCCL, which a one-GPU host lacks
         **tier_settings(tier, tmp_path),
         **parallel,
         async_scheduling=async_scheduling,
