@@ -154,3 +154,39 @@ def test_pcp_draft_model_matrix(mtp_model: Path, pcp: int, lengths: list[int]) -
 @pytest.mark.parametrize(("pcp", "lengths"), FULL_CASES, ids=str)
 def test_pcp_mtp_matrix(mtp_model: Path, pcp: int, lengths: list[int]) -> None:
     _check_mtp(mtp_model, pcp, lengths, max_tokens=16)
+
+
+def _staggered(llm: LLM, long: list[int], short: list[int]) -> tuple[list[int], list[int]]:
+    """Greedy tokens of ``long`` (60 new) and of ``short`` (40 new), the short one added once the
+    long one emitted 5 tokens: while both run, ``disable_by_batch_size: 2`` keeps drafts off."""
+    eng = llm.engine
+    eng.add_request(long, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), "long")
+    tokens: dict[str, list[int]] = {"long": [], "short": []}
+    added = False
+    while eng.has_unfinished():
+        for d in eng.step():
+            tokens[d.request_id] += d.token_ids
+        if not added and len(tokens["long"]) >= 5:
+            eng.add_request(short, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), "short")
+            added = True
+    return tokens["long"], tokens["short"]
+
+
+@pytest.mark.skipif(not FULL, reason="~15 s on 2 cores: PDSERVE_FULL_TESTS=1")
+def test_pcp2_late_catch_up_stays_on_rank_0(mtp_model: Path) -> None:
+    """A catch-up from a later position (drafts were off for ~40 steps under
+    ``disable_by_batch_size``) is long enough to split but reads draft KV that rank 0 alone
+    wrote: it runs on rank 0, so only the first catch-up is split, and the drafts after it are
+    still the target's own tokens."""
+    long, short = _prompts([600, 20], seed=9)
+    with LLM(str(mtp_model), **COMMON) as llm:
+        want = _staggered(llm, long, short)
+    spec = {"method": "draft_model", "model": str(mtp_model), "num_speculative_tokens": 3}
+    with LLM(str(mtp_model), pcp=2, speculative=spec | {"disable_by_batch_size": 2}, **COMMON) as llm:
+        got = _staggered(llm, long, short)
+        drafter, st = llm.engine.runner.drafter, llm.engine.spec.stats
+        assert isinstance(drafter, DraftModelDrafter)
+        assert llm.engine.spec.num_steps_off >= 30  # the late catch-up spans 30+ tokens (> 2 blocks)
+    assert got == want
+    assert drafter.num_split_forwards == 1 and abs(drafter.num_split_tokens - 601 / 2) <= 1
+    assert st.num_draft_tokens >= 12 and st.num_accepted_tokens >= 0.9 * st.num_draft_tokens, st
