@@ -23,16 +23,20 @@ every rank's cache stays whole: a prefix hit may later split a chunk after that 
 
 Speculative decoding: rank 0 drafts (n-gram, a draft model, the MTP module's draft forwards) and
 the drafts travel in ``ExecuteStep``'s SchedulerOutput; every rank verifies them on replicated
-rows. A draft model exists on rank 0 only. An MTP module exists on every rank: its KV is written
-after each step from the target's hidden states, which a split chunk leaves spread over the
-ranks, so rank 0 sends ``DrafterAfterStep`` (the step's tokens) and every rank runs the module
-over its rows of the step (``ContextParallel.run_split``), the module's K/V all-gathered.
+rows. A drafter with weights exists on every rank. An MTP module's KV is written after each step
+from the target's hidden states, which a split chunk leaves spread over the ranks, so rank 0
+sends ``DrafterAfterStep`` (the step's tokens) and every rank runs the module over its rows of
+the step (``ContextParallel.run_split``), the module's K/V all-gathered. A draft model's first
+catch-up over a long prompt is split the same way: rank 0 sends ``DraftForward`` (the rows) just
+before its own part (spec_decode/draft_model.py); its other draft forwards run on rank 0 alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,7 @@ from pdserve.engine.workers import DropFinished, ExecuteStep, InitKVCache, SizeK
 from pdserve.pcp.checks import check_pcp_config, rank_config
 from pdserve.pcp.exchange import destroy_pcp_group, init_pcp_group
 from pdserve.pcp.step import ContextParallel
+from pdserve.spec_decode.drafter import DraftRow
 
 
 class PCPWorkerError(WorkerError):
@@ -55,12 +60,20 @@ class PCPWorkerError(WorkerError):
 @dataclass(frozen=True)
 class DrafterAfterStep:
     """Run the drafter's ``after_step`` on the step the worker ran last, with rank 0's tokens
-    (its arguments: ``Drafter.after_step``); no reply. Sent for drafters that run on every rank
-    (``Drafter.on_every_pcp_rank``: an MTP module's KV is split as the target's)."""
+    (its arguments: ``Drafter.after_step``); no reply. Sent where the drafter's ``after_step``
+    calls ``after_step_peers`` (an MTP module: its KV is split as the target's)."""
 
     sampled: dict[str, int]
     spec_sampled: dict[str, list[int]]
     drafting_off: bool
+
+
+@dataclass(frozen=True)
+class DraftForward:
+    """Run the drafter's forward over ``rows`` split over the ranks with rank 0
+    (``Drafter.peer_forward``: a draft model's first catch-up over a long prompt); no reply."""
+
+    rows: list[DraftRow]
 
 
 class PCPRankRunner(ModelRunner):
@@ -106,8 +119,9 @@ class PCPModelRunner(PCPRankRunner):
             set_intra_op_threads(config, size)  # the host's cores are shared by the ranks
             torch.manual_seed(config.seed)  # unseeded sampling draws the same on every rank
             super().__init__(config, 0, size)
-            if self.drafter is not None and self.drafter.on_every_pcp_rank:
+            if self.drafter is not None:  # every rank holds it (make_drafter)
                 self.drafter.after_step_peers = self._drafter_after_step
+                self.drafter.split_peers = self._drafter_split_forward
         except BaseException:
             self.workers.close()
             destroy_pcp_group()
@@ -128,14 +142,28 @@ class PCPModelRunner(PCPRankRunner):
         assert not args and kwargs.get("intermediate") is None, "PCP runs with pp 1"
         assert not sched.kv_loads, "PCP nodes pull no KV: pulled KV would reach rank 0's cache only"
         self.workers.broadcast(ExecuteStep(sched))
-        try:
+        with self._naming_lost_rank():
             return super().launch(sched, **kwargs)
-        except RuntimeError:  # a collective whose peer died: raise naming that rank
+
+    @contextmanager
+    def _naming_lost_rank(self) -> Iterator[None]:
+        """A collective that failed because a worker died raises PCPWorkerError naming it."""
+        try:
+            yield
+        except RuntimeError:
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:  # a dying worker is reaped within moments
                 self.workers.check_alive()
                 time.sleep(0.05)
             raise
+
+    @contextmanager
+    def _drafter_split_forward(self, rows: list[DraftRow]) -> Iterator[None]:
+        """Rank 0's drafter runs a forward split over the ranks inside this: the workers run it
+        too (``DraftForward``)."""
+        self.workers.broadcast(DraftForward(rows))
+        with self._naming_lost_rank():
+            yield
 
     def _drafter_after_step(
         self, sampled: dict[str, int], spec_sampled: dict[str, list[int]], drafting_off: bool

@@ -10,7 +10,7 @@
 A step with nothing split (decode, short prompts) runs the model on the global inputs unchanged.
 ``run_split`` is the split itself, for any forward whose attention stores K/V through
 ``rotary_and_store_kv``: the target's step here, an MTP module's rows after it
-(spec_decode/mtp_drafter.py).
+(spec_decode/mtp_drafter.py), a draft model's first catch-up (spec_decode/draft_model.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class ContextParallel:
         needed: list[int],
         num_layers: int,
     ) -> tuple[torch.Tensor, StepPlan]:
-        """One forward of a global batch (the target's step, or an MTP module's rows) split as
+        """One forward of a global batch (the target's step, a drafter's rows) split as
         ``plan_step`` splits it, and its plan. ``forward(rows, meta)`` runs the model on the
         global token rows ``rows`` (None: all of them) with ``meta``; its ``num_layers``
         attention layers store K/V through ``rotary_and_store_kv``, which exchanges the split

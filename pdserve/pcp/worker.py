@@ -3,7 +3,8 @@
 The commands are the engine's worker protocol (``pdserve.engine.workers``): ``SizeKVCache``
 (replied with this rank's ``CacheSizes``), ``InitKVCache`` (``Ack``), ``ExecuteStep`` (launch
 and wait; no reply: rank 0's samples are the engine's), ``DropFinished``, ``Shutdown``, and
-PCP's own ``DrafterAfterStep`` (an MTP module's KV of the last step, with rank 0's tokens). A
+PCP's own ``DrafterAfterStep`` (an MTP module's KV of the last step, with rank 0's tokens) and
+``DraftForward`` (this rank's part of a draft model's split catch-up). A
 failure is reported as ``WorkerFailed`` before the process exits (``pdserve.distributed.workers``).
 """
 
@@ -21,7 +22,7 @@ from pdserve.engine.model_runner import set_intra_op_threads
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import DropFinished, ExecuteStep, InitKVCache, SizeKVCache
 from pdserve.pcp.exchange import destroy_pcp_group, init_pcp_group
-from pdserve.pcp.runner import DrafterAfterStep, PCPRankRunner
+from pdserve.pcp.runner import DrafterAfterStep, DraftForward, PCPRankRunner
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ def _serve(runner: PCPRankRunner, conn: Connection) -> None:
             case DrafterAfterStep(sampled=sampled, spec_sampled=spec_sampled, drafting_off=off):
                 assert runner.drafter is not None and last is not None, "after_step with no drafter or step"
                 runner.drafter.after_step(last, sampled, spec_sampled, off)
+            case DraftForward(rows=rows):
+                assert runner.drafter is not None, "a split draft forward with no drafter"
+                runner.drafter.peer_forward(rows)
             case DropFinished(request_ids=request_ids):
                 runner.drop_finished(request_ids)
             case SizeKVCache():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
 # ``Drafter.after_step_peers(sampled, spec_sampled, drafting_off)``: after_step's arguments
 # besides the step, which the peers already ran.
 AfterStepPeers = Callable[[dict[str, int], dict[str, list[int]], bool], None]
+# ``Drafter.split_peers(rows)``: the worker ranks start the same split forward over ``rows``
+# (``Drafter.peer_forward``); the context holds rank 0's own part of it.
+SplitPeers = Callable[[list["DraftRow"]], AbstractContextManager[None]]
 
 
 @dataclass
@@ -88,12 +92,6 @@ class Drafter:
     # Layer names of the drafter's KV that a P/D transfer moves (MTP); () when the decode node
     # rebuilds the drafter's state itself (draft model).
     transfer_layer_names: tuple[str, ...] = ()
-    # Under prefill context parallelism (pdserve/pcp): whether every rank runs the drafter. One
-    # whose KV is written from the target's hidden states (MTP) does: a split prefill leaves
-    # them spread over the ranks, and every rank keeps the drafter's whole KV, as the target's.
-    # One that drafts from tokens alone (a draft model) runs on rank 0: its drafts reach the
-    # other ranks inside the step that verifies them (the SchedulerOutput every rank runs).
-    on_every_pcp_rank = False
 
     def __init__(
         self,
@@ -116,6 +114,9 @@ class Drafter:
         # Told first by ``after_step`` where other processes run it too (PCP rank 0 tells its
         # worker ranks the step's tokens: pdserve/pcp/runner.py); None on a single runner.
         self.after_step_peers: AfterStepPeers | None = None
+        # Entered around a forward split over the PCP ranks on rank 0 (the workers run
+        # ``peer_forward`` on the same rows: pdserve/pcp/runner.py); None elsewhere.
+        self.split_peers: SplitPeers | None = None
 
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -186,6 +187,10 @@ class Drafter:
     def drop(self, request_ids: Iterable[str]) -> None:
         raise NotImplementedError
 
+    def peer_forward(self, rows: list[DraftRow]) -> None:
+        """A PCP worker rank's part of a forward that rank 0 split over the ranks (``split_peers``)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no forward split by rank 0")
+
 
 def set_drafts(chunk: ScheduledChunk, drafts: list[int]) -> None:
     assert len(drafts) == len(chunk.spec_token_ids), (chunk.request.request_id, drafts)
@@ -194,9 +199,13 @@ def set_drafts(chunk: ScheduledChunk, drafts: list[int]) -> None:
 
 
 def make_drafter(config: EngineConfig, runner: ModelRunner) -> Drafter | None:
-    """The drafter ``config.speculative`` names (None for n-gram or no speculation, on a TP
-    rank or pipeline stage, where ``spec_decode.engine`` refuses speculation at start, and on a
-    PCP worker rank for a drafter that runs on rank 0 only)."""
+    """The drafter ``config.speculative`` names (None for n-gram or no speculation, and on a TP
+    rank or pipeline stage, where ``spec_decode.engine`` refuses speculation at start). Under
+    prefill context parallelism every rank makes it: an MTP module's KV is written from the
+    target's hidden states, which a split prefill leaves spread over the ranks, and a draft
+    model's first catch-up over a long prompt is split over the ranks as the target's prefill
+    was (pdserve/pcp/runner.py); drafts are made on rank 0 and reach the other ranks inside the
+    step that verifies them."""
     spec = config.speculative
     if spec is None or spec.method == "ngram":
         return None
@@ -204,15 +213,10 @@ def make_drafter(config: EngineConfig, runner: ModelRunner) -> Drafter | None:
 
     if tp_size() > 1 or not (runner.model.is_first_stage and runner.model.is_last_stage):
         return None
-    pcp_worker = runner.pcp is not None and runner.pcp.rank > 0
     if spec.method == "draft_model":
         from pdserve.spec_decode.draft_model import DraftModelDrafter
 
-        if pcp_worker and not DraftModelDrafter.on_every_pcp_rank:
-            return None  # PCP rank 0 drafts
         return DraftModelDrafter(runner, spec)
     from pdserve.spec_decode.mtp_drafter import MTPDrafter
 
-    if pcp_worker and not MTPDrafter.on_every_pcp_rank:
-        return None
     return MTPDrafter(runner)

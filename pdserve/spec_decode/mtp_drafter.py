@@ -67,8 +67,6 @@ class MTPState:
 
 
 class MTPDrafter(Drafter):
-    on_every_pcp_rank = True
-
     def __init__(self, runner: ModelRunner) -> None:
         self.module = load_mtp(runner.config.model, runner.model)
         a = runner.arch
