@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 from pdserve.errors import ConfigError
@@ -55,7 +56,8 @@ class FakeCuda:
         self.closed.append(addr)
 
     def copy(self, copies, device: int) -> None:
-        for src, dst, n in copies:
+        assert copies.dtype == np.int64 and copies.shape == (len(copies), 3)  # the table write() builds
+        for src, dst, n in copies.tolist():
             self.copies.append((src, dst, n))
             ctypes.memmove(dst, src, n)
 
