@@ -117,15 +117,25 @@ class CudaRuntime:
     _CU_POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL -> int
     _CU_MEMORYTYPE_DEVICE = 2
 
-    def __init__(self, copy_method: str = DEFAULT_COPY_METHOD) -> None:
+    def __init__(self, copy_method: str = DEFAULT_COPY_METHOD, *, lib: Any = None) -> None:
+        """``lib``: a stand-in for libcudart with the calls ``copy`` makes (unit tests of the
+        dispatch); None loads the real one and the driver."""
         self._copy_method = check_copy_method(copy_method)
         self.unavailable: dict[str, str] = {}  # method -> why it cannot run here
-        self._rt = _load_cudart()
-        self._cu = ctypes.CDLL("libcuda.so.1")
         self._streams: dict[int, ctypes.c_void_p] = {}
         self._torch_streams: dict[int, Any] = {}  # device -> torch.cuda.Stream of the kernel
         self._copy_locks: dict[int, threading.Lock] = {}  # device -> one copy at a time
         self._lock = threading.Lock()
+        self._batch_attrs = _MemcpyAttributes(order=1)  # cudaMemcpySrcAccessOrderStream
+        self._batch_attr_idx = (ctypes.c_size_t * 1)(0)
+        self._batch_fail_idx = False
+        self._rt: Any = lib
+        if lib is None:
+            self._rt = _load_cudart()
+            self._bind()
+
+    def _bind(self) -> None:
+        self._cu = ctypes.CDLL("libcuda.so.1")
         rt, vp, sz = self._rt, ctypes.c_void_p, ctypes.c_size_t
         rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
         rt.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
@@ -146,8 +156,6 @@ class CudaRuntime:
             ctypes.c_uint64,
         ]
         self._batch_fail_idx = self._bind_memcpy_batch()
-        self._batch_attrs = _MemcpyAttributes(order=1)  # cudaMemcpySrcAccessOrderStream
-        self._batch_attr_idx = (sz * 1)(0)
 
     @property
     def copy_method(self) -> str:
@@ -302,13 +310,13 @@ class CudaRuntime:
                 stream = self._torch_streams.setdefault(
                     device, torch.cuda.Stream(torch.device("cuda", device))
                 )
+        if not triton_copy.aligned(copies):  # an address or length not 16-byte aligned
+            return False
         # one copy at a time per device: the kernel's stream and its table buffers are shared
         with self._copy_locks[device]:
             try:
                 triton_copy.batched_copy(copies, stream.device, stream, variant)
                 stream.synchronize()
-            except ValueError:  # an address or length not 16-byte aligned: nothing was enqueued
-                return False
-            except RuntimeError as e:  # a launch error is CUDA's: report it like a failed memcpy
+            except (RuntimeError, ValueError) as e:  # CUDA's or Triton's launch error: as a failed memcpy
                 raise OSError(f"batched copy of {len(copies)} descriptors failed: {e}") from e
         return True

@@ -98,6 +98,15 @@ def test_as_table_takes_tuples_and_arrays():
     assert np.shares_memory(triton_copy.as_table(t), t)  # no copy of an int64 table
 
 
+def test_copy_methods_name_the_variants():
+    from pdserve.errors import ConfigError
+    from pdserve.kvtransfer.cuda_runtime import check_copy_method
+
+    assert check_copy_method("triton:grid2d-128k") == "triton:grid2d-128k"
+    with pytest.raises(ConfigError, match="Triton variants are"):
+        check_copy_method("triton:nope")
+
+
 def test_variants_are_consistent():
     assert triton_copy.DEFAULT_VARIANT in triton_copy.VARIANTS
     for v in triton_copy.VARIANTS.values():
