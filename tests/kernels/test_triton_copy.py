@@ -62,9 +62,14 @@ def test_chunk_rows_split_each_descriptor_by_a_prefix_sum():
     assert triton_copy.chunk_rows(table[2:3], 64).shape == (0, 3)
 
 
-def test_chunk_rows_cover_every_byte_once():
+@pytest.mark.parametrize("lengths", ["random", "equal", "equal, whole pieces"])
+def test_chunk_rows_cover_every_byte_once(lengths):
     rng = np.random.default_rng(0)
-    n = rng.integers(1, 5000, 300) * 16
+    n = {
+        "random": rng.integers(1, 5000, 300) * 16,
+        "equal": np.full(300, 1040 * 16),  # the equal-pieces path, a short last piece
+        "equal, whole pieces": np.full(300, 4096),
+    }[lengths]
     table = np.stack([rng.integers(0, 1 << 40, 300) * 16, rng.integers(0, 1 << 40, 300) * 16, n], 1)
     rows = triton_copy.chunk_rows(table, 1024)
     expect = [(s + o, d + o, min(1024, n - o)) for s, d, n in table.tolist() for o in range(0, n, 1024)]
