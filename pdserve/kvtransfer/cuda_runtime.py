@@ -292,12 +292,14 @@ class CudaRuntime:
 
     def _triton_copy(self, copies: np.ndarray, device: int, variant: str | None) -> bool:
         """All copies as one Triton kernel (``pdserve.kernels.triton_copy``) on a private torch
-        stream, waited for; False (nothing moved) when the kernel cannot take them: no triton,
-        or an address / length not 16-byte aligned."""
+        stream, waited for; False (nothing moved) when the kernel cannot take them: no triton or
+        a kernel it cannot compile (logged once, not tried again), or an address / length not
+        16-byte aligned."""
         if "triton" in self.unavailable:
             return False
         try:
             import torch
+            from triton.compiler.errors import CompilationError
 
             from pdserve.kernels import triton_copy
         except ImportError as e:
@@ -317,6 +319,9 @@ class CudaRuntime:
             try:
                 triton_copy.batched_copy(copies, stream.device, stream, variant)
                 stream.synchronize()
+            except CompilationError as e:  # nothing enqueued: this Triton cannot build the kernel
+                self._unavailable("triton", f"{type(e).__name__}: {e}")
+                return False
             except (RuntimeError, ValueError) as e:  # CUDA's or Triton's launch error: as a failed memcpy
                 raise OSError(f"batched copy of {len(copies)} descriptors failed: {e}") from e
         return True
