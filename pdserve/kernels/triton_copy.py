@@ -8,9 +8,11 @@ Addresses are raw device pointers (our KV cache, or a peer's allocation opened t
 a pointer of another GPU works with peer access). Triton has no int-to-pointer cast the
 interpreter also runs, so a table row holds each address relative to ``anchor`` (a 16-byte
 aligned device buffer), all in 16-byte units. Every address and length must be a multiple of 16
-bytes (``aligned``); the caller falls back to one memcpy per descriptor otherwise. The data
+bytes (``aligned``); the caller falls back otherwise (kvtransfer/cuda_runtime.py). The data
 moves as int32 words, 4 per 16 bytes: the compiler sees every offset a multiple of 4 words and
 emits 128-bit loads and stores (``ld.global.v4.b32``; bench/gpu_ipc.py counts them in the PTX).
+Compiled for sm_90 by Triton 3.6 every variant below is ``LDG.E.128`` / ``STG.E.128`` only, the
+``grid2d`` kernel too; ``chunks-64k`` takes 62 registers a thread (4 programs of 8 warps per SM).
 
 Two layouts (``Variant.layout``):
 - ``chunks`` (default): the host splits every descriptor into pieces of at most ``chunk_bytes``
