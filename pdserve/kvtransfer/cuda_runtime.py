@@ -6,12 +6,14 @@ Copy methods (``CudaRuntime(copy_method=...)``, default ``DEFAULT_COPY_METHOD``)
 ``cudaMemcpyAsync`` each (the copy engine, ~7-10 us of host time per call on the H200):
 - ``triton`` / ``triton:<variant>``: one Triton kernel over the table
   (``pdserve.kernels.triton_copy``, its ``DEFAULT_VARIANT`` or the named one). Without triton,
-  or with an address or length not 16-byte aligned, the copy goes as ``memcpy_batch`` where the
-  runtime has it, else one memcpy each.
+  with a kernel it cannot compile, or with an address or length not 16-byte aligned, one
+  memcpy each.
 - ``memcpy_batch``: one ``cudaMemcpyBatchAsync`` (CUDA runtime 12.8 or newer; the call lost its
-  ``failIdx`` argument in 13.0, both forms are bound); else one memcpy each.
+  ``failIdx`` argument in 13.0, both forms are bound); where the runtime lacks or refuses it,
+  one memcpy each.
 - ``memcpy``: one ``cudaMemcpyAsync`` per descriptor.
-A method that cannot run here logs why once (``unavailable``) and the next in that order runs.
+A method that cannot run here is logged once with the reason (``unavailable``) and not tried
+again; a failed copy (a CUDA error) raises OSError, which ``write`` reports as a failed transfer.
 Every copy is waited for: when ``copy`` returns the bytes landed. bench/gpu_ipc.py times them.
 """
 
@@ -258,7 +260,7 @@ class CudaRuntime:
         if len(copies) >= BATCHED_COPY_MIN:
             if kind == "triton" and self._triton_copy(copies, device, variant or None):
                 return
-            if kind != "memcpy" and "memcpy_batch" not in self.unavailable:
+            if kind == "memcpy_batch" and "memcpy_batch" not in self.unavailable:
                 try:
                     self._on_stream(device, self.memcpy_batch_async, copies)
                     return

@@ -71,8 +71,8 @@ BATCH = [("batch", [tuple(r) for r in COPIES.tolist()]), ("sync",)]
     ("method", "triton_takes", "batch_error", "expect"),
     [
         ("triton", True, 0, [("triton", None, BATCHED_COPY_MIN)]),
-        # the kernel refused them (unaligned, or no triton): one batched memcpy
-        ("triton", False, 0, [("triton", None, BATCHED_COPY_MIN), *BATCH]),
+        # the kernel refused them (unaligned, or no triton): one memcpy each
+        ("triton", False, 0, [("triton", None, BATCHED_COPY_MIN), *MEMCPY_EACH]),
         ("memcpy_batch", True, 0, BATCH),
         # the runtime refused the batch: redone one memcpy each
         ("memcpy_batch", True, 1, [BATCH[0], *MEMCPY_EACH]),
