@@ -12,12 +12,13 @@ bytes (``aligned``); the caller falls back otherwise (kvtransfer/cuda_runtime.py
 moves as int32 words, 4 per 16 bytes: the compiler sees every offset a multiple of 4 words and
 emits 128-bit loads and stores (``ld.global.v4.b32``; bench/gpu_ipc.py counts them in the PTX).
 Compiled for sm_90 by Triton 3.6 every variant below is ``LDG.E.128`` / ``STG.E.128`` only, the
-``grid2d`` kernel too; ``chunks-64k`` takes 62 registers a thread (4 programs of 8 warps per SM).
+``grid2d`` kernel too; ``chunks-64k`` takes 64 registers a thread (4 programs of 8 warps per SM).
 
 Two layouts (``Variant.layout``):
-- ``chunks`` (default): the host splits every descriptor into pieces of at most ``chunk_bytes``
-  (a prefix sum over the pieces per descriptor, ``chunk_rows``) and launches one program per
-  piece on a 1-D grid: no idle programs when lengths differ.
+- ``chunks`` (default): one program per piece of at most ``chunk_bytes``. Descriptors of
+  different lengths are split on the host (a prefix sum over the pieces per descriptor,
+  ``chunk_rows``) into a 1-D grid: no idle programs; descriptors with as many pieces each (KV
+  blocks) go as they are on a 2-D grid (row, piece), without the split's host time.
 - ``grid2d``: one row per descriptor; grid axis 1 = pieces of the longest descriptor, a program
   past its descriptor's end exits at once.
 
@@ -93,19 +94,20 @@ def _grid2d_kernel(rows_ptr, anchor_ptr, BLOCK: tl.constexpr, ITERS: tl.constexp
 
 @triton.jit
 def _chunks_kernel(rows_ptr, anchor_ptr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    # row p: one piece of at most CHUNK words, (src - anchor, dst - anchor, length) in 16-byte
-    # units; a full piece runs unmasked (all but a descriptor's last)
+    # program (p, j): piece j (CHUNK words) of row p = (src - anchor, dst - anchor, length) in
+    # 16-byte units; a full piece runs unmasked (all but a row's last)
     p = tl.program_id(0).to(tl.int64)
-    src = anchor_ptr + tl.multiple_of(tl.load(rows_ptr + p * 3) * 4, 4)
-    dst = anchor_ptr + tl.multiple_of(tl.load(rows_ptr + p * 3 + 1) * 4, 4)
-    words = tl.multiple_of(tl.load(rows_ptr + p * 3 + 2) * 4, 4)
+    start = tl.program_id(1).to(tl.int64) * CHUNK
+    src = anchor_ptr + tl.multiple_of(tl.load(rows_ptr + p * 3) * 4, 4) + start
+    dst = anchor_ptr + tl.multiple_of(tl.load(rows_ptr + p * 3 + 1) * 4, 4) + start
+    words = tl.multiple_of(tl.minimum(tl.load(rows_ptr + p * 3 + 2) * 4 - start, CHUNK), 4)
     if words == CHUNK:
-        for start in tl.static_range(0, CHUNK, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for off in tl.static_range(0, CHUNK, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
             tl.store(dst + offs, tl.load(src + offs))
     else:
-        for start in range(0, words, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for off in range(0, words, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
             mask = offs < words
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
@@ -127,15 +129,7 @@ def aligned(copies: Sequence[tuple[int, int, int]] | np.ndarray) -> bool:
 def chunk_rows(table: np.ndarray, chunk: int) -> np.ndarray:
     """Split every (src, dst, length) row into pieces of at most ``chunk``: piece k of row i
     starts ``k * chunk`` into it. Rows of length 0 give no piece. Order: row by row."""
-    n = table[:, 2]
-    pieces = (n + (chunk - 1)) // chunk
-    if len(table) and pieces.min() == pieces.max():  # as many pieces in every row (KV blocks)
-        offset = np.arange(int(pieces[0]), dtype=np.int64) * chunk
-        out = np.empty((len(table), len(offset), 3), dtype=np.int64)
-        np.add(table[:, 0:1], offset, out=out[:, :, 0])
-        np.add(table[:, 1:2], offset, out=out[:, :, 1])
-        np.minimum(n[:, None] - offset, chunk, out=out[:, :, 2])
-        return out.reshape(-1, 3)
+    pieces = (table[:, 2] + (chunk - 1)) // chunk
     row = np.repeat(np.arange(len(table)), pieces)
     first = np.cumsum(pieces) - pieces  # exclusive prefix sum: the row's first piece
     offset = (np.arange(len(row), dtype=np.int64) - first[row]) * chunk
@@ -147,16 +141,21 @@ def chunk_rows(table: np.ndarray, chunk: int) -> np.ndarray:
 
 def kernel_rows(table: np.ndarray, anchor: int, variant: Variant) -> tuple[np.ndarray, tuple[int, ...]]:
     """The rows the kernel reads (addresses relative to ``anchor``, everything in 16-byte units)
-    and its grid. ValueError when an address or length is not 16-byte aligned."""
+    and its grid. ``chunks``: rows with as many pieces each (equal lengths: KV blocks) stay whole
+    and grid axis 1 walks the pieces; otherwise the rows are split (``chunk_rows``) and axis 1 is
+    1. ValueError when an address or length is not 16-byte aligned."""
     if (table & (ALIGN - 1)).any() or anchor % ALIGN:
         raise ValueError("batched_copy needs 16-byte aligned addresses and lengths")
     units = table >> 4  # exact: multiples of 16 (an arithmetic shift, far cheaper than // 16)
     units[:, :2] -= anchor >> 4
     chunk = variant.chunk_bytes // ALIGN
-    if variant.layout == "chunks":
-        rows = chunk_rows(units, chunk)
-        return rows, (len(rows),)
-    return units, (len(units), triton.cdiv(int(units[:, 2].max()), chunk))
+    if variant.layout == "grid2d":
+        return units, (len(units), triton.cdiv(int(units[:, 2].max()), chunk))
+    pieces = (units[:, 2] + (chunk - 1)) // chunk
+    if pieces.min() == pieces.max():
+        return units, (len(units), int(pieces[0]))
+    rows = chunk_rows(units, chunk)
+    return rows, (len(rows), 1)
 
 
 class _Buffers:

@@ -82,8 +82,13 @@ def test_kernel_rows_are_anchor_relative_16_byte_units_and_the_grid_fits():
         [[anchor - 4096, anchor + 160, 300 * KiB], [anchor + 32, anchor - 64, 16]], dtype=np.int64
     )
     rows, grid = triton_copy.kernel_rows(table, anchor, triton_copy.VARIANTS["chunks-64k"])
-    assert grid == (6,) and rows[0].tolist() == [-256, 10, 4096] and rows[-1].tolist() == [2, -4, 1]
+    assert grid == (6, 1) and rows[0].tolist() == [-256, 10, 4096] and rows[-1].tolist() == [2, -4, 1]
     assert rows[4].tolist() == [-256 + 4 * 4096, 10 + 4 * 4096, 44 * KiB // 16]
+    # as many pieces in every row: the rows stay whole, grid axis 1 walks the pieces
+    equal = table.copy()
+    equal[1, 2] = 260 * KiB
+    rows, grid = triton_copy.kernel_rows(equal, anchor, triton_copy.VARIANTS["chunks-64k"])
+    assert grid == (2, 5) and rows.tolist() == [[-256, 10, 300 * KiB // 16], [2, -4, 260 * KiB // 16]]
     rows, grid = triton_copy.kernel_rows(table, anchor, triton_copy.VARIANTS["grid2d-128k"])
     assert grid == (2, 3) and rows.tolist() == [[-256, 10, 300 * KiB // 16], [2, -4, 1]]
     assert table[0, 0] == anchor - 4096  # the caller's table is left alone
@@ -134,6 +139,14 @@ def test_many_descriptors_land_byte_exact(device):
     g = torch.Generator().manual_seed(1)
     sizes = [16 * int(x) for x in torch.randint(1, 65, (120,), generator=g)]
     _src, dst, expect, copies = _case(sizes, 1, device)
+    _launch(copies, "chunks-64k", device)
+    assert torch.equal(dst, expect)
+
+
+@pytest.mark.parametrize("size", [2 * 64 * KiB + 48, 2 * 64 * KiB])
+def test_equal_lengths_land_byte_exact(size, device):
+    # whole rows on a 2-D grid (row, piece): a short last piece, or only full ones
+    _src, dst, expect, copies = _case([size] * 5, 3, device)
     _launch(copies, "chunks-64k", device)
     assert torch.equal(dst, expect)
 
