@@ -57,9 +57,11 @@ _MAX_REPLY_BYTES = 1 << 20
 _PROCESS_ID = f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def _span(table: np.ndarray, side: int) -> tuple[int, int]:
-    """[lowest start, highest end) of the descriptors' source (side 0) or target (side 1) bytes."""
-    return int(table[:, side].min()), int((table[:, side] + table[:, 2]).max())
+def _spans(table: np.ndarray) -> tuple[int, int, int, int]:
+    """[lowest start, highest end) of the descriptors' sources, then of their targets."""
+    lo = table[:, :2].min(axis=0)
+    hi = (table[:, :2] + table[:, 2:3]).max(axis=0)
+    return int(lo[0]), int(hi[0]), int(lo[1]), int(hi[1])
 
 
 class _Directory(socketserver.ThreadingTCPServer):
@@ -329,7 +331,7 @@ class CudaIpcBackend(TransferBackend):
         if len(descs) == 0:
             return
         table = copy_table(descs)
-        lo, hi = _span(table, 0)
+        lo, hi, d_lo, d_hi = _spans(table)
         with self._lock:
             # one registered range holding every source (the KV cache: the usual case) answers
             # for all descriptors at once; otherwise each is looked up
@@ -347,7 +349,6 @@ class CudaIpcBackend(TransferBackend):
                 f"source {bad[0]:#x}+{bad[1]} is not registered memory",
             )
         reply, ranges = self._peer_ranges(peer_session, transfer_id)
-        d_lo, d_hi = _span(table, 1)
         whole = self._find(ranges, d_lo, d_hi - d_lo)  # one peer range holds every target
         if whole is None and any(self._find(ranges, d, n) is None for _, d, n in table.tolist()):
             reply, ranges = self._peer_ranges(peer_session, transfer_id, fresh=True)  # registered since?
@@ -356,14 +357,12 @@ class CudaIpcBackend(TransferBackend):
         try:
             # each target moved from the peer's address to our mapping of it: one shift per
             # peer range (the whole table at once when one range holds every target)
-            moved = np.zeros(len(table), dtype=np.int64)
+            shifted = table.copy()
             if whole is not None:
-                moved[:] = (
-                    self._acquire(peer_session, reply, whole, held)
-                    + int(whole["offset"])
-                    - int(whole["addr"])
-                )
+                base = self._acquire(peer_session, reply, whole, held)
+                shifted[:, 1] += base + int(whole["offset"]) - int(whole["addr"])
             else:
+                moved = np.empty(len(table), dtype=np.int64)
                 shift: dict[int, int] = {}  # id(entry) -> (our address - peer's address) in that range
                 for i, (_, dst, n) in enumerate(table.tolist()):
                     entry = self._find(ranges, dst, n)
@@ -380,8 +379,7 @@ class CudaIpcBackend(TransferBackend):
                         base = self._acquire(peer_session, reply, entry, held)
                         delta = shift[id(entry)] = base + int(entry["offset"]) - int(entry["addr"])
                     moved[i] = delta
-            shifted = table.copy()
-            shifted[:, 1] += moved
+                shifted[:, 1] += moved
             self._cuda.copy(shifted, self._device)
         except (OSError, KeyError, TypeError, ValueError) as e:
             self._forget_peer(peer_session)  # the next write asks the peer again
