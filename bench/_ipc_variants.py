@@ -6,7 +6,8 @@ receiver's KV opened through CUDA IPC) and each method it measures
   a table already on the device; the memcpy calls; torch's copy), enqueued while a sleep kernel
   holds the stream, so host gaps do not count. Median of ``reps``.
 - ``host ms``: wall clock of the whole enqueue (table built, staged and launched, or the memcpy
-  calls), with the stream held by the sleep: the host path alone.
+  calls), with the stream held by the sleep: the host path alone. ``launch ms``: the same for the
+  Triton launch alone (the table already staged).
 - ``wall ms``: ``CudaRuntime.copy`` (the transport's call: lock, table, enqueue, stream wait) by
   wall clock; for the reference, torch's copy plus a synchronize.
 and checks that every destination slot holds its source's bytes afterwards.
@@ -194,10 +195,10 @@ def run_case(
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(
-        "\n| case | method | kernel ms | host ms | wall ms | GB/s kernel | GB/s wall | of copy (kernel) | "
-        "of copy (wall) | programs | v4 loads | bytes ok |"
+        "\n| case | method | kernel ms | host ms | launch ms | wall ms | GB/s kernel | GB/s wall | "
+        "of copy (kernel) | of copy (wall) | programs | v4 loads | bytes ok |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['case']} | {r['variant']} | skipped: {r['skipped']} |")
@@ -207,7 +208,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             return format(r[k], fmt) if r.get(k) is not None else "-"
 
         print(
-            f"| {r['case']} | {r['variant']} | {f('kernel_ms')} | {f('host_ms')} | {f('wall_ms')} | "
+            f"| {r['case']} | {r['variant']} | {f('kernel_ms')} | {f('host_ms')} | {f('launch_host_ms')} | "
+            f"{f('wall_ms')} | "
             f"{f('GBps_kernel', ',.0f')} | {f('GBps_wall', ',.0f')} | {f('of_copy_kernel', '.2f')} | "
             f"{f('of_copy_wall', '.2f')} | {r.get('programs', '-')} | {r.get('ptx_v4_loads', '-')} | "
             f"{r.get('ok', '-')}{' (fell back: ' + str(r['fell_back']) + ')' if r.get('fell_back') else ''} |"
