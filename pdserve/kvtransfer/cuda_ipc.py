@@ -12,25 +12,25 @@ asks again; a write ``refresh_s`` after the last answer uses it and has a backgr
 again (a loopback round trip costs ~100 us of Python and more, over the copy of a 2k-token
 prompt's KV), which retires the peer if its epoch changed or it stopped answering. It opens the peer's
 allocation once per (session, handle) with
-``cudaIpcOpenMemHandle`` and issues one ``cudaMemcpyAsync`` per descriptor on a private stream,
-then waits for that stream: when ``write`` returns the bytes are in the peer's tensor. The
-descriptors are already merged block runs (regions.build_descriptors), so a fresh 2k-token
-prompt is a handful of copies; from ``BATCHED_COPY_MIN`` descriptors on (scattered blocks)
-they go as one Triton kernel over the descriptor list instead (``pdserve.kernels.triton_copy``). Between GPUs of one host the same copy goes over NVLink / PCIe
+``cudaIpcOpenMemHandle`` and copies the descriptors (an int64 table, shifted to the mapping
+with numpy) on a private stream, then waits for it: when ``write`` returns the bytes are in the
+peer's tensor. The descriptors are already merged block runs (regions.build_descriptors), so a
+fresh 2k-token prompt is a handful of ``cudaMemcpyAsync``; from ``BATCHED_COPY_MIN`` descriptors
+on (scattered blocks) they go as one batched copy instead (``cuda_runtime``: a Triton kernel
+over the table by default). Between GPUs of one host the same copy goes over NVLink / PCIe
 peer access (``cudaIpcMemLazyEnablePeerAccess``). Writes into our own process (one process
 holding both ends, tests) skip the IPC open: the peer's address is ours ("our own" is a pid plus
 a random token, so containers with their own pid namespaces are told apart). A mapping of a peer
 that restarted (same address, new epoch) or stopped answering is closed once no write uses it:
 an open mapping would keep a dead decode's whole KV cache allocated.
 
-The CUDA runtime is reached through ctypes (``_CudaRuntime``); unit tests on hosts without CUDA
-pass a fake runtime with the same four calls. Nothing from the network is unpickled: the
+The CUDA runtime is reached through ctypes (``cuda_runtime.CudaRuntime``); unit tests on hosts
+without CUDA pass a fake runtime with the same calls. Nothing from the network is unpickled: the
 directory speaks JSON, and handles travel as hex.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -40,222 +40,28 @@ import socketserver
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
+
+import numpy as np
 
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
+from pdserve.kvtransfer.cuda_runtime import BATCHED_COPY_MIN, CudaApi, CudaRuntime, copy_table
 from pdserve.kvtransfer.regions import Descriptor
+
+__all__ = ["BATCHED_COPY_MIN", "CudaApi", "CudaIpcBackend", "parse_session"]
 
 logger = logging.getLogger(__name__)
 _MAX_REPLY_BYTES = 1 << 20
-_IPC_HANDLE_BYTES = 64
 # Who "this process" is in a directory reply. A pid alone is not enough: two containers on one
 # host (separate pid namespaces, both pid 1) would each take the other's addresses for their own.
 _PROCESS_ID = f"{os.getpid()}-{secrets.token_hex(8)}"
-# From this many descriptors on, one Triton kernel copies them all instead of one
-# cudaMemcpyAsync each (~7-10 us of host time per call on the H200); fewer, larger runs stay on
-# the copy engine.
-BATCHED_COPY_MIN = 4
-_batched_unavailable: str | None = None  # why the batched copy kernel cannot run here, if so
 
 
-class CudaApi(Protocol):
-    """The CUDA calls the backend needs; ``_CudaRuntime`` is the real one."""
-
-    def current_device(self) -> int: ...
-
-    def allocation_of(self, addr: int) -> tuple[int, int]:
-        """(base, size) of the device allocation holding ``addr``; raises ValueError for host memory."""
-        ...
-
-    def ipc_handle(self, base: int) -> bytes: ...
-
-    def open_handle(self, handle: bytes, device: int) -> int: ...
-
-    def close_handle(self, addr: int, device: int) -> None: ...
-
-    def copy(self, copies: Sequence[Descriptor], device: int) -> None:
-        """Device-to-device copies, in order; returns once all landed."""
-        ...
-
-
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
-
-
-def _load_cudart() -> ctypes.CDLL:
-    """The libcudart torch already loaded (same version as the caching allocator's), else any."""
-    import torch  # the engine's process already has it; initialising CUDA maps libcudart
-
-    torch.cuda.init()
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-    for path in sorted(paths) + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    raise OSError("kv_transport cuda_ipc: no libcudart found (torch with CUDA is required)")
-
-
-class _CudaRuntime:
-    """ctypes over libcudart (runtime API: the primary context torch uses, on any thread)."""
-
-    _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing picks D2D or peer
-    _IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
-    _CU_POINTER_MEMORY_TYPE = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE -> unsigned int
-    _CU_POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL -> int
-    _CU_MEMORYTYPE_DEVICE = 2
-
-    def __init__(self) -> None:
-        self._rt = _load_cudart()
-        self._cu = ctypes.CDLL("libcuda.so.1")
-        self._streams: dict[int, ctypes.c_void_p] = {}
-        self._torch_streams: dict[int, Any] = {}  # device -> torch.cuda.Stream of the batched copy
-        self._copy_locks: dict[int, threading.Lock] = {}  # device -> one batched copy at a time
-        self._lock = threading.Lock()
-        rt = self._rt
-        rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
-        rt.cudaMemcpyAsync.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        rt.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
-        rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
-        rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
-        rt.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        rt.cudaSetDevice.argtypes = [ctypes.c_int]
-        rt.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        rt.cudaGetErrorString.argtypes = [ctypes.c_int]
-        rt.cudaGetErrorString.restype = ctypes.c_char_p
-        # Driver calls for pointer facts: one scalar each, no struct whose size changes between
-        # CUDA releases (cudaPointerAttributes grew in 13.0; a short struct corrupts memory).
-        self._cu.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-        self._cu.cuMemGetAddressRange_v2.argtypes = [
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.POINTER(ctypes.c_size_t),
-            ctypes.c_uint64,
-        ]
-
-    def _check(self, code: int, what: str) -> None:
-        if code != 0:
-            self._rt.cudaGetLastError()  # clear it: torch's next launch check would report it as its own
-            msg = self._rt.cudaGetErrorString(code).decode()
-            raise OSError(f"{what} failed: CUDA error {code} ({msg})")
-
-    def _use(self, device: int) -> None:
-        self._check(self._rt.cudaSetDevice(device), f"cudaSetDevice({device})")
-
-    def current_device(self) -> int:
-        dev = ctypes.c_int()
-        self._check(self._rt.cudaGetDevice(ctypes.byref(dev)), "cudaGetDevice")
-        return dev.value
-
-    def allocation_of(self, addr: int) -> tuple[int, int]:
-        self._use(self.current_device())  # a current context for the driver calls below
-        mem_type, ordinal = ctypes.c_uint(), ctypes.c_int()
-        code = self._cu.cuPointerGetAttribute(ctypes.byref(mem_type), self._CU_POINTER_MEMORY_TYPE, addr)
-        if code != 0 or mem_type.value != self._CU_MEMORYTYPE_DEVICE:
-            raise ValueError(
-                f"address {addr:#x} is not device memory (CUresult {code}, type {mem_type.value})"
-            )
-        code = self._cu.cuPointerGetAttribute(ctypes.byref(ordinal), self._CU_POINTER_DEVICE_ORDINAL, addr)
-        if code != 0:
-            raise OSError(f"cuPointerGetAttribute(DEVICE_ORDINAL, {addr:#x}) failed: CUresult {code}")
-        self._use(ordinal.value)
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        code = self._cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), addr)
-        if code != 0:
-            raise OSError(f"cuMemGetAddressRange({addr:#x}) failed: CUresult {code}")
-        return base.value, size.value
-
-    def ipc_handle(self, base: int) -> bytes:
-        h = _IpcHandle()
-        self._check(
-            self._rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base)), "cudaIpcGetMemHandle"
-        )
-        # string_at, not h.reserved: a c_char array field reads as a C string and stops at a NUL
-        return ctypes.string_at(ctypes.addressof(h), _IPC_HANDLE_BYTES)
-
-    def open_handle(self, handle: bytes, device: int) -> int:
-        if len(handle) != _IPC_HANDLE_BYTES:
-            raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, expected {_IPC_HANDLE_BYTES}")
-        self._use(device)
-        h = _IpcHandle()
-        ctypes.memmove(ctypes.addressof(h), handle, _IPC_HANDLE_BYTES)
-        ptr = ctypes.c_void_p()
-        self._check(
-            self._rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, self._IPC_LAZY_PEER), "cudaIpcOpenMemHandle"
-        )
-        assert ptr.value is not None
-        return ptr.value
-
-    def close_handle(self, addr: int, device: int) -> None:
-        self._use(device)
-        self._check(self._rt.cudaIpcCloseMemHandle(ctypes.c_void_p(addr)), "cudaIpcCloseMemHandle")
-
-    def _stream(self, device: int) -> ctypes.c_void_p:
-        with self._lock:
-            s = self._streams.get(device)
-            if s is None:
-                s = ctypes.c_void_p()
-                self._check(self._rt.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreate")
-                self._streams[device] = s
-            return s
-
-    def copy(self, copies: Sequence[Descriptor], device: int) -> None:
-        self._use(device)
-        if len(copies) >= BATCHED_COPY_MIN and self._batched_copy(copies, device):
-            return
-        stream = self._stream(device)
-        memcpy = self._rt.cudaMemcpyAsync
-        for src, dst, n in copies:
-            self._check(memcpy(dst, src, n, self._MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
-        self._check(self._rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-
-    def _batched_copy(self, copies: Sequence[Descriptor], device: int) -> bool:
-        """All copies as one Triton kernel (``pdserve.kernels.triton_copy``) on a private torch
-        stream, waited for; False (nothing moved) when the kernel cannot take them: no triton,
-        or an address / length not 16-byte aligned."""
-        global _batched_unavailable
-        if _batched_unavailable is not None:
-            return False
-        try:
-            import torch
-
-            from pdserve.kernels import triton_copy
-        except ImportError as e:
-            _batched_unavailable = f"{type(e).__name__}: {e}"
-            logger.warning("cuda_ipc: no batched copy kernel, one memcpy per block: %s", _batched_unavailable)
-            return False
-        dev = torch.device("cuda", device)
-        with self._lock:
-            stream = self._torch_streams.get(device)
-            if stream is None:
-                stream = self._torch_streams[device] = torch.cuda.Stream(dev)
-                self._copy_locks[device] = threading.Lock()
-            copy_lock = self._copy_locks[device]
-        # one batched copy at a time per device: they share the stream and its pinned descriptor
-        # table (concurrent writes would run one after the other on that stream anyway)
-        with copy_lock:
-            try:
-                with torch.cuda.device(dev):
-                    triton_copy.batched_copy(copies, dev, stream)
-                    stream.synchronize()
-            except ValueError:  # an address or length not 16-byte aligned: nothing was enqueued
-                return False
-            except RuntimeError as e:  # a launch error is CUDA's: report it like a failed memcpy
-                raise OSError(f"batched copy of {len(copies)} descriptors failed: {e}") from e
-        return True
-
-
-def _span(descs: Sequence[Descriptor], side: int) -> tuple[int, int]:
-    """[lowest start, highest end) of the descriptors' source (side 0) or target (side 1) bytes."""
-    lo = min(d[side] for d in descs)
-    hi = max(d[side] + d[2] for d in descs)
-    return lo, hi
+def _spans(table: np.ndarray) -> tuple[int, int, int, int]:
+    """[lowest start, highest end) of the descriptors' sources, then of their targets."""
+    lo = table[:, :2].min(axis=0)
+    hi = (table[:, :2] + table[:, 2:3]).max(axis=0)
+    return int(lo[0]), int(hi[0]), int(lo[1]), int(hi[1])
 
 
 class _Directory(socketserver.ThreadingTCPServer):
@@ -303,7 +109,7 @@ class CudaIpcBackend(TransferBackend):
     ) -> None:
         """``device``: the CUDA ordinal whose context opens peers' handles and issues the copies
         (the KV cache's device); None = the current one."""
-        self._cuda: CudaApi = cuda if cuda is not None else _CudaRuntime()
+        self._cuda: CudaApi = cuda if cuda is not None else CudaRuntime()
         self._host = host
         self._timeout_s = timeout_s
         self._refresh_s = refresh_s
@@ -522,16 +328,17 @@ class CudaIpcBackend(TransferBackend):
     def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
         if self._closed:
             raise TransferError(peer_session, transfer_id, "write", None, "backend is closed")
-        if not descs:
+        if len(descs) == 0:
             return
-        lo, hi = _span(descs, 0)
+        table = copy_table(descs)
+        lo, hi, d_lo, d_hi = _spans(table)
         with self._lock:
             # one registered range holding every source (the KV cache: the usual case) answers
             # for all descriptors at once; otherwise each is looked up
             bad = (
                 None
                 if self._ranges.contains(lo, hi - lo)
-                else self._ranges.first_outside([(s, n) for s, _, n in descs])
+                else self._ranges.first_outside([(s, n) for s, _, n in table.tolist()])
             )
         if bad is not None:
             raise TransferError(
@@ -542,39 +349,38 @@ class CudaIpcBackend(TransferBackend):
                 f"source {bad[0]:#x}+{bad[1]} is not registered memory",
             )
         reply, ranges = self._peer_ranges(peer_session, transfer_id)
-        d_lo, d_hi = _span(descs, 1)
         whole = self._find(ranges, d_lo, d_hi - d_lo)  # one peer range holds every target
-        if whole is None and any(self._find(ranges, d, n) is None for _, d, n in descs):
+        if whole is None and any(self._find(ranges, d, n) is None for _, d, n in table.tolist()):
             reply, ranges = self._peer_ranges(peer_session, transfer_id, fresh=True)  # registered since?
             whole = self._find(ranges, d_lo, d_hi - d_lo)
-        copies: list[Descriptor] = []
         held: list[tuple[str, str]] = []
-        shift: dict[int, int] = {}  # id(entry) -> (our address - peer's address) inside that range
         try:
+            # each target moved from the peer's address to our mapping of it: one shift per
+            # peer range (the whole table at once when one range holds every target)
+            shifted = table.copy()
             if whole is not None:
-                moved = (
-                    self._acquire(peer_session, reply, whole, held)
-                    + int(whole["offset"])
-                    - int(whole["addr"])
-                )
-                self._cuda.copy([(src, dst + moved, n) for src, dst, n in descs], self._device)
-                return
-            for src, dst, n in descs:
-                entry = self._find(ranges, dst, n)
-                if entry is None:
-                    raise TransferError(
-                        peer_session,
-                        transfer_id,
-                        "write",
-                        -1,
-                        f"target {dst:#x}+{n} is not registered on the peer",
-                    )
-                delta = shift.get(id(entry))
-                if delta is None:
-                    base = self._acquire(peer_session, reply, entry, held)
-                    delta = shift[id(entry)] = base + int(entry["offset"]) - int(entry["addr"])
-                copies.append((src, dst + delta, n))
-            self._cuda.copy(copies, self._device)
+                base = self._acquire(peer_session, reply, whole, held)
+                shifted[:, 1] += base + int(whole["offset"]) - int(whole["addr"])
+            else:
+                moved = np.empty(len(table), dtype=np.int64)
+                shift: dict[int, int] = {}  # id(entry) -> (our address - peer's address) in that range
+                for i, (_, dst, n) in enumerate(table.tolist()):
+                    entry = self._find(ranges, dst, n)
+                    if entry is None:
+                        raise TransferError(
+                            peer_session,
+                            transfer_id,
+                            "write",
+                            -1,
+                            f"target {dst:#x}+{n} is not registered on the peer",
+                        )
+                    delta = shift.get(id(entry))
+                    if delta is None:
+                        base = self._acquire(peer_session, reply, entry, held)
+                        delta = shift[id(entry)] = base + int(entry["offset"]) - int(entry["addr"])
+                    moved[i] = delta
+                shifted[:, 1] += moved
+            self._cuda.copy(shifted, self._device)
         except (OSError, KeyError, TypeError, ValueError) as e:
             self._forget_peer(peer_session)  # the next write asks the peer again
             raise TransferError(peer_session, transfer_id, "write", -1, f"device copy failed: {e}") from e

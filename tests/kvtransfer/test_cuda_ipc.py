@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 from pdserve.errors import ConfigError
@@ -55,7 +56,8 @@ class FakeCuda:
         self.closed.append(addr)
 
     def copy(self, copies, device: int) -> None:
-        for src, dst, n in copies:
+        assert copies.dtype == np.int64 and copies.shape == (len(copies), 3)  # the table write() builds
+        for src, dst, n in copies.tolist():
             self.copies.append((src, dst, n))
             ctypes.memmove(dst, src, n)
 
@@ -253,6 +255,45 @@ def test_stale_answer_is_used_and_rechecked_off_the_write_path(cuda):
         assert cuda.closed == [dst]  # the background ask saw the new epoch and let the mapping go
         with pytest.raises(TransferError, match="peer restarted"):
             p.write(d.session_id, [(src, dst, 16)], transfer_id="t3")
+    finally:
+        p.close()
+        d.close()
+
+
+class ShadowCuda(FakeCuda):
+    """Opening a peer's handle maps its allocation at another address here (a shadow buffer),
+    as CUDA IPC does: a copy lands right only if the target was moved to the mapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shadows: dict[int, ctypes.Array] = {}
+
+    def open_handle(self, handle: bytes, device: int) -> int:
+        base = super().open_handle(handle, device)
+        self.shadows[base] = ctypes.create_string_buffer(SIZE)
+        return ctypes.addressof(self.shadows[base])
+
+
+def test_targets_move_to_the_mapping_of_their_peer_range():
+    cuda = ShadowCuda()
+    p, d = CudaIpcBackend(cuda=cuda), CudaIpcBackend(cuda=cuda)
+    try:
+        _src_buf, src = cuda.alloc(5)
+        peer_a_buf, peer_a = cuda.alloc(0)
+        peer_b_buf, peer_b = cuda.alloc(0)
+        p.register(src, SIZE)
+        d.register(peer_a + 512, 2048)  # an interior range: its offset in the allocation counts
+        d.register(peer_b, SIZE)
+        d._process = "another"  # the IPC path: targets move to our mappings
+        # one peer range holds every target (one shift), then targets in two ranges (one each)
+        p.write(d.session_id, [(src + 16 * i, peer_a + 512 + 64 * i, 16) for i in range(6)], transfer_id="t1")
+        p.write(d.session_id, [(src, peer_a + 2048, 48), (src, peer_b + 256, 32)], transfer_id="t2")
+        a, b = cuda.shadows[peer_a].raw, cuda.shadows[peer_b].raw
+        assert all(a[512 + 64 * i : 528 + 64 * i] == b"\x05" * 16 for i in range(6))
+        assert a[2048:2096] == b"\x05" * 48 and b[256:288] == b"\x05" * 32
+        assert a.count(5) == 6 * 16 + 48 and b.count(5) == 32  # nothing anywhere else
+        assert cuda.opened == [peer_a, peer_b]  # each allocation opened once
+        assert peer_a_buf.raw == peer_b_buf.raw == b"\x00" * SIZE  # nothing at the peer's addresses
     finally:
         p.close()
         d.close()
