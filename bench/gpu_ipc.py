@@ -277,3 +277,7 @@ def _print_breakdown(res: dict) -> None:
         f"{copy['case']} slots); copy = host path and wait {copy['wall_ms'] - copy['kernel_ms']:.3f} "
         f"(enqueue alone {copy['host_ms']:.3f}) + kernel {copy['kernel_ms']:.3f}"
     )
+
+
+if __name__ == "__main__":
+    main()
