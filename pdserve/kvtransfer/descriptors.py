@@ -47,9 +47,18 @@ def _ids(block_ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
         raise BlockIdError(f"{what}: a block id is outside int64: {list(block_ids)}") from None
 
 
+_LISTS = (list, tuple)
+
+
+def _steps_by_one(ids: Sequence[int]) -> bool:
+    """``ids[i] == ids[0] + i`` for every i, as one C-level compare (a list or a tuple)."""
+    run = range(ids[0], ids[0] + len(ids))
+    return ids == (list(run) if isinstance(ids, list) else tuple(run))
+
+
 def _id_pairs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> np.ndarray:
     """[2, k] int64: the sender's ids, then the receiver's (one conversion for two lists)."""
-    if isinstance(src, list) and isinstance(dst, list):
+    if isinstance(src, _LISTS) and isinstance(dst, _LISTS):
         try:
             return np.array((src, dst), dtype=np.int64).reshape(2, -1)
         except OverflowError:
@@ -115,26 +124,34 @@ class DescriptorPlan:
 
     def _check(
         self, src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The ids as one int64 array [2, k] (sender's, receiver's) and its steps ``np.diff``
-        along k; BlockIdError where they do not pair up or fit."""
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The ids as one int64 array [2, k] (sender's, receiver's), its steps along k, and
+        whether the sender's ids increase; BlockIdError where they do not pair up or fit."""
         if len(src_block_ids) != len(dst_block_ids):
             raise BlockIdError(
                 f"sender has {len(src_block_ids)} block ids but receiver has {len(dst_block_ids)}; they pair 1:1"
             )
         ids = _id_pairs(src_block_ids, dst_block_ids)
+        k = ids.shape[1]
         step = ids[:, 1:] - ids[:, :-1]
-        if len(step[1]) and step[1].min() <= 0:  # increasing ids cannot repeat; others are sorted
+        s_up, d_up = step.min(axis=1).tolist() if k > 1 else (1, 1)  # > 0: the ids increase
+        if d_up > 0:  # increasing ids cannot repeat
+            d_lo, d_hi = (int(ids[1, 0]), int(ids[1, -1])) if k else (0, 0)
+        else:  # sorted to tell
             ordered = np.sort(ids[1])
             if (ordered[1:] == ordered[:-1]).any():
                 raise BlockIdError(
                     f"receiver block ids repeat (two writes to one block): {list(dst_block_ids)}"
                 )
-        if not ids.shape[1] or not self.pairs:
-            return ids, step
+            d_lo, d_hi = int(ordered[0]), int(ordered[-1])
+        if not k or not self.pairs:
+            return ids, step, s_up > 0
         # The id lists are the same for every layer, so their extremes decide; the per-layer scan
         # (which names the layer and the id) runs only when they fail.
-        (s_lo, d_lo), (s_hi, d_hi) = ids.min(axis=1).tolist(), ids.max(axis=1).tolist()
+        if s_up > 0:
+            s_lo, s_hi = int(ids[0, 0]), int(ids[0, -1])
+        else:
+            s_lo, s_hi = int(ids[0].min()), int(ids[0].max())
         if s_lo < 0 or (self._src_limit is not None and s_hi >= self._src_limit):
             for s, _ in self.pairs:
                 check_block_ids(ids[0], s.num_blocks, what=f"sender layer {s.layer_name!r}")
@@ -144,7 +161,7 @@ class DescriptorPlan:
         for side, hi in ((0, s_hi), (1, d_hi)):
             if self._reach[side] + hi * self._stride[side] >= 1 << 63:
                 raise BlockIdError(f"{('sender', 'receiver')[side]} block id {hi} lies past 2**63 bytes")
-        return ids, step
+        return ids, step, s_up > 0
 
     def _one_run(
         self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
@@ -152,12 +169,14 @@ class DescriptorPlan:
         """The rows of one run of blocks on both ends (a fresh pool on both, the common case)
         from C-level list compares, without arrays of ids; None where that is not the case,
         the groups take a row per block, or an id needs ``_check`` (which raises)."""
-        if not (self._per_run and type(src) is list and type(dst) is list and src and len(src) == len(dst)):
+        if not (self._per_run and isinstance(src, _LISTS) and isinstance(dst, _LISTS)):
+            return None
+        if not src or len(src) != len(dst):
             return None
         k, s0, d0 = len(src), src[0], dst[0]
         if not (0 <= s0 and 0 <= d0 and src[-1] - s0 == k - 1 == dst[-1] - d0):  # the ends first
             return None
-        if not (src == list(range(s0, s0 + k)) and dst == list(range(d0, d0 + k))):
+        if not (_steps_by_one(src) and _steps_by_one(dst)):
             return None
         for end, limit, reach, stride in zip(
             (s0 + k, d0 + k), (self._src_limit, self._dst_limit), self._reach, self._stride, strict=True
@@ -177,7 +196,7 @@ class DescriptorPlan:
         one = self._one_run(src_block_ids, dst_block_ids)
         if one is not None:
             return one
-        ids, step = self._check(src_block_ids, dst_block_ids)
+        ids, step, src_up = self._check(src_block_ids, dst_block_ids)
         k = ids.shape[1]
         if not k or not self._sets:
             return np.empty((0, 3), dtype=np.int64)
@@ -210,8 +229,8 @@ class DescriptorPlan:
             else:
                 rows[:, :, 2] = n
             at += size
-        if self._runs_only and (runs.shape[1] == 1 or (runs[0, 1:] > runs[0, :-1]).all()):
-            return table
+        if self._runs_only and (src_up or (runs[0, 1:] > runs[0, :-1]).all()):
+            return table  # one group, rows in increasing source order: nothing to merge
         return merge_adjacent_columns(table[:, 0], table[:, 1], table[:, 2])
 
 

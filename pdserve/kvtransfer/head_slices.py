@@ -107,7 +107,7 @@ class HeadSlicePlan:
         return len(self.row_runs) * len(self.pairs)
 
     def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> DescriptorTable:
-        ids, _ = self._bounds._check(src_block_ids, dst_block_ids)
+        ids, _, _ = self._bounds._check(src_block_ids, dst_block_ids)
         if not len(self._rows) or not ids.shape[1] or not self.pairs:
             return np.empty((0, 3), dtype=np.int64)
         # [pair, block, row]: the row's offsets from the block's address on each side

@@ -195,7 +195,9 @@ def test_plan_matches_the_python_reference_on_random_inputs():
         pairs = _pairs(rng)
         new, ref = DescriptorPlan(pairs), _RefPlan(pairs)
         for bad in (False, True):
-            src, dst = _ids(rng, bad)
+            src_ids, dst = _ids(rng, bad)
+            # the producer's held ids are a tuple, the receiver's a list
+            src: Sequence[int] = tuple(src_ids) if rng.random() < 0.5 else src_ids
             want = _outcome(ref.descriptors, src, dst)
             assert _outcome(new.descriptors, src, dst) == want, (pairs, src, dst)
             got = new.descriptors(src, dst) if isinstance(want, list) else None
@@ -238,6 +240,7 @@ def test_head_slices_match_the_python_reference():
     [
         ([0, 1], [0], r"^sender has 2 block ids but receiver has 1; they pair 1:1$"),
         ([0, 1, 2], [5, 3, 5], r"^receiver block ids repeat \(two writes to one block\): \[5, 3, 5\]$"),
+        ([0, 1, 2], [3, 3, 4], r"^receiver block ids repeat \(two writes to one block\): \[3, 3, 4\]$"),
         ([0, 8], [0, 1], r"^sender layer 'layers.0': block id 8 is outside \[0, 8\)$"),
         ([9, 0, 8], [0, 1, 2], r"^sender layer 'layers.0': block id 9 is outside \[0, 8\)$"),  # the first
         ([0, 1], [1, -2], r"^receiver layer 'layers.0': block id -2 is outside \[0, 4\)$"),
