@@ -37,7 +37,7 @@ from pdserve.kernels import triton_copy  # noqa: E402
 from pdserve.kvtransfer import cuda_runtime  # noqa: E402
 from pdserve.kvtransfer.connector import KVProducer  # noqa: E402
 from pdserve.kvtransfer.cuda_ipc import CudaIpcBackend  # noqa: E402
-from pdserve.kvtransfer.regions import align_regions, build_descriptors, regions_for_kv_cache  # noqa: E402
+from pdserve.kvtransfer.regions import DescriptorPlan, align_regions, regions_for_kv_cache  # noqa: E402
 
 LAYERS = [f"model.layers.{i}.self_attn" for i in range(16)]
 GEOM = dict(block_size=16, num_kv_heads=8, head_dim=64, elem_bytes=2)
@@ -161,11 +161,13 @@ def main() -> None:
             }
         )
     rt.copy_method = default
-    # The backend's write alone (descriptors built once): the copy plus the ctypes / directory
-    # cost, without KVProducer's validation and descriptor building.
+    # The backend's write alone (descriptors built once, the int64 table a push writes): the
+    # copy plus the ctypes / directory cost, without KVProducer's validation and descriptor building.
     for layout in ("consecutive", "scattered"):
-        descs = build_descriptors(align_regions(src_regions, dst_regions), src_blocks, layouts[layout])
-        wn = sum(d[2] for d in descs)
+        descs = DescriptorPlan(align_regions(src_regions, dst_regions)).descriptors(
+            src_blocks, layouts[layout]
+        )
+        wn = int(descs[:, 2].sum())
         w_ms = median_ms(lambda d=descs: backend.write(session, d, transfer_id="w"), args.reps)
         res["rows"].append(
             {

@@ -38,13 +38,12 @@ which keeps this package free of engine and model imports.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.distributed.workers import PipelineStageError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.head_slices import HeadGather
-from pdserve.kvtransfer.regions import Descriptor, Region
+from pdserve.kvtransfer.regions import Descriptors, Region
 
 __all__ = [
     "KVWorkers",
@@ -87,7 +86,7 @@ class KVWorkers(abc.ABC):
         self,
         rank: int,
         peer_session: str,
-        descs: Sequence[Descriptor],
+        descs: Descriptors,
         transfer_id: str,
         gather: HeadGather | None = None,
     ) -> None:
@@ -132,11 +131,11 @@ class StageWriteBackend(TransferBackend):
     def unregister(self, addr: int) -> None:
         raise NotImplementedError("a stage's KV is registered in its own process")
 
-    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+    def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
         self._runner.stage_write(self._endpoint.worker, peer_session, descs, transfer_id)
 
     def write_gathered(
-        self, peer_session: str, gather: HeadGather, descs: Sequence[Descriptor], *, transfer_id: str
+        self, peer_session: str, gather: HeadGather, descs: Descriptors, *, transfer_id: str
     ) -> None:
         self._runner.stage_write(self._endpoint.worker, peer_session, descs, transfer_id, gather)
 

@@ -9,14 +9,13 @@ runners differ only in what an endpoint says about its worker (layers, or KV hea
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 from pdserve.distributed.pp_stage import STAGE_WRITE_TIMEOUT_S
 from pdserve.distributed.workers import WorkerGroup
 from pdserve.engine.workers import KVEndpoint, RegisterKV, WriteFailed, WriteKV
 from pdserve.kvtransfer.backend import TransferError
 from pdserve.kvtransfer.head_slices import HeadGather
-from pdserve.kvtransfer.regions import Descriptor, Region
+from pdserve.kvtransfer.regions import Descriptors, Region, descriptor_list
 
 
 class WorkerKV:
@@ -43,12 +42,12 @@ class WorkerKV:
         self,
         rank: int,
         peer_session: str,
-        descs: Sequence[Descriptor],
+        descs: Descriptors,
         transfer_id: str,
         gather: HeadGather | None = None,
     ) -> None:
         with self._xlocks[rank - 1]:
-            msg = WriteKV(peer_session, list(descs), transfer_id, gather)
+            msg = WriteKV(peer_session, descriptor_list(descs), transfer_id, gather)
             reply = self.workers.request(rank, msg, STAGE_WRITE_TIMEOUT_S, "finish a KV write")
         if isinstance(reply, WriteFailed):
             raise TransferError(

@@ -1,6 +1,7 @@
 """KV transfer between prefill and decode (docs/design.md §3).
 
-regions       Region, alignment by (layer_name, occurrence), descriptors, batches  (pure Python)
+regions       Region, alignment by (layer_name, occurrence)                       (pure Python)
+descriptors   DescriptorPlan: block ids -> merged int64 descriptor table, batches  (numpy)
 backend       TransferBackend seam: MooncakeBackend (real), LoopbackBackend (unit tests)
 send_tracker  prefill-side completion counting and leases                          (pure Python)
 handshake     compatibility hash, epoch, field-by-field check                      (pure Python)
@@ -20,6 +21,8 @@ from pdserve.kvtransfer.regions import (
     MAX_DESCRIPTORS_PER_BATCH,
     BlockIdError,
     Descriptor,
+    Descriptors,
+    DescriptorTable,
     Region,
     RegionMismatchError,
     align_regions,
@@ -34,6 +37,8 @@ __all__ = [
     "MAX_DESCRIPTORS_PER_BATCH",
     "BlockIdError",
     "Descriptor",
+    "DescriptorTable",
+    "Descriptors",
     "HandshakeError",
     "HandshakeInfo",
     "KVSendTracker",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from pdserve.errors import PdserveError
-from pdserve.kvtransfer.regions import MAX_DESCRIPTORS_PER_BATCH, Descriptor, split_batches
+from pdserve.kvtransfer.regions import MAX_DESCRIPTORS_PER_BATCH, Descriptors, descriptor_list, split_batches
 
 # Writes of many descriptors (more than MANY_DESCRIPTORS) go in batches of WRITE_BATCH_DESCRIPTORS,
 # at most WRITE_SLOTS_PER_PROCESS batches of a process in flight. Measured on loopback TCP
@@ -115,8 +115,10 @@ class TransferBackend(ABC):
         """Forget the range registered at ``addr``; in-flight writes to it must have ended."""
 
     @abstractmethod
-    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+    def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
         """Copy every ``(src_addr, dst_addr, length)`` into the peer; returns when all bytes landed.
+
+        ``descs``: a list of tuples or an int64 array [n, 3] of those rows (``DescriptorTable``).
 
         Sources must lie inside this backend's registered memory. Chunked at the engine's
         per-call limit; raises TransferError on the first failed chunk (earlier chunks stay written).
@@ -186,8 +188,9 @@ class MooncakeBackend(TransferBackend):
         if code < 0:
             raise TransferError(self._session_id, "-", f"unregister({addr:#x})", code)
 
-    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+    def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
         engine = self._live_engine("write", peer_session, transfer_id)
+        descs = descriptor_list(descs)  # the engine takes lists of Python ints
         with self._lock:
             bad = self._ranges.first_outside([(s, n) for s, _, n in descs])
         if bad is not None:
@@ -258,13 +261,14 @@ class LoopbackBackend(TransferBackend):
                     self._session_id, "-", f"unregister({addr:#x})", None, "not registered"
                 ) from None
 
-    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+    def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
         with self._table_lock:
             peer = self._sessions.get(peer_session)
         if peer is None or self._session_id not in self._sessions:
             raise TransferError(
                 peer_session, transfer_id, "write", None, "no such loopback session (or closed)"
             )
+        descs = descriptor_list(descs)  # ctypes.memmove takes Python ints
         for batch in split_batches(descs, MAX_DESCRIPTORS_PER_BATCH):
             if self.fail_next_writes > 0:
                 self.fail_next_writes -= 1

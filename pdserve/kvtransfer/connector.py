@@ -427,17 +427,17 @@ class KVProducer:
         else:
             plan = self._plan(dst_regions, dst_heads)
             descs = plan.descriptors(src_ids, list(dst_block_ids))
-        nbytes = sum(d[2] for d in descs)
+        nbytes = int(descs[:, 2].sum())  # an int64 table [n, 3] (regions.DescriptorTable)
         t0 = time.perf_counter()
         ok, err = False, ""
         self.tracker.begin_send(transfer_id)
         try:
-            if descs and isinstance(plan, GatherPlan):
+            if len(descs) and isinstance(plan, GatherPlan):
                 assert self.gatherer is not None
                 self.gatherer.write_gathered(
                     dst_session, plan.gather(src_ids), descs, transfer_id=transfer_id
                 )
-            elif descs:
+            elif len(descs):
                 self.backend.write(dst_session, descs, transfer_id=transfer_id)
             ok = True
         except Exception as e:  # the write failed: counted and reported, never swallowed silently

@@ -14,8 +14,9 @@ prompt's KV), which retires the peer if its epoch changed or it stopped answerin
 allocation once per (session, handle) with
 ``cudaIpcOpenMemHandle`` and copies the descriptors (an int64 table, shifted to the mapping
 with numpy) on a private stream, then waits for it: when ``write`` returns the bytes are in the
-peer's tensor. The descriptors are already merged block runs (regions.build_descriptors), so a
-fresh 2k-token prompt is a handful of ``cudaMemcpyAsync``; from ``BATCHED_COPY_MIN`` descriptors
+peer's tensor. The descriptors are already merged block runs (``regions.DescriptorPlan``'s int64
+table, taken as it is; a list of tuples is converted), so a fresh 2k-token prompt is a handful
+of ``cudaMemcpyAsync``; from ``BATCHED_COPY_MIN`` descriptors
 on (scattered blocks) they go as one batched copy instead (``cuda_runtime``: a Triton kernel
 over the table by default). Between GPUs of one host the same copy goes over NVLink / PCIe
 peer access (``cudaIpcMemLazyEnablePeerAccess``). Writes into our own process (one process
@@ -39,14 +40,13 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
 from pdserve.kvtransfer.cuda_runtime import BATCHED_COPY_MIN, CudaApi, CudaRuntime, copy_table
-from pdserve.kvtransfer.regions import Descriptor
+from pdserve.kvtransfer.regions import Descriptors
 
 __all__ = ["BATCHED_COPY_MIN", "CudaApi", "CudaIpcBackend", "parse_session"]
 
@@ -325,7 +325,7 @@ class CudaIpcBackend(TransferBackend):
                     to_close.append(self._opened.pop(key)[0])
         self._close_mappings(to_close)
 
-    def write(self, peer_session: str, descs: Sequence[Descriptor], *, transfer_id: str) -> None:
+    def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
         if self._closed:
             raise TransferError(peer_session, transfer_id, "write", None, "backend is closed")
         if len(descs) == 0:

@@ -20,16 +20,14 @@ Every copy is waited for: when ``copy`` returns the bytes landed. bench/gpu_ipc.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from pdserve.errors import ConfigError
-from pdserve.kvtransfer.regions import Descriptor
+from pdserve.kvtransfer.regions import Descriptors, descriptor_table
 
 logger = logging.getLogger(__name__)
 _IPC_HANDLE_BYTES = 64
@@ -38,11 +36,9 @@ COPY_METHODS = ("triton", "memcpy_batch", "memcpy")  # and "triton:<variant>"
 DEFAULT_COPY_METHOD = "triton"
 
 
-def copy_table(copies: Sequence[Descriptor] | np.ndarray) -> np.ndarray:
-    """Descriptors as an int64 array [n, 3] (src, dst, bytes); an array passes through."""
-    if isinstance(copies, np.ndarray):
-        return copies.astype(np.int64, copy=False).reshape(-1, 3)
-    return np.fromiter(itertools.chain.from_iterable(copies), np.int64, 3 * len(copies)).reshape(-1, 3)
+def copy_table(copies: Descriptors) -> np.ndarray:
+    """Descriptors as an int64 array [n, 3] (src, dst, bytes); an int64 array passes through."""
+    return descriptor_table(copies)
 
 
 def check_copy_method(method: str) -> str:

@@ -24,8 +24,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from pdserve.errors import InvalidRequestError
-from pdserve.kvtransfer.regions import Descriptor, DescriptorPlan, Region, align_regions, merge_adjacent
+from pdserve.kvtransfer.regions import DescriptorPlan, DescriptorTable, Region, align_regions, merge_adjacent
 
 # The block every group's pool takes at start and never frees (engine/kv_group_tables.py): a
 # table entry of a block the group does not hold. Defined here, beneath the engine, so that this
@@ -117,7 +119,7 @@ class GroupPlan:
         dst_ids: Sequence[int],
         src_group_ids: Sequence[Sequence[int]],
         dst_group_ids: Sequence[Sequence[int]],
-    ) -> list[Descriptor]:
+    ) -> DescriptorTable:
         """Group 0 from ``src_ids`` to ``dst_ids``; group g from the sender's table to every
         non-NULL entry of the receiver's (both tables cover the same positions from 0)."""
         if len(dst_group_ids) != len(self.plans) - 1 or len(src_group_ids) != len(self.plans) - 1:
@@ -125,7 +127,7 @@ class GroupPlan:
                 f"{len(dst_group_ids)} destination group tables for {len(self.plans) - 1} KV groups "
                 "after the first; prefill and decode must run the same KV group layout"
             )
-        raw = list(self.plans[0].descriptors(src_ids, dst_ids))
+        raw = [self.plans[0].descriptors(src_ids, dst_ids)]
         for g, (plan, src_t, dst_t) in enumerate(
             zip(self.plans[1:], src_group_ids, dst_group_ids, strict=True), 1
         ):
@@ -143,8 +145,8 @@ class GroupPlan:
                     )
                 src_sel.append(s)
                 dst_sel.append(d)
-            raw += plan.descriptors(src_sel, dst_sel)
-        return merge_adjacent(raw)
+            raw.append(plan.descriptors(src_sel, dst_sel))
+        return merge_adjacent(np.concatenate(raw))
 
 
 class GroupPlans:

@@ -18,7 +18,7 @@ That is ``HeadSlicePlan``, used when the decode rank holds more heads than the p
 (prefill TP 2 -> decode TP 1). When the prefill rank holds all of the decode rank's heads
 (prefill TP 1 -> decode TP 2), ``GatherPlan`` packs them first (``staging.Stager``: one torch
 gather into a registered buffer in the decode rank's layout) and writes whole runs instead.
-Pure Python, no torch.
+numpy, no torch.
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from pdserve.kvtransfer.regions import (
     Descriptor,
     DescriptorPlan,
+    Descriptors,
+    DescriptorTable,
     Region,
     RegionMismatchError,
-    merge_adjacent,
+    merge_adjacent_columns,
 )
 
 
@@ -90,21 +94,31 @@ class HeadSlicePlan:
             if lo < hi
             else []
         )
+        self._rows = np.array(self.row_runs, dtype=np.int64).reshape(-1, 3)
+        sides = ([s for s, _ in self.pairs], [d for _, d in self.pairs])  # [pair, 1] columns below
+        self._bases = [np.array([r.base_addr for r in rs], dtype=np.int64).reshape(-1, 1) for rs in sides]
+        self._strides = [
+            np.array([r.block_stride_bytes for r in rs], dtype=np.int64).reshape(-1, 1) for rs in sides
+        ]
 
     @property
     def descriptors_per_block(self) -> int:
         """Descriptors one block pair costs over every layer (before merging adjacent ones)."""
         return len(self.row_runs) * len(self.pairs)
 
-    def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[Descriptor]:
-        self._bounds._check(src_block_ids, dst_block_ids)
-        runs = self.row_runs
-        raw: list[Descriptor] = []
-        for s, d in self.pairs:
-            for sb, db in zip(src_block_ids, dst_block_ids, strict=True):
-                s0, d0 = s.block_addr(sb), d.block_addr(db)
-                raw += [(s0 + so, d0 + do, n) for so, do, n in runs]
-        return merge_adjacent(raw)
+    def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> DescriptorTable:
+        ids, _, _ = self._bounds._check(src_block_ids, dst_block_ids)
+        if not len(self._rows) or not ids.shape[1] or not self.pairs:
+            return np.empty((0, 3), dtype=np.int64)
+        # [pair, block, row]: the row's offsets from the block's address on each side
+        src, dst = (
+            ((base + b * stride)[:, :, None] + self._rows[:, side]).ravel()
+            for side, (base, stride, b) in enumerate(zip(self._bases, self._strides, ids, strict=True))
+        )
+        lengths = np.broadcast_to(self._rows[:, 2], (len(self.pairs), ids.shape[1], len(self._rows))).ravel()
+        if len(src) < 2:
+            return np.stack((src, dst, lengths), axis=1)
+        return merge_adjacent_columns(src, dst, lengths)
 
 
 @dataclass(frozen=True)
@@ -121,7 +135,7 @@ class GatherWriter(Protocol):
     process that owns the tensor; ``StageWriteBackend`` for a worker's)."""
 
     def write_gathered(
-        self, peer_session: str, gather: HeadGather, descs: Sequence[Descriptor], *, transfer_id: str
+        self, peer_session: str, gather: HeadGather, descs: Descriptors, *, transfer_id: str
     ) -> None: ...
 
 
@@ -156,7 +170,7 @@ class GatherPlan:
         self._bounds = DescriptorPlan(pairs)  # block id checks against the real regions
         self.heads = (dst_heads[0] - src_heads[0], dst_heads[1] - src_heads[0])
 
-    def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[Descriptor]:
+    def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> DescriptorTable:
         """Relative to the staging buffer's start (staged block i holds ``src_block_ids[i]``)."""
         self._bounds._check(src_block_ids, dst_block_ids)
         return self._plan.descriptors(range(len(src_block_ids)), dst_block_ids)

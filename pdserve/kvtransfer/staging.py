@@ -23,7 +23,7 @@ import torch
 
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.head_slices import HeadGather
-from pdserve.kvtransfer.regions import Descriptor
+from pdserve.kvtransfer.regions import Descriptors, descriptor_table
 
 
 class Stager:
@@ -48,7 +48,7 @@ class Stager:
         return buf
 
     def write_gathered(
-        self, peer_session: str, gather: HeadGather, descs: Sequence[Descriptor], *, transfer_id: str
+        self, peer_session: str, gather: HeadGather, descs: Descriptors, *, transfer_id: str
     ) -> None:
         """Pack ``gather`` and write ``descs`` (relative to the packed bytes) to ``peer_session``."""
         c = self.cache
@@ -64,8 +64,9 @@ class Stager:
                 out[i : i + n].copy_(view[start : start + n])
             if c.device.type == "cuda":
                 torch.cuda.synchronize(c.device)
-            base = buf.data_ptr()
-            self.backend.write(peer_session, [(base + s, d, n) for s, d, n in descs], transfer_id=transfer_id)
+            table = descriptor_table(descs).copy()
+            table[:, 0] += buf.data_ptr()
+            self.backend.write(peer_session, table, transfer_id=transfer_id)
 
     def close(self) -> None:
         with self._lock:

@@ -94,6 +94,21 @@ def test_write_copies_bytes_in_own_process_without_ipc(cuda, pair):
     assert dst_buf.raw[:1024] == b"\x00" * 1024 and cuda.opened == []
 
 
+def test_write_takes_the_plans_int64_table_as_it_is(cuda, pair):
+    """DescriptorPlan's table goes to the copy without a list in between; the caller's table
+    is not shifted in place (a plan's rows may be written again)."""
+    p, d = pair
+    _src_buf, src = cuda.alloc(5)
+    dst_buf, dst = cuda.alloc(0)
+    p.register(src, SIZE)
+    d.register(dst, SIZE)
+    table = np.array([[src, dst + 512, 64], [src + 64, dst + 2048, 32]], dtype=np.int64)
+    p.write(d.session_id, table, transfer_id="t")
+    assert dst_buf.raw[512:576] == b"\x05" * 64 and dst_buf.raw[2048:2080] == b"\x05" * 32
+    assert table.tolist() == [[src, dst + 512, 64], [src + 64, dst + 2048, 32]]
+    assert cuda.copies == [(src, dst + 512, 64), (src + 64, dst + 2048, 32)]
+
+
 def test_peer_in_another_process_is_opened_once_and_closed(cuda, pair):
     p, d = pair
     _src_buf, src = cuda.alloc(3)

@@ -48,7 +48,7 @@ def test_each_decode_rank_gets_exactly_its_heads(p_tp, d_tp):
             else:
                 plan = HeadSlicePlan(align_regions(src, dst, same_size=False), p_heads, d_heads, layout)
                 assert plan.descriptors_per_block == 2 * BS * LAYERS
-            for s, t, n in plan.descriptors(src_ids, dst_ids):
+            for s, t, n in plan.descriptors(src_ids, dst_ids).tolist():
                 ctypes.memmove(t, s, n)
     for d in range(d_tp):
         heads = slice(*kv_head_range(d, d_tp, HKV))

@@ -5,7 +5,7 @@ import ctypes
 import pytest
 
 from pdserve.kvtransfer.backend import LoopbackBackend, TransferError
-from pdserve.kvtransfer.regions import align_regions, build_descriptors, regions_for_kv_cache
+from pdserve.kvtransfer.regions import DescriptorPlan, align_regions, build_descriptors, regions_for_kv_cache
 
 GEOM = dict(block_size=4, num_kv_heads=2, head_dim=8, elem_bytes=2)
 LAYERS = [f"layers.{i}" for i in range(4)]
@@ -29,7 +29,9 @@ def pair():
     d.close()
 
 
-def test_byte_exact_copy_of_kv_blocks(pair):
+@pytest.mark.parametrize("as_table", [False, True], ids=["tuples", "int64-table"])
+def test_byte_exact_copy_of_kv_blocks(pair, as_table):
+    """The same bytes land from build_descriptors' tuples and from DescriptorPlan's table."""
     p, d = pair
     pattern = bytes((i * 7 + 3) % 251 for i in range(CACHE_BYTES))
     src_buf, src = buffer(pattern)
@@ -41,8 +43,11 @@ def test_byte_exact_copy_of_kv_blocks(pair):
     src_regions = regions_for_kv_cache(src, NUM_BLOCKS, LAYERS, **GEOM)
     dst_regions = regions_for_kv_cache(dst, NUM_BLOCKS, dst_layers, **GEOM)
     src_blocks, dst_blocks = [2, 3, 4, 9], [0, 1, 7, 15]
-    descs = build_descriptors(align_regions(src_regions, dst_regions), src_blocks, dst_blocks)
-    p.write(d.session_id, descs, transfer_id="t1")
+    pairs = align_regions(src_regions, dst_regions)
+    if as_table:
+        p.write(d.session_id, DescriptorPlan(pairs).descriptors(src_blocks, dst_blocks), transfer_id="t1")
+    else:
+        p.write(d.session_id, build_descriptors(pairs, src_blocks, dst_blocks), transfer_id="t1")
 
     got = dst_buf.raw
     expected = bytearray(CACHE_BYTES)

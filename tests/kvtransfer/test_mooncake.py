@@ -11,7 +11,7 @@ pytest.importorskip("mooncake.engine")
 torch = pytest.importorskip("torch")
 
 from pdserve.kvtransfer.backend import MooncakeBackend, TransferError  # noqa: E402
-from pdserve.kvtransfer.regions import align_regions, build_descriptors, regions_for_kv_cache  # noqa: E402
+from pdserve.kvtransfer.regions import DescriptorPlan, align_regions, regions_for_kv_cache  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_write_kv_blocks_byte_exact(decode_peer, prefill):
     )
     src_ids = [*range(0, 48), 50, 52]
     dst_ids = [*range(10, 58), 0, 2]
-    descs = build_descriptors(pairs, src_ids, dst_ids)
+    descs = DescriptorPlan(pairs).descriptors(src_ids, dst_ids)  # an int64 table, as a push writes
     assert len(descs) == 3  # one 3 MiB run across all layers, two single blocks
     backend.write(peer, descs, transfer_id="t-mooncake")
 
