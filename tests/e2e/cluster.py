@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +102,19 @@ def kill_children(children: list[Child]) -> None:
     for c in children:
         c.proc.wait()
         c.log.close()
+
+
+def revive(rc: RunningCluster) -> None:
+    """Start again every child of ``rc`` that exited (a test killed it), then wait until the
+    cluster is ready: a cluster shared by several modules is whole at each module's start."""
+    dead = [c for c in rc.children if c.proc.poll() is not None]
+    for c in dead:
+        c.log.close()
+        rc.children.remove(c)
+        run_dir = rc.run_dir / f"revived-{c.name}-{time.monotonic_ns()}"
+        run_dir.mkdir()
+        node = None if c.role == "router" else c.name
+        rc.children.append(start_child(rc.run_dir / "cluster.yaml", c.role, node, run_dir))
+    if dead:
+        router = any(c.role == "router" for c in rc.children)
+        wait_ready(rc.cluster, rc.children, timeout_s=180, router=router)

@@ -11,16 +11,12 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import make_cluster_config, running_cluster
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16})
-    with running_cluster(cfg, tmp_path_factory.mktemp("router-e2e")) as rc:
-        yield rc
+def cluster(shared_pd_cluster):
+    return shared_pd_cluster  # tests/e2e/conftest.py: local_prefill_max_tokens 16
 
 
 @pytest.fixture(scope="module")
