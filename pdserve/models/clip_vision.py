@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.errors import UnsupportedError
+from pdserve.models.llama import VocabEmbedding
 
 _ACTS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -115,7 +116,7 @@ class ClipEmbeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(
             cfg.num_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size, bias=False
         )
-        self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.hidden_size)
+        self.position_embedding = VocabEmbedding(cfg.num_patches + 1, cfg.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [b, 3, S, S]
         patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [b, P, C]

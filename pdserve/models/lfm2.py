@@ -28,7 +28,7 @@ from pdserve.distributed.parallel_state import tp_size
 from pdserve.errors import ConfigError
 from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
-from pdserve.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pdserve.models.llama import LlamaForCausalLM, RotaryEmbedding, VocabEmbedding
 
 
 class Lfm2RMSNorm(nn.Module):
@@ -147,7 +147,7 @@ class Lfm2DecoderLayer(nn.Module):
 class Lfm2Model(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): Lfm2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)})
         self.embedding_norm = Lfm2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)

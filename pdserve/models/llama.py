@@ -198,12 +198,22 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class VocabEmbedding(nn.Embedding):
+    """``nn.Embedding`` (same parameter) whose weight on the meta device is left uninitialized:
+    ``models/loader.py`` builds there before loading the checkpoint, and ``normal_`` on a meta
+    tensor imports ``torch._dynamo`` (~1.2 s of CPU in every node and worker process's start)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self, cfg: ModelArchConfig, layer_start: int, layer_end: int, layer_cls: type[LlamaDecoderLayer]
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if layer_start == 0 else None
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if layer_start == 0 else None
         # Keyed by the global index so parameter names match the checkpoint's.
         self.layers = nn.ModuleDict({str(i): layer_cls(cfg, i) for i in range(layer_start, layer_end)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if layer_end == cfg.num_hidden_layers else None

@@ -37,7 +37,7 @@ def _run(model_dir: Path, **kw) -> list[list[int]]:
 
 def test_pp_matches_single_stage(llama4):
     ref = _run(llama4)
-    assert _run(llama4, pipeline_parallel_size=2) == ref
+    # PP 2 with the default split (2, 2): tests/e2e/test_pp_e2e.py serves it across nodes
     # asynchronous: stage 0 feeds the in-flight tokens; the middle stages need none
     assert _run(llama4, pipeline_parallel_size=4, pp_layer_split=(1, 1, 1, 1), async_scheduling=True) == ref
     assert _run(llama4, pipeline_parallel_size=2, pp_layer_split=(1, 3)) == ref

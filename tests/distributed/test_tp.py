@@ -31,12 +31,17 @@ SEEDED = [
 
 
 def _run(model_dir: Path, tp: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(greedy tokens, seeded tokens) of PROMPTS; every block is free again afterwards."""
+    """(greedy tokens, seeded tokens) of PROMPTS; every block is free again afterwards, and the
+    worker ranks have exited once the LLM is closed."""
     with LLM(str(model_dir), tensor_parallel_size=tp, **COMMON) as llm:
         greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)]
         llm.engine.kv.process_deferred_frees()
         assert llm.engine.kv.pool.num_used_blocks == 0
+        runner = llm.engine.runner
+    if tp > 1:
+        assert isinstance(runner, TPModelRunner)
+        assert not any(p.is_alive() for p in runner.workers._procs)
     return greedy, seeded
 
 
@@ -102,9 +107,4 @@ def test_worker_exits_on_close_and_loss_is_reported(tiny_models: Any) -> None:
     llm.close()
     llm.close()  # idempotent
     assert not proc.is_alive()
-
-    with LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **COMMON) as llm2:
-        runner2 = llm2.engine.runner
-        assert isinstance(runner2, TPModelRunner)
-        assert llm2.generate(PROMPTS[:2], GREEDY)[0].outputs[0].token_ids
-    assert not any(p.is_alive() for p in runner2.workers._procs)
+    # a closed TP 2 engine's workers exit after it served: _run (test_tp2_matches_tp1) asserts it

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +16,7 @@ import grpc
 from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from services.launcher import Child, pick_base_port, start_child, stop_children, wait_ready
+from services.launcher import Child, pick_base_port, start_child, wait_ready
 
 _next_base = [31000]
 
@@ -37,9 +40,11 @@ class RunningCluster:
 
     def load(self, name: str) -> pb.LoadReport:
         n = self.cluster.node(name)
+        token = self.cluster.shared_token
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
         with grpc.insecure_channel(n.grpc_address) as ch:
             stub = pb_grpc.PrefillServiceStub(ch) if n.role == "prefill" else pb_grpc.DecodeServiceStub(ch)
-            return stub.GetLoad(pb.LoadRequest(), timeout=5)
+            return stub.GetLoad(pb.LoadRequest(), timeout=5, metadata=metadata)
 
     def logs(self) -> str:
         return "\n".join(
@@ -82,4 +87,34 @@ def running_cluster(
         print(rc.logs())
         raise
     finally:
-        stop_children(children)
+        kill_children(children)
+
+
+def kill_children(children: list[Child]) -> None:
+    """Teardown: SIGKILL every child's process group at once. A SIGTERM'd node drains in
+    milliseconds, then spends 2-3 s of CPU finalizing its interpreter (modules, torch) before it
+    exits; the tests that assert the clean exit send SIGTERM themselves (tests/deploy/test_drain.py,
+    tests/e2e/test_up.py, the router workers in tests/e2e/test_served_e2e.py)."""
+    for c in children:
+        if c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, signal.SIGKILL)
+    for c in children:
+        c.proc.wait()
+        c.log.close()
+
+
+def revive(rc: RunningCluster) -> None:
+    """Start again every child of ``rc`` that exited (a test killed it), then wait until the
+    cluster is ready: a cluster shared by several modules is whole at each module's start."""
+    dead = [c for c in rc.children if c.proc.poll() is not None]
+    for c in dead:
+        c.log.close()
+        rc.children.remove(c)
+        run_dir = rc.run_dir / f"revived-{c.name}-{time.monotonic_ns()}"
+        run_dir.mkdir()
+        node = None if c.role == "router" else c.name
+        rc.children.append(start_child(rc.run_dir / "cluster.yaml", c.role, node, run_dir))
+    if dead:
+        router = any(c.role == "router" for c in rc.children)
+        wait_ready(rc.cluster, rc.children, timeout_s=180, router=router)

@@ -27,11 +27,12 @@ from tests.e2e.lifecycle_helpers import health_status, isolated_cluster_config, 
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 1.0
 STALL_S = 5.0
-NODES = ["prefill-0", "decode-0", "decode-1"]
+NODES = ["decode-0", "decode-1"]
 
 
 def _two_decode_config(model_dir) -> ClusterConfig:
-    """router + prefill-0 + decode-0 (step_timeout_s 1, the stall fault) + decode-1 (defaults)."""
+    """router + decode-0 (step_timeout_s 1, the stall fault) + decode-1 (defaults); no prefill
+    node (one process fewer to start): the short prompts prefill on decode."""
     wedging = {"step_timeout_s": STEP_TIMEOUT_S, "faults": {"engine_stall_on_sigusr2_s": STALL_S}}
     data = isolated_cluster_config(model_dir, **{"decode-0": wedging}).model_dump(
         mode="json", exclude_unset=True
@@ -39,6 +40,7 @@ def _two_decode_config(model_dir) -> ClusterConfig:
     d0 = next(n for n in data["nodes"] if n["name"] == "decode-0")
     base = data["router"]["port"]
     d1 = {k: v for k, v in d0.items() if k not in wedging}
+    data["nodes"] = [d0]
     data["nodes"].append({**d1, "name": "decode-1", "grpc_port": base + 5, "metrics_port": base + 6})
     return ClusterConfig.from_dict(data)
 

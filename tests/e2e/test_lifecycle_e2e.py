@@ -18,20 +18,15 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc import convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from tests.e2e.cluster import running_cluster
-from tests.e2e.lifecycle_helpers import health_status, isolated_cluster_config, wait_nothing_held
+from tests.e2e.lifecycle_helpers import health_status, wait_nothing_held
 
 pytestmark = pytest.mark.slow
 NODES = ["prefill-0", "decode-0"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    cfg = isolated_cluster_config(
-        tiny_models["llama"], router={"local_prefill_max_tokens": 16}, all={"kv_lease_s": 60.0}
-    )
-    with running_cluster(cfg, tmp_path_factory.mktemp("lifecycle")) as rc:
-        yield rc
+def cluster(shared_pd_cluster):
+    return shared_pd_cluster  # tests/e2e/conftest.py: local_prefill_max_tokens 16, KV lease 60 s
 
 
 def _long_stream_body(rc, words: int = 120) -> dict:

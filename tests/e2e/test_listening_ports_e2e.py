@@ -30,8 +30,8 @@ from pdserve.config.cluster import ClusterConfig, write_cluster_config
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.launch import EXIT_CONFIG_REFUSED
-from services.launcher import start_child, stop_children, wait_ready
-from tests.e2e.cluster import make_cluster_config, running_cluster
+from services.launcher import start_child, wait_ready
+from tests.e2e.cluster import kill_children, make_cluster_config, running_cluster
 from tests.e2e.proc_sockets import descendants, listeners_of, vm_rss_bytes
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def test_200_idle_connections_at_the_steps_socket_do_not_stop_the_routers_stream
                 assert r.usage.completion_tokens == 5
             assert flood.opened >= 200
         finally:
-            stop_children([router])
+            kill_children([router])
     refused = httpx.get(
         f"http://{rc.cluster.node('decode-0').metrics_address}/metrics",
         headers={"Authorization": f"Bearer {TOKEN}"},
@@ -181,7 +181,7 @@ def test_every_listening_socket_is_loopback_mooncakes_too(nodes_then_router) -> 
         }
         listeners = {name: listeners_of(pids) for name, pids in by_name.items()}
     finally:
-        stop_children([router])
+        kill_children([router])
     for name, socks in listeners.items():
         for sock in socks:
             assert sock.loopback and not sock.wildcard, f"{name} listens on {sock.address}:{sock.port}"
@@ -218,7 +218,7 @@ def test_a_node_on_another_address_has_mooncakes_ports_there(tiny_models, tmp_pa
         socks = listeners_of(descendants([child.proc.pid]))
         log = child.log_path.read_text(errors="replace")
     finally:
-        stop_children([child])
+        kill_children([child])
     ports = _mooncake_ports(log)
     assert ports <= {s.port for s in socks}
     bound = {getattr(s.address, "ipv4_mapped", None) or s.address for s in socks}
@@ -230,7 +230,7 @@ def test_a_node_that_binds_every_interface_refuses_to_start_with_the_reason(tiny
     try:
         rc = child.proc.wait(timeout=120)
     finally:
-        stop_children([child])
+        kill_children([child])
     log = child.log_path.read_text(errors="replace")
     assert rc == EXIT_CONFIG_REFUSED, f"exit code {rc}; log:\n{log[-3000:]}"
     assert "node decode-0 refuses to start" in log and "is not a loopback one" in log, log[-3000:]

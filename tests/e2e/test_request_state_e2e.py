@@ -17,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.cluster import running_cluster
-from tests.e2e.lifecycle_helpers import isolated_cluster_config, wait_nothing_held
+from tests.e2e.lifecycle_helpers import wait_nothing_held
 
 pytestmark = pytest.mark.slow
 NODES = ["prefill-0", "decode-0"]
@@ -26,10 +25,9 @@ WORDS = "servers move caches between nodes while the quick brown fox jumps".spli
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    # prompts of 4 words run on the local path, of 60 disaggregated (router's default threshold)
-    with running_cluster(isolated_cluster_config(tiny_models["llama"]), tmp_path_factory.mktemp("rs")) as rc:
-        yield rc
+def cluster(shared_pd_cluster):
+    # tests/e2e/conftest.py: prompts of 60 words run disaggregated (local_prefill_max_tokens 16)
+    return shared_pd_cluster
 
 
 def state_entries(rc, name: str) -> dict[str, float]:

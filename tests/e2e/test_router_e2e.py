@@ -11,16 +11,12 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.cluster import make_cluster_config, running_cluster
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    cfg = make_cluster_config(tiny_models["llama"], router={"local_prefill_max_tokens": 16})
-    with running_cluster(cfg, tmp_path_factory.mktemp("router-e2e")) as rc:
-        yield rc
+def cluster(shared_pd_cluster):
+    return shared_pd_cluster  # tests/e2e/conftest.py: local_prefill_max_tokens 16
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +418,8 @@ def test_a_router_with_serial_legs_gives_the_same_tokens(cluster, tokenizer, ref
     a second router on the same nodes gives transformers' greedy tokens on the P/D path, and its
     pull is not an early one; the default router's early pulls are what the test above counts."""
     from pdserve.config.cluster import ClusterConfig, write_cluster_config
-    from services.launcher import start_child, stop_children, wait_ready
+    from services.launcher import start_child, wait_ready
+    from tests.e2e.cluster import kill_children
 
     data = cluster.cluster.model_dump(mode="json", exclude_unset=True)
     data["router"] = {
@@ -450,7 +447,7 @@ def test_a_router_with_serial_legs_gives_the_same_tokens(cluster, tokenizer, ref
         assert _scrape_value(url, "pdserve:kv_pull_seconds_count") == pulls0 + 1  # P/D, one pull
         assert _scrape_value(url, "pdserve:kv_early_pulls_total") == early0  # not an early one
     finally:
-        stop_children([router])
+        kill_children([router])
     _wait_all_free(cluster)
 
 

@@ -5,7 +5,8 @@ connection (tests/e2e/test_served_e2e.py compares the tokens with the in-process
 router.stream_flush_ms groups streamed tokens and changes none; non-streaming flush intervals
 hold; a malformed command ends the stream with INVALID_ARGUMENT and holds nothing; a router
 connection cut mid-generation aborts its requests; with a shared token, a connection without it
-is refused (UNAUTHENTICATED) on the socket and on gRPC, and the router still serves.
+is refused (UNAUTHENTICATED) on the socket and on gRPC, and the router still serves. One cluster,
+with a shared token, serves every test (each connection here carries it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def cluster(tiny_models, tmp_path_factory):
         # stream_flush_ms: streamed tokens are held and merged too (test_stream_flush_*)
         router={"local_prefill_max_tokens": 16, "stream_flush_ms": STREAM_FLUSH_MS},
     )
+    # the shared token guards the Steps socket and gRPC (test_the_shared_token_guards_*)
+    cfg = cfg.model_copy(update={"shared_token": TOKEN})
     with running_cluster(cfg, tmp_path_factory.mktemp("steps-socket")) as rc:
         yield rc
 
@@ -85,7 +88,7 @@ def test_stream_flush_groups_streamed_tokens_and_changes_none(cluster) -> None:
 
 
 def test_a_flush_interval_holds_tokens_on_the_socket_and_changes_none(cluster) -> None:
-    raw = _Raw(cluster.load("decode-0").steps_socket)
+    raw = _Raw(cluster.load("decode-0").steps_socket, TOKEN)
     try:
         assert raw.welcome.code == 0
         got = _run(raw, [_req("every-step", 200), _req("held", 200, flush_ms=150)])
@@ -106,7 +109,7 @@ def test_a_malformed_command_ends_the_stream_invalid_argument_and_holds_nothing(
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     aborted = _metric(metrics, "pdserve:requests_aborted_total")
     addr = cluster.load("decode-0").steps_socket
-    raw = _Raw(addr)
+    raw = _Raw(addr, TOKEN)
     try:
         raw.send(pb.StepCommand(start=[_req("long", 2000)]).SerializeToString())
         first = pb.StepBatch.FromString(raw.recv() or b"")
@@ -123,7 +126,7 @@ def test_a_malformed_command_ends_the_stream_invalid_argument_and_holds_nothing(
         raw.close()
     _wait_free(cluster)
     assert _metric(metrics, "pdserve:requests_aborted_total") - aborted == 1  # aborted, not finished
-    raw = _Raw(addr)  # the port still serves a well-formed stream
+    raw = _Raw(addr, TOKEN)  # the port still serves a well-formed stream
     try:
         assert sum(len(b) for b in _run(raw, [_req("after", 3)])["after"]) == 3
     finally:
@@ -138,7 +141,7 @@ def test_a_closed_connection_aborts_its_requests(cluster, how) -> None:
     d0 = cluster.node("decode-0")
     metrics = f"http://127.0.0.1:{d0.metrics_port}/metrics"
     aborted = _metric(metrics, "pdserve:requests_aborted_total")
-    raw = _Raw(cluster.load("decode-0").steps_socket)
+    raw = _Raw(cluster.load("decode-0").steps_socket, TOKEN)
     raw.send(pb.StepCommand(start=[_req("cut-1", 2000), _req("cut-2", 2000)]).SerializeToString())
     seen: set[str] = set()
     while seen != {"cut-1", "cut-2"}:
@@ -154,34 +157,33 @@ def test_a_closed_connection_aborts_its_requests(cluster, how) -> None:
     _wait_free(cluster)
 
 
-def test_the_shared_token_guards_the_socket_and_grpc(tiny_models, tmp_path_factory) -> None:
-    cfg = make_cluster_config(tiny_models["llama"])
-    cfg = cfg.model_copy(update={"shared_token": TOKEN})
-    with running_cluster(cfg, tmp_path_factory.mktemp("steps-token")) as rc:
-        d0 = rc.cluster.node("decode-0")
-        with grpc.insecure_channel(d0.grpc_address) as ch:  # no token: refused
-            with pytest.raises(grpc.RpcError) as e:
-                pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=10)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            rep = pb_grpc.DecodeServiceStub(ch).GetLoad(
-                pb.LoadRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
-            )
-        assert rep.steps_socket
-        for wrong in ("", "not-it"):  # no token, a wrong one
-            raw = _Raw(rep.steps_socket, wrong)
-            try:
-                assert raw.welcome.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
-                assert "shared token" in raw.welcome.details
-                assert raw.recv() is None  # and the node closed the connection
-            finally:
-                raw.close()
-        raw = _Raw(rep.steps_socket, TOKEN)
+def test_the_shared_token_guards_the_socket_and_grpc(cluster) -> None:
+    rc = cluster
+    d0 = rc.cluster.node("decode-0")
+    with grpc.insecure_channel(d0.grpc_address) as ch:  # no token: refused
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        rep = pb_grpc.DecodeServiceStub(ch).GetLoad(
+            pb.LoadRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
+    assert rep.steps_socket
+    for wrong in ("", "not-it"):  # no token, a wrong one
+        raw = _Raw(rep.steps_socket, wrong)
         try:
-            assert raw.welcome.code == 0
-            assert sum(len(b) for b in _run(raw, [_req("tok", 4)])["tok"]) == 4
+            assert raw.welcome.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert "shared token" in raw.welcome.details
+            assert raw.recv() is None  # and the node closed the connection
         finally:
             raw.close()
-        # the router carries the token on both: an answer through it streams from decode-0
-        body = {"model": rc.model_name, "prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True}
-        r = httpx.post(rc.cluster.router_url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    raw = _Raw(rep.steps_socket, TOKEN)
+    try:
+        assert raw.welcome.code == 0
+        assert sum(len(b) for b in _run(raw, [_req("tok", 4)])["tok"]) == 4
+    finally:
+        raw.close()
+    # the router carries the token on both: an answer through it streams from decode-0
+    body = {"model": rc.model_name, "prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True}
+    r = httpx.post(rc.cluster.router_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    _wait_free(rc)

@@ -36,7 +36,30 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_model("llava", tmp_path_factory.mktemp("llava"))
 
 
-def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> None:
+@pytest.fixture(scope="module")
+def encoder(llava_dir, redis_url):
+    """(process, pipe) of one encoder worker for the module (a spawn costs ~5-8 s on 2 cores);
+    the last test kills it."""
+    from services.encoder.pipe_worker import run_encoder_worker
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=run_encoder_worker, args=(child, str(llava_dir), redis_url, LEASE_S, 256 * 256), daemon=True
+    )
+    proc.start()
+    try:
+        assert parent.poll(120) and parent.recv() == "ready"
+        yield proc, parent
+    finally:
+        if proc.is_alive():
+            parent.send(("quit",))
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, encoder, make_llm) -> None:
     from pdserve.embedcache.connector import EmbeddingConsumer
     from pdserve.embedcache.index import EmbeddingIndex
     from pdserve.engine.request import MultiModalItem
@@ -46,17 +69,9 @@ def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> No
     from pdserve.models.llava import expand_image_placeholders
     from pdserve.models.make_model import IMAGE_TOKEN
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    from services.encoder.pipe_worker import run_encoder_worker
-
-    proc = ctx.Process(
-        target=run_encoder_worker, args=(child, str(llava_dir), redis_url, LEASE_S, 256 * 256), daemon=True
-    )
-    proc.start()
+    _proc, parent = encoder
     backend = MooncakeBackend(host="127.0.0.1")
     try:
-        assert parent.poll(120) and parent.recv() == "ready"
         index = EmbeddingIndex.from_url(redis_url)
         consumer = EmbeddingConsumer(backend, 1 << 20, lease_s=LEASE_S)
         imgs = [_png(1), _png(2, fmt="JPEG"), _png(3, fmt="WEBP"), _png(1)]  # the last repeats the first
@@ -130,27 +145,18 @@ def test_encoder_cache_transfer_and_parity(llava_dir, redis_url, make_llm) -> No
         time.sleep(LEASE_S + 0.5)
         assert index.keys() == [], "entries expire with their lease when nobody refreshes them"
     finally:
-        if proc.is_alive():
-            parent.send(("quit",))
-        proc.join(timeout=30)
         backend.close()
 
 
-def test_killing_the_encoder_mid_request_leaves_nothing_reserved(llava_dir, redis_url) -> None:
+def test_killing_the_encoder_mid_request_leaves_nothing_reserved(redis_url, encoder) -> None:
+    """Last in the module: it kills the module's encoder worker."""
     from pdserve.embedcache.connector import EmbeddingConsumer
     from pdserve.embedcache.index import EmbeddingIndex
     from pdserve.kvtransfer.backend import MooncakeBackend
-    from services.encoder.pipe_worker import run_encoder_worker
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=run_encoder_worker, args=(child, str(llava_dir), redis_url, LEASE_S, 256 * 256), daemon=True
-    )
-    proc.start()
+    proc, parent = encoder
     backend = MooncakeBackend(host="127.0.0.1")
     try:
-        assert parent.poll(120) and parent.recv() == "ready"
         consumer = EmbeddingConsumer(backend, 1 << 20, lease_s=LEASE_S)
         parent.send(("encode", [_png(42)]))
         ((key, _length, _hit),) = parent.recv()

@@ -160,3 +160,18 @@ def test_stage_range_and_tokenizer(tiny_models: Mapping[str, Path]) -> None:
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_meta_build_runs_no_random_init(tiny_models: Mapping[str, Path], monkeypatch) -> None:
+    """load_model builds on the meta device: no init op runs there (normal_ on a meta tensor
+    imports torch._dynamo, ~1.2 s of every node process's start), and the checkpoint's weights
+    are what the model holds."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a random init ran during load_model")
+
+    model_dir = tiny_models["llama"]  # built (by transformers, with its init) before the patch
+    monkeypatch.setattr(torch.nn.init, "normal_", refuse)
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    want = dict(iter_safetensors(model_dir, lambda name: name == "model.embed_tokens.weight"))
+    assert torch.equal(model.model.embed_tokens.weight, want["model.embed_tokens.weight"])
