@@ -16,13 +16,11 @@ here, by ``select_attention_backend``, and carried in every step's ``AttentionMe
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import math
 import mmap
 from array import array
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +29,7 @@ from pdserve import kernels
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner
-from pdserve.engine.grammar_masks import GrammarMasker, GrammarMasks
+from pdserve.engine.grammar_masks import GrammarMasker
 from pdserve.engine.group_kv import GroupKV, group_block_shapes
 from pdserve.engine.host_batch import (
     HostBatch,
@@ -39,7 +37,6 @@ from pdserve.engine.host_batch import (
     apply_feed,
     batch_to_device,
     build_host_batch,
-    wait_event,
 )
 from pdserve.engine.kv_cache_groups import KVCacheGroupSpec
 from pdserve.engine.kv_sizing import (
@@ -49,9 +46,9 @@ from pdserve.engine.kv_sizing import (
     mem_available_bytes,
 )
 from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
-from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.pending_step import PendingStep, RunnerOutput, SampleJob
 from pdserve.engine.profile_memory import profile_activation_bytes
-from pdserve.engine.prompt_logprobs import PromptLogprobTensors, compute_prompt_logprobs, prompt_logprob_spans
+from pdserve.engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only, draw_
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -101,83 +98,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int]  # request id -> sampled token (chunks with sample=True)
-    logprobs: dict[str, TokenLogprob]  # for requests that asked for logprobs
-    intermediate: IntermediateTensors | None = None  # non-last pipeline stages
-    # request id -> (index of the first entry, entries): prompt logprobs computed this step
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
-    # Speculative decoding: request id -> tokens a chunk with drafts emitted (and their logprobs)
-    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
-    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-
-
-@dataclass
-class SampleJob:
-    """A launched step's logits and what its sampler needs. Kept when the step has grammar rows
-    whose masks can only be filled once the previous step's tokens are on the host."""
-
-    logits: torch.Tensor  # [num_sampled, vocab]: the weights' dtype when ``argmax``, else fp32
-    chunks: list[ScheduledChunk]  # the sampling chunks, one per logits row
-    argmax: bool  # every row is argmax_only: masked rows too take the argmax of these logits
-    grammar_rows: list[int]  # logits rows of requests with a structured-output constraint
-    masks: GrammarMasks | None = None  # set once the matchers advanced (prepare_deferred)
-
-
-@dataclass
-class PendingStep:
-    """A launched step: its device work is queued, its samples are being copied to the host.
-
-    ``result()`` waits for exactly that work (an event recorded after the copies), not for any
-    step launched later, and reads the samples. Call it once.
-    """
-
-    req_ids: list[str]  # request id of each sampled row
-    samples: SampledTensors | None  # host copies (pinned on CUDA), valid once the event passed
-    event: torch.cuda.Event | None  # None on CPU: the work is already done
-    intermediate: IntermediateTensors | None = None
-    # (staging, slot, generation) holding ``samples``: the slot must not have been reused.
-    staging: tuple[PinnedStaging, int, int] | None = None
-
-    timeout_s: float = 300.0  # EngineConfig.step_timeout_s
-    prompt: PromptLogprobTensors | None = None  # host copies (pinned on CUDA); read after the event
-    # Set while the sampler is not launched yet (ModelRunner.sample_deferred launches it).
-    deferred: SampleJob | None = None
-    taken: bool = False  # result() was called (TP: whether the next launch overlaps this step)
-    # Speculative decoding: (spec_sampled, spec_logprobs) of the verified rows, already on the host
-    spec: tuple[dict[str, list[int]], dict[str, list[TokenLogprob]]] | None = None
-
-    def result(self) -> RunnerOutput:
-        out = self._result()
-        if self.spec is not None:
-            out.spec_sampled, out.spec_logprobs = self.spec
-        return out
-
-    def _result(self) -> RunnerOutput:
-        self.taken = True
-        if self.deferred is not None:  # only on a fault path (the engine failed between the halves)
-            masks = self.deferred.masks
-            if masks is not None and masks.fill is not None:
-                with contextlib.suppress(Exception):  # a fill still writing its slot; the interval back
-                    masks.fill.wait(self.timeout_s)
-            if self.deferred.logits.is_cuda:
-                torch.cuda.synchronize(self.deferred.logits.device)  # its forward still writes KV
-            raise RuntimeError("the step's sampler was never launched (its grammar masks were not filled)")
-        if self.event is not None:
-            wait_event(self.event, self.timeout_s, "a launched step")
-        if self.staging is not None:
-            st, slot, gen = self.staging
-            assert st.generation(slot) == gen, "a step's samples were read after its staging slot was reused"
-        prompt = self.prompt.output() if self.prompt is not None else {}
-        if self.samples is None:
-            return RunnerOutput({}, {}, intermediate=self.intermediate, prompt_logprobs=prompt)
-        out = self.samples.output()
-        sampled = dict(zip(self.req_ids, out.token_ids, strict=True))
-        logprobs = {rid: lp for rid, lp in zip(self.req_ids, out.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs, prompt_logprobs=prompt)
 
 
 class _ZeroRows(dict[str, int]):
