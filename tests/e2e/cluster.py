@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -18,7 +19,9 @@ from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
 from services.launcher import Child, pick_base_port, start_child, wait_ready
 
-_next_base = [31000]
+# Where this process's port search starts: random per process, so two test runs on one host do not
+# race for the same free block between checking it and binding it (below the ephemeral range).
+_next_base = [random.Random(os.getpid()).randrange(20000, 31000, 10)]
 
 
 @dataclass
