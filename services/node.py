@@ -461,4 +461,5 @@ class NodeBase:
             steps_socket=self.steps_socket,
             prefix_cache_queried_blocks=eng.kv.pool.num_queried_blocks,
             prefix_cache_hit_blocks=eng.kv.pool.num_hit_blocks,
+            lora_idents=eng.lora.published_idents if eng.lora is not None else {},
         )

@@ -41,11 +41,19 @@ class LoRAServing:
         self.manager = manager
         self.unloading: set[str] = set()  # unloaded while requests used them: removed when they end
         self.requests_total: Counter[str] = Counter()  # admitted requests per adapter
+        # name -> ident of the adapters requests may use, replaced whole (never mutated) after
+        # every change, so other threads (the node's load reports) read it without a lock
+        self.published_idents: dict[str, str] = {}
+        self._publish()
+
+    def _publish(self) -> None:
+        self.published_idents = {n: self.ident(n) for n in self.names()}
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
         """Load (or find the same content already loaded); a new load cancels a pending unload."""
         adapter = self.manager.add_adapter(name, path)
         self.unloading.discard(name)
+        self._publish()
         return adapter
 
     def unload(self, name: str, live: Iterable[Request]) -> bool:
@@ -56,8 +64,10 @@ class LoRAServing:
             raise InvalidRequestError(f"lora_name {name!r} is already being unloaded", field="lora_name")
         if any(r.lora_name == name for r in live):
             self.unloading.add(name)
+            self._publish()
             return False
         self.manager.remove_adapter(name)
+        self._publish()
         return True
 
     def reap(self, live: Iterable[Request]) -> None:
@@ -68,6 +78,7 @@ class LoRAServing:
         for name in sorted(self.unloading - used):
             self.unloading.discard(name)
             self.manager.remove_adapter(name)
+        self._publish()
 
     def admit(self, name: str) -> bytes:
         """The adapter's content hash (it salts the request's block hashes), or an error for an

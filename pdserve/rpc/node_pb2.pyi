@@ -471,7 +471,14 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "num_pulls_in_flight", "prefix_cache_queried_blocks", "prefix_cache_hit_blocks", "stages", "num_ec_reservations", "steps_socket")
+    __slots__ = ("node", "role", "epoch", "num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_held_for_transfer", "num_held_requests", "stranded_kv_blocks", "num_aborted_total", "block_size", "num_pushes_in_flight", "num_pulls_in_flight", "prefix_cache_queried_blocks", "prefix_cache_hit_blocks", "lora_idents", "stages", "num_ec_reservations", "steps_socket")
+    class LoraIdentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +495,7 @@ class LoadReport(_message.Message):
     NUM_PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDENTS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_EC_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -507,10 +515,11 @@ class LoadReport(_message.Message):
     num_pulls_in_flight: int
     prefix_cache_queried_blocks: int
     prefix_cache_hit_blocks: int
+    lora_idents: _containers.ScalarMap[str, str]
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     num_ec_reservations: int
     steps_socket: str
-    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., num_pulls_in_flight: _Optional[int] = ..., prefix_cache_queried_blocks: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_socket: _Optional[str] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_held_for_transfer: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., stranded_kv_blocks: _Optional[int] = ..., num_aborted_total: _Optional[int] = ..., block_size: _Optional[int] = ..., num_pushes_in_flight: _Optional[int] = ..., num_pulls_in_flight: _Optional[int] = ..., prefix_cache_queried_blocks: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., lora_idents: _Optional[_Mapping[str, str]] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., num_ec_reservations: _Optional[int] = ..., steps_socket: _Optional[str] = ...) -> None: ...
 
 class StepsHello(_message.Message):
     __slots__ = ("token",)

@@ -124,6 +124,10 @@ class NodePool:
         self.decode = [self.new_handle(n, a, "decode") for n, a in decode]
         self._rr: dict[str, int] = {}  # round_robin: a turn counter per role (prefill, decode)
         self.prefix_index: PrefixIndex | None = None  # cache_aware: filled by KV events
+        # LoRA adapter name -> identity (name@hash) the nodes reported (load reports, prefill
+        # answers, loads through the router); its hash salts the adapter's block hashes
+        # (services/router/lora.py)
+        self.lora_idents: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, closing channels)
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
@@ -208,6 +212,7 @@ class NodePool:
             n.transfers_in_flight = rep.num_pushes_in_flight + rep.num_pulls_in_flight
             n.prefix_cache_queried_blocks = rep.prefix_cache_queried_blocks
             n.prefix_cache_hit_blocks = rep.prefix_cache_hit_blocks
+            self.lora_idents.update(rep.lora_idents)
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps
                 # stream there (a stream still open ends with its node).

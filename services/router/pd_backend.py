@@ -97,9 +97,6 @@ class PDBackend(NodePool):
             registry=reg,
         )
         self.recent_errors = RecentErrors()  # for /dashboard
-        # LoRA adapter name -> identity (name@hash) the nodes answered with (loads, prefill
-        # answers); its hash salts the adapter's block hashes (services/router/lora.py)
-        self.lora_idents: dict[str, str] = {}
         self._decode_leg_spans: dict[str, Any] = {}  # early decode legs' spans, until read
         self._first_delta_by_path = {
             "disaggregated": self.decode_first_delta_seconds.labels("disaggregated"),

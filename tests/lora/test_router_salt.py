@@ -41,6 +41,7 @@ def test_router_block_hashes_carry_the_adapter(tiny_model_factory, tmp_path, mak
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), lora_request="a")
 
     idents = {"a": llm.engine.lora.ident("a")}  # what the router learns from a load or prefill's answer
+    assert llm.engine.lora.published_idents == idents  # what the node's load reports carry
     salt = lora_block_salt(idents, "a")
     assert salt is not None and salt == llm.engine.lora.manager.adapters["a"].content_hash
     router = hash_prompt_blocks(prompt, BS, salt)
@@ -81,5 +82,40 @@ def test_pd_backend_uses_the_adapter_salt():
             assert not be.prefill_locally(base, be.prompt_hashes(base, BS), d0)
         finally:
             await be.close()
+
+    asyncio.run(run())
+
+
+def test_load_reports_teach_the_router_adapter_identities():
+    """A cluster without a prefill node: the router learns an adapter's identity from a decode
+    node's load report (real gRPC; the node's side is a servicer answering GetLoad)."""
+    import grpc
+
+    from pdserve.rpc import node_pb2 as pb
+    from pdserve.rpc import node_pb2_grpc as pb_grpc
+
+    ident = "a@" + "22" * 16
+
+    class _Load(pb_grpc.DecodeServiceServicer):
+        async def GetLoad(self, request, context):
+            return pb.LoadReport(node="d0", role="decode", block_size=BS, lora_idents={"a": ident})
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(_Load(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        be = PDBackend([], [("d0", f"127.0.0.1:{port}")], RouterPolicy(policy="cache_aware"))
+        try:
+            req = BackendRequest("r", list(range(3, 3 + 2 * BS)), SamplingParams(), lora_name="a")
+            assert be.prompt_hashes(req, BS) == []
+            await be._poll_one(be.decode[0])
+            assert be.decode[0].healthy and be.lora_idents == {"a": ident}
+            assert be.prompt_hashes(req, BS) == hash_prompt_blocks(
+                req.prompt_token_ids, BS, bytes.fromhex("22" * 16)
+            )
+        finally:
+            await be.close()
+            await server.stop(None)
 
     asyncio.run(run())
