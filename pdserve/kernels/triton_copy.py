@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 ALIGN = 16
+MAX_GRID_Y = 65_535  # CUDA's limit on grid axes 1 and 2
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,16 @@ def kernel_rows(table: np.ndarray, anchor: int, variant: Variant) -> tuple[np.nd
     units = table >> 4  # exact: multiples of 16 (an arithmetic shift, far cheaper than // 16)
     units[:, :2] -= anchor >> 4
     chunk = variant.chunk_bytes // ALIGN
+    # Grid axis 1 holds at most MAX_GRID_Y programs: rows of more pieces (4 GiB at 64 KiB pieces)
+    # are split on axis 0 instead, whose limit is 2**31 - 1.
     if variant.layout == "grid2d":
-        return units, (len(units), triton.cdiv(int(units[:, 2].max()), chunk))
-    pieces = (units[:, 2] + (chunk - 1)) // chunk
-    if pieces.min() == pieces.max():
-        return units, (len(units), int(pieces[0]))
+        y = triton.cdiv(int(units[:, 2].max()), chunk)
+        if y <= MAX_GRID_Y:
+            return units, (len(units), y)
+    else:
+        pieces = (units[:, 2] + (chunk - 1)) // chunk
+        if pieces.min() == pieces.max() and pieces[0] <= MAX_GRID_Y:
+            return units, (len(units), int(pieces[0]))
     rows = chunk_rows(units, chunk)
     return rows, (len(rows), 1)
 

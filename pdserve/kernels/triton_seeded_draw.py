@@ -50,6 +50,6 @@ def seeded_exponential_(
     # The kernel indexes each vector as a contiguous int64 array: the sampler passes the columns
     # of one [R, 3] table (strided views), so make them contiguous (a few bytes each).
     rows, seeds = rows.contiguous(), seeds.contiguous()
-    counters = draw_indices * n_cols  # a new, contiguous tensor
+    counters = (draw_indices * n_cols).contiguous()
     grid = (num, triton.cdiv(n_cols, BLOCK))
     _seeded_exponential_kernel[grid](q, q.stride(0), rows, seeds, counters, n_cols, BLOCK=BLOCK)

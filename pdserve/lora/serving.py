@@ -75,10 +75,12 @@ class LoRAServing:
         if not self.unloading:
             return
         used = {r.lora_name for r in live}
-        for name in sorted(self.unloading - used):
+        done = sorted(self.unloading - used)
+        for name in done:
             self.unloading.discard(name)
             self.manager.remove_adapter(name)
-        self._publish()
+        if done:
+            self._publish()
 
     def admit(self, name: str) -> bytes:
         """The adapter's content hash (it salts the request's block hashes), or an error for an

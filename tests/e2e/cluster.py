@@ -99,9 +99,9 @@ def kill_children(children: list[Child]) -> None:
     exits; the tests that assert the clean exit send SIGTERM themselves (tests/deploy/test_drain.py,
     tests/e2e/test_up.py, the router workers in tests/e2e/test_served_e2e.py)."""
     for c in children:
-        if c.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(c.proc.pid, signal.SIGKILL)
+        # also when the leader exited: its workers (TP / PP ranks) may still be in the group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.proc.pid, signal.SIGKILL)
     for c in children:
         c.proc.wait()
         c.log.close()
@@ -121,3 +121,23 @@ def revive(rc: RunningCluster) -> None:
     if dead:
         router = any(c.role == "router" for c in rc.children)
         wait_ready(rc.cluster, rc.children, timeout_s=180, router=router)
+        if router:  # the router's /ready needs a decode node only: wait for every node's rotation
+            _wait_in_rotation(rc, [c.name for c in rc.children if c.role != "router"], timeout_s=30)
+
+
+def _wait_in_rotation(rc: RunningCluster, names: list[str], timeout_s: float) -> None:
+    """Until the router's pdserve:router_node_in_rotation is 1 for every node in ``names``."""
+    import urllib.request
+
+    want = {f'pdserve:router_node_in_rotation{{node="{n}"}} 1.0' for n in names}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(rc.cluster.router_url + "/metrics", timeout=5) as r:
+            lines = set(r.read().decode().splitlines())
+        if want <= lines:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"nodes not back in the router's rotation after {timeout_s} s: {sorted(want - lines)}"
+            )
+        time.sleep(0.1)

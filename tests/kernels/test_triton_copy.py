@@ -94,6 +94,20 @@ def test_kernel_rows_are_anchor_relative_16_byte_units_and_the_grid_fits():
     assert table[0, 0] == anchor - 4096  # the caller's table is left alone
 
 
+@pytest.mark.parametrize("variant", ["chunks-64k", "grid2d-128k"])
+def test_rows_past_the_grid_axis_1_limit_are_split_on_axis_0(variant):
+    """Four equal 5 GiB rows: 81,920 pieces of 64 KiB each (40,960 of 128 KiB in grid2d, which
+    fits), more than grid axis 1 takes (65,535): they are split on axis 0."""
+    anchor, n = 1 << 40, 5 << 30
+    table = np.array([[anchor + i * n, anchor + (4 + i) * n, n] for i in range(4)], dtype=np.int64)
+    v = triton_copy.VARIANTS[variant]
+    rows, grid = triton_copy.kernel_rows(table, anchor, v)
+    assert grid[1] <= triton_copy.MAX_GRID_Y and grid[0] == len(rows)
+    assert int(rows[:, 2].sum()) * 16 == 4 * n  # every byte once
+    if variant == "chunks-64k":
+        assert grid == (4 * n // (64 * KiB), 1)
+
+
 @pytest.mark.parametrize("bad", [(8, 0, 64), (0, 4, 64), (0, 0, 24)])
 def test_unaligned_rows_are_refused(bad):
     table = np.array([[1 << 20, 2 << 20, 64], [(1 << 20) + bad[0], (2 << 20) + bad[1], bad[2]]])
