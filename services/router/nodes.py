@@ -49,6 +49,7 @@ class NodeHandle:
     transfers_in_flight: int = 0  # from GetLoad: KV pushes (prefill) or pulls (decode) under way
     prefix_cache_queried_blocks: int = 0  # from GetLoad: since the node started
     prefix_cache_hit_blocks: int = 0
+    lora_idents: dict[str, str] = field(default_factory=dict)  # its last load report's adapters
     seen_prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str = ""  # from GetLoad; a change means the node restarted
@@ -193,6 +194,16 @@ class NodePool:
                 await n.mux.close()
             await n.channel.close()
 
+    def _learn_lora_idents(self, n: NodeHandle, reported: dict[str, str]) -> None:
+        """Take a node's reported adapters; forget a name no node reports any more (unloaded
+        everywhere), so an adapter loaded again later is salted by its new content."""
+        gone = n.lora_idents.keys() - reported.keys()
+        n.lora_idents = reported
+        self.lora_idents.update(reported)
+        for name in gone:
+            if not any(name in m.lora_idents for m in (*self.prefill, *self.decode)):
+                self.lora_idents.pop(name, None)
+
     async def _poll_one(self, n: NodeHandle) -> None:
         stub = (
             pb_grpc.PrefillServiceStub(n.channel)
@@ -212,7 +223,7 @@ class NodePool:
             n.transfers_in_flight = rep.num_pushes_in_flight + rep.num_pulls_in_flight
             n.prefix_cache_queried_blocks = rep.prefix_cache_queried_blocks
             n.prefix_cache_hit_blocks = rep.prefix_cache_hit_blocks
-            self.lora_idents.update(rep.lora_idents)
+            self._learn_lora_idents(n, dict(rep.lora_idents))
             if rep.steps_socket != n.steps_socket:
                 # A (re)started node with another Steps port: the next leg opens its Steps
                 # stream there (a stream still open ends with its node).

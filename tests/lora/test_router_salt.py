@@ -96,9 +96,11 @@ def test_load_reports_teach_the_router_adapter_identities():
 
     ident = "a@" + "22" * 16
 
+    reports = [{"a": ident}, {}]
+
     class _Load(pb_grpc.DecodeServiceServicer):
         async def GetLoad(self, request, context):
-            return pb.LoadReport(node="d0", role="decode", block_size=BS, lora_idents={"a": ident})
+            return pb.LoadReport(node="d0", role="decode", block_size=BS, lora_idents=reports[0])
 
     async def run() -> None:
         server = grpc.aio.server()
@@ -114,6 +116,9 @@ def test_load_reports_teach_the_router_adapter_identities():
             assert be.prompt_hashes(req, BS) == hash_prompt_blocks(
                 req.prompt_token_ids, BS, bytes.fromhex("22" * 16)
             )
+            reports.pop(0)  # unloaded on the only node that had it: forgotten
+            await be._poll_one(be.decode[0])
+            assert be.lora_idents == {} and be.prompt_hashes(req, BS) == []
         finally:
             await be.close()
             await server.stop(None)
