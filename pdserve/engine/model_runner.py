@@ -316,12 +316,15 @@ class ModelRunner:
         return out
 
     def _seed_draw(self, chunk: ScheduledChunk) -> tuple[int, int] | None:
-        """(seed, k) of a seeded row sampling its k-th output token, where seeded rows draw from
-        the counter-based stream (CUDA with Triton); None elsewhere (``_generator`` serves)."""
+        """(seed, k) of a seeded chunk whose first sampled row draws its k-th output token (the
+        row after its last known token; drafts, when the chunk has them, come after it), where
+        seeded rows draw from the counter-based stream (CUDA with Triton); None elsewhere
+        (``_generator`` serves)."""
         seed = chunk.request.sampling_params.seed
         if seed is None or not self._counter_draws:
             return None
-        return seed, chunk.start_pos + chunk.num_tokens - chunk.request.num_prompt_tokens
+        last_known = chunk.start_pos + chunk.num_tokens - len(chunk.spec_token_ids)
+        return seed, last_known - chunk.request.num_prompt_tokens
 
     def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
         """The seeded request's generator (made on first use); None for unseeded requests, and on

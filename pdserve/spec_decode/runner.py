@@ -43,18 +43,13 @@ def launch_verify(
         req = c.request
         if c.spec_token_ids:
             spec_rows.extend(range(row, row + n))
-            # Row 0 samples the token the chunk's first position predicts; its draws are those
-            # of that token index (the counter-based stream's k, or the generator's next row).
-            seed_draw = runner._seed_draw(c)
-            if seed_draw is not None:
-                seed_draw = (seed_draw[0], seed_draw[1] - len(c.spec_token_ids))
             x = SamplerInput(
                 req.sampling_params,
                 req.prompt_token_ids,
                 req.output_token_ids,
                 runner._generator(req, vocab_size),
                 req.eos_token_ids,
-                seed_draw,
+                runner._seed_draw(c),  # row 0's token index; row j draws at k + j (verify.py)
             )
             groups.append(VerifyGroup(req.request_id, x, c.spec_token_ids))
         else:

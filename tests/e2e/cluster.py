@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 
 from pdserve.config.cluster import ClusterConfig, default_local_cluster, write_cluster_config
 from pdserve.rpc import node_pb2 as pb
@@ -125,19 +127,17 @@ def revive(rc: RunningCluster) -> None:
             _wait_in_rotation(rc, [c.name for c in rc.children if c.role != "router"], timeout_s=30)
 
 
-def _wait_in_rotation(rc: RunningCluster, names: list[str], timeout_s: float) -> None:
-    """Until the router's pdserve:router_node_in_rotation is 1 for every node in ``names``."""
-    import urllib.request
+def in_rotation(rc: RunningCluster, node: str) -> float | None:
+    """The router's pdserve:router_node_in_rotation of ``node`` (None before its first poll)."""
+    text = httpx.get(rc.cluster.router_url + "/metrics", timeout=5).text
+    m = re.search(r'^pdserve:router_node_in_rotation\{node="' + node + r'"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else None
 
-    want = {f'pdserve:router_node_in_rotation{{node="{n}"}} 1.0' for n in names}
+
+def _wait_in_rotation(rc: RunningCluster, names: list[str], timeout_s: float) -> None:
+    """Until the router has every node in ``names`` in rotation."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(rc.cluster.router_url + "/metrics", timeout=5) as r:
-            lines = set(r.read().decode().splitlines())
-        if want <= lines:
-            return
+    while not all(in_rotation(rc, n) == 1.0 for n in names):
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"nodes not back in the router's rotation after {timeout_s} s: {sorted(want - lines)}"
-            )
+            raise TimeoutError(f"nodes {names} not all back in the router's rotation after {timeout_s} s")
         time.sleep(0.1)

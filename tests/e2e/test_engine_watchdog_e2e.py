@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import time
 
-import httpx
 import openai
 import pytest
 
 from pdserve.config.cluster import ClusterConfig
-from tests.e2e.cluster import running_cluster
+from tests.e2e.cluster import in_rotation, running_cluster
 from tests.e2e.lifecycle_helpers import health_status, isolated_cluster_config, wait_nothing_held
 
 pytestmark = pytest.mark.slow
@@ -51,12 +49,6 @@ def cluster(tiny_models, tmp_path_factory):
         yield rc
 
 
-def _in_rotation(rc, node: str) -> float | None:
-    text = httpx.get(rc.cluster.router_url + "/metrics", timeout=5).text
-    m = re.search(r'^pdserve:router_node_in_rotation\{node="' + node + r'"\} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else None
-
-
 def _wait(what: str, cond, deadline: float) -> float:
     while not cond():
         assert time.monotonic() < deadline, f"{what}: not within the deadline"
@@ -67,7 +59,7 @@ def _wait(what: str, cond, deadline: float) -> float:
 def test_a_wedged_engine_turns_not_serving_leaves_rotation_and_comes_back(cluster) -> None:
     c = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=30)
     dec0 = cluster.node("decode-0")
-    _wait("decode-0 in rotation", lambda: _in_rotation(cluster, "decode-0") == 1.0, time.monotonic() + 10)
+    _wait("decode-0 in rotation", lambda: in_rotation(cluster, "decode-0") == 1.0, time.monotonic() + 10)
     # both decode nodes idle: least_loaded takes the first, decode-0
     stream = c.completions.create(
         model=cluster.model_name,
@@ -91,7 +83,7 @@ def test_a_wedged_engine_turns_not_serving_leaves_rotation_and_comes_back(cluste
     assert t0 and ended_s < STEP_TIMEOUT_S + 2.0, ended_s
     assert "step_timeout_s" in str(ei.value.message), ei.value.message
     assert health_status(dec0.grpc_address) == "NOT_SERVING"
-    out_s = _wait("decode-0 out of rotation", lambda: _in_rotation(cluster, "decode-0") == 0.0, t0 + 3.5) - t0
+    out_s = _wait("decode-0 out of rotation", lambda: in_rotation(cluster, "decode-0") == 0.0, t0 + 3.5) - t0
     # while decode-0 is still stuck, requests go to decode-1 and complete
     for i in range(3):
         r = c.completions.create(
@@ -110,7 +102,7 @@ def test_a_wedged_engine_turns_not_serving_leaves_rotation_and_comes_back(cluste
         )
         - t0
     )
-    _wait("decode-0 back in rotation", lambda: _in_rotation(cluster, "decode-0") == 1.0, t0 + STALL_S + 5)
+    _wait("decode-0 back in rotation", lambda: in_rotation(cluster, "decode-0") == 1.0, t0 + STALL_S + 5)
     print(
         f"stream ended {ended_s:.2f} s, out of rotation {out_s:.2f} s, SERVING again {back_s:.2f} s after SIGUSR2"
     )
