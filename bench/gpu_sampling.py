@@ -11,6 +11,14 @@ Llama-1B shape in bf16 (bench/gpu_decode.py's model), CUDA graphs, asynchronous 
                     for all seeded rows (kernels/triton_seeded_draw.py)
     seeded-gen      the same requests with a torch.Generator per request (one draw call per
                     seeded row): the path CPU engines take
+    sampled-unfused, seeded-unfused
+                    sampled / seeded with the one-pass race off (``Sampler.fused = False``, what
+                    PDSERVE_FUSED_SAMPLING=0 sets): gather, divide, draw, clamp, log, subtract,
+                    argmax and scatter as separate full-vocabulary passes; sampled and seeded
+                    run the one-pass race (kernels/triton_sample.py)
+
+Before the engine runs, ``Sampler.sample`` alone on [batch, 128,256] fp32 logits: wall time per
+call (synchronised, unstaged copies) of each sampled mode, fused and not.
 
 Each repetition runs the modes in order, then the next in reverse (ABC / CBA), on one engine;
 the decode window is timed from the step that brought every request its first token to the
@@ -37,20 +45,23 @@ from gpu_decode import MAX_MODEL_LEN, build_model, make_prompts  # noqa: E402
 
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampler import Sampler, SamplerInput  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
-MODES = ("greedy", "sampled", "seeded", "seeded-gen")
+MODES = ("greedy", "sampled", "seeded", "sampled-unfused", "seeded-unfused", "seeded-gen")
+VOCAB = 128_256
 
 
 def _params(mode: str, i: int, new_tokens: int) -> SamplingParams:
     if mode == "greedy":
         return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    seed = None if mode == "sampled" else 1000 + i
+    seed = None if mode.startswith("sampled") else 1000 + i
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=new_tokens, ignore_eos=True)
 
 
 def decode_tok_s(engine: LLMEngine, mode: str, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
     engine.runner._counter_draws = mode != "seeded-gen" and engine.runner.device.type == "cuda"  # type: ignore[union-attr]
+    engine.runner.sampler.fused = not mode.endswith("-unfused")  # type: ignore[union-attr]
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
     for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
         engine.add_request(p, _params(mode, i, new_tokens), rid)
@@ -69,6 +80,30 @@ def decode_tok_s(engine: LLMEngine, mode: str, prompts: list[list[int]], new_tok
     return count / (time.perf_counter() - t_open)
 
 
+def sampler_us(batch: int, reps: int = 50) -> dict[str, float]:
+    """Wall microseconds per ``Sampler.sample`` call on [batch, VOCAB] logits, synchronised."""
+    logits = torch.randn(batch, VOCAB, device="cuda") * 4
+    out = {}
+    for mode in ("sampled", "seeded"):
+        inputs = [
+            SamplerInput(
+                _params(mode, i, 1), [], [], None, frozenset(), (1000 + i, 5) if mode == "seeded" else None
+            )
+            for i in range(batch)
+        ]
+        for fused in (True, False):
+            sampler = Sampler(fused=fused)
+            for _ in range(3):
+                sampler.sample(logits, inputs)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                sampler.sample(logits, inputs)
+            torch.cuda.synchronize()
+            out[f"{mode}{'' if fused else '-unfused'}"] = (time.perf_counter() - t0) / reps * 1e6
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -79,6 +114,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    sampler_times = sampler_us(args.batch)
+    print(
+        f"Sampler.sample, [{args.batch}, {VOCAB}] fp32: "
+        + ", ".join(f"{m} {us:,.0f} us" for m, us in sampler_times.items()),
+        flush=True,
+    )
     build_model(args.model_dir)
     engine = LLMEngine(
         EngineConfig(
@@ -110,7 +151,9 @@ def main() -> None:
         ratios = [a / g for a, g in zip(runs[mode], runs["greedy"], strict=True)]
         table[mode] = {"tok_s": runs[mode], "ratio_to_greedy": ratios}
         print(f"| {mode} | {statistics.median(runs[mode]):,.0f} | {' / '.join(f'{r:.2f}' for r in ratios)} |")
-    (args.out / "gpu_sampling.json").write_text(json.dumps({"batch": args.batch, "modes": table}, indent=1))
+    (args.out / "gpu_sampling.json").write_text(
+        json.dumps({"batch": args.batch, "modes": table, "sampler_us": sampler_times}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -18,18 +18,34 @@ samples exactly from probs. It is computed as argmax(logits - log q): same argma
 no underflow. A seeded row draws its q with its own generator, V values per step, so its tokens
 depend only on its own logits and seed, never on the other rows of the batch or its position.
 On the CPU the draws are uniform and turned into Exp(1) in one vectorised pass (``draw_``).
+
+Where the logits take the Triton kernels (CUDA), greedy and temperature-only sampled rows get
+their tokens from one race launch that reads each row once and draws q in registers, from the
+counter-based stream (seeded rows: (seed, k); unseeded rows: a per-step key from torch's
+default generator); other sampled rows race in the same kernel after their transforms
+(``pdserve.engine.fused_sampling``). ``PDSERVE_FUSED_SAMPLING=0`` keeps the unfused path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve import kernels
-from pdserve.engine.host_batch import PinnedStaging, copy_to_host
+from pdserve.engine.fused_sampling import (
+    SeedDraw,
+    ToDevice,
+    counter_race,
+    counter_race_applies,
+    fused_sampling_enabled,
+    step_key,
+    temperature_only,
+)
+from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampled import SampledTensors, SamplerOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -50,71 +66,6 @@ class SamplerInput:
     seed_draw: tuple[int, int] | None = None
 
 
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]  # one per row
-    # Per row: the sampled token's logprob and the top-N alternatives (N = params.logprobs),
-    # best first, when params.logprobs is not None; else None.
-    logprobs: list[TokenLogprob | None]
-
-
-@dataclass
-class SampledTensors:
-    """A step's samples still on the device (or in pinned host copies of them): nothing here has
-    synchronised with the GPU. ``output()`` reads them into Python lists."""
-
-    token_ids: torch.Tensor  # [num_rows] int64
-    logprob_rows: list[int]  # rows that asked for logprobs
-    num_top: list[int]  # per logprob row: how many alternatives it asked for
-    chosen_logprobs: torch.Tensor | None = None  # [len(logprob_rows)] float32
-    top_logprobs: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)] float32, best first
-    top_token_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)] int64
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [
-            t
-            for t in (self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_token_ids)
-            if t is not None
-        ]
-
-    def copy_to_host(self, host_like: Callable[[torch.Tensor], torch.Tensor]) -> SampledTensors:
-        """The same samples copied into host tensors made by ``host_like`` (pinned: the copies
-        do not block the host; read them only once the stream's work up to here has finished)."""
-
-        def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return copy_to_host(t, host_like)
-
-        token_ids = host(self.token_ids)
-        assert token_ids is not None
-        return SampledTensors(
-            token_ids,
-            self.logprob_rows,
-            self.num_top,
-            host(self.chosen_logprobs),
-            host(self.top_logprobs),
-            host(self.top_token_ids),
-        )
-
-    def output(self) -> SamplerOutput:
-        token_ids = self.token_ids.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
-        if self.logprob_rows:
-            assert self.chosen_logprobs is not None
-            chosen = self.chosen_logprobs.tolist()
-            top_lp: list[list[float]] = [[] for _ in self.logprob_rows]
-            top_ids: list[list[int]] = [[] for _ in self.logprob_rows]
-            if self.top_logprobs is not None and self.top_token_ids is not None:
-                top_lp, top_ids = self.top_logprobs.tolist(), self.top_token_ids.tolist()
-            for j, row in enumerate(self.logprob_rows):
-                n = self.num_top[j]
-                logprobs[row] = TokenLogprob(
-                    token_id=token_ids[row],
-                    logprob=chosen[j],
-                    top=tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)),
-                )
-        return SamplerOutput(token_ids, logprobs)
-
-
 def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's token is the plain argmax of its logits (the sampler's fast path): greedy,
     no penalties, no logprobs, min_tokens reached. A grammar does not leave this path: the model
@@ -127,19 +78,18 @@ def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
-# Makes a small device tensor from Python values: (data, dtype) -> tensor on the logits' device.
-ToDevice = Callable[[list, torch.dtype], torch.Tensor]
-
-
 class Sampler:
     """Stateless; one per model runner. Does not modify ``logits``; advances seeded generators.
 
     ``staging``: the runner's pinned buffers, so the small index tensors of penalties, top-k and
-    the like reach the device without a synchronising copy.
+    the like reach the device without a synchronising copy. ``fused``: sampled rows race in one
+    pass on the Triton path (``pdserve.engine.fused_sampling``); None reads
+    ``PDSERVE_FUSED_SAMPLING``.
     """
 
-    def __init__(self, staging: PinnedStaging | None = None) -> None:
+    def __init__(self, staging: PinnedStaging | None = None, fused: bool | None = None) -> None:
         self.staging = staging
+        self.fused = fused_sampling_enabled() if fused is None else fused
 
     def _to_device(self, device: torch.device) -> ToDevice:
         staging = self.staging
@@ -163,11 +113,15 @@ class Sampler:
         put = self._to_device(logits.device)
         logits = penalise(logits, inputs, put)
 
-        token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs
-        if sampled:
-            idx = put(sampled, torch.long)
-            # Advanced indexing copies, so _sample may work in place.
-            token_ids[idx] = _sample(logits[idx], [inputs[i] for i in sampled], put)
+        if self.fused and counter_race_applies(logits):
+            token_ids = _race_all(logits, inputs, put)
+        else:
+            token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs
+            if sampled:
+                idx = put(sampled, torch.long)
+                # Advanced indexing copies, so _sample may work in place.
+                rows = [inputs[i] for i in sampled]
+                token_ids[idx] = _sample(logits[idx], rows, put, False, [x.seed_draw for x in rows])
 
         out = SampledTensors(token_ids, [], [])
         if with_logprobs:
@@ -230,13 +184,67 @@ def _mask_stop_tokens(
         logits.index_put_((put(r, torch.long), put(c, torch.long)), minus_inf)
 
 
-def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch.Tensor:
+def _race_all(logits: torch.Tensor, inputs: Sequence[SamplerInput], put: ToDevice) -> torch.Tensor:
+    """Every row's token on the Triton path: one race launch for greedy and temperature-only
+    rows, then ``_sample`` for the other sampled rows (``pdserve.engine.fused_sampling``)."""
+    draws: list[SeedDraw] = []
+    temps: list[float] = []
+    rest: list[int] = []  # sampled rows that are not one-pass
+    need_key = False
+    for i, x in enumerate(inputs):
+        draws.append(x.seed_draw)
+        need_key = need_key or (x.seed_draw is None and x.generator is None and not x.params.greedy)
+        one_pass = x.generator is None and temperature_only(x.params)
+        temps.append(x.params.temperature if one_pass else 0.0)
+        if not one_pass and not x.params.greedy:
+            rest.append(i)
+    key = step_key() if need_key else 0
+    token_ids = counter_race(logits, draws, temps, key, put)
+    if rest:
+        # An unseeded row draws at k = its row in ``logits``, here too.
+        rest_draws = [draws[i] if draws[i] is not None else (key, i) for i in rest]
+        idx = put(rest, torch.long)
+        token_ids[idx] = _sample(logits[idx], [inputs[i] for i in rest], put, True, rest_draws)
+    return token_ids
+
+
+def _sample(
+    x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice, fused: bool, draws: list[SeedDraw]
+) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the exponential race. ``x`` [S, V] is overwritten."""
-    num_rows, device = x.shape[0], x.device
     apply_sampling_transforms(x, [i.params for i in inputs], put)
+    return race_drawn(x, draws, put, fused, [i.generator for i in inputs])
+
+
+def race_drawn(
+    x: torch.Tensor,
+    draws: Sequence[SeedDraw],
+    put: ToDevice,
+    fused: bool,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """The exponential race of rows ``x`` [S, V] after their sampling transforms (overwritten).
+    Row j draws from ``generators[j]`` where set, else from the counter-based stream at
+    ``draws[j]`` (seed, k); a row with neither is unseeded. With ``fused`` on the Triton path
+    (``counter_race_applies``) the counter rows race in one launch at T = 1, an unseeded row j
+    at (step key, j) (``pdserve.engine.fused_sampling``); otherwise q is drawn whole (torch's
+    ``exponential_`` for unseeded rows, the seeded draw kernel for counter rows) and raced."""
+    num_rows, device = x.shape[0], x.device
+    gens = list(generators) if generators is not None else [None] * num_rows
+    seeded = [(j, g) for j, g in enumerate(gens) if g is not None]
+    if fused and counter_race_applies(x):
+        need_key = any(g is None and d is None for g, d in zip(gens, draws, strict=True))
+        temps = [0.0 if g is not None else 1.0 for g in gens]
+        token_ids = counter_race(x, draws, temps, step_key() if need_key else 0, put)
+        for j, gen in seeded:
+            q = torch.empty_like(x[j : j + 1])
+            draw_(q[0], gen)
+            token_ids[j] = race(x[j : j + 1], q)[0]
+        return token_ids
     q = torch.empty_like(x)  # [S, V] ~ Exp(1)
-    seeded = [(j, i.generator) for j, i in enumerate(inputs) if i.generator is not None]
-    counted = [(j, i.seed_draw) for j, i in enumerate(inputs) if i.seed_draw is not None]
+    counted = [
+        (j, d) for j, (g, d) in enumerate(zip(gens, draws, strict=True)) if g is None and d is not None
+    ]
     if len(seeded) + len(counted) < num_rows:
         draw_(q, None)
     for j, gen in seeded:

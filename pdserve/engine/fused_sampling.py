@@ -1,0 +1,108 @@
+"""Sampled rows in one pass over the vocabulary on the Triton path (``kernels/triton_sample.py``).
+
+Where the sampler's logits take the Triton kernels (CUDA, or the interpreter with the backend
+forced), a step's rows go to one race launch (two kernels: chunks, merge):
+
+    greedy rows                          argmax (temperature 0 in the table)
+    sampled rows, temperature only       argmax(x / T - log q), q drawn in registers: the logits
+    (no top-k / top-p / min-p, no         are read once instead of ~8 full-vocabulary passes
+    per-request torch.Generator)          (gather, divide, draw, clamp, log, subtract, argmax,
+                                          scatter)
+    other sampled rows                   argmax here, then replaced by ``Sampler``'s path:
+                                          gather, transforms, and the same race launch at T = 1
+
+Penalties and the min_tokens mask come before (``penalise``). The draws ``q`` are the
+counter-based stream of ``kernels/triton_seeded_draw.py``: a seeded row's (seed, k) from
+``SamplerInput.seed_draw``; an unseeded row's (key, row), ``key`` drawn once per step on the
+host from torch's default generator (``step_key``), so ``torch.manual_seed`` makes a run
+reproducible and no device generator is read. The per-row parameters travel in one int64 table,
+one host-to-device copy.
+
+``PDSERVE_FUSED_SAMPLING`` (default 1) is read once, when the first sampler is made; 0 keeps the
+unfused path everywhere (torch ops, ``exponential_`` for unseeded rows, the seeded draw kernel
+for seeded ones). The two paths compute x / T - log q with different log implementations, so a
+seeded request can differ between them where two candidates tie to the last bit: give every
+node of a deployment the same setting.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pdserve import kernels
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import ConfigError
+from pdserve.kernels.backend import device_unsupported_reason
+
+ENV_FUSED_SAMPLING = "PDSERVE_FUSED_SAMPLING"
+
+# Makes a small device tensor from Python values: (data, dtype) -> tensor on the logits' device.
+ToDevice = Callable[[list, torch.dtype], torch.Tensor]
+# (seed, k) of a row's draws, or None: the step key's draws at k = the row's index
+SeedDraw = tuple[int, int] | None
+
+
+@functools.cache
+def fused_sampling_enabled() -> bool:
+    """``PDSERVE_FUSED_SAMPLING``: "1" (default) or "0"; anything else raises ConfigError."""
+    value = os.environ.get(ENV_FUSED_SAMPLING, "1")
+    if value not in ("0", "1"):
+        raise ConfigError(
+            f"{ENV_FUSED_SAMPLING}={value!r} is not supported: set 1 (one-pass sampling on the "
+            "Triton path, the default) or 0 (the unfused torch path)"
+        )
+    return value == "1"
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def counter_race_applies(logits: torch.Tensor) -> bool:
+    """Whether these logits' rows race in the Triton kernel (CUDA with the backend not forced to
+    torch, or the interpreter with it forced to triton)."""
+    return (
+        kernels.wants_triton(logits)
+        and _triton_installed()
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and device_unsupported_reason(logits) is None
+    )
+
+
+def temperature_only(params: SamplingParams) -> bool:
+    """A sampled row whose distribution is softmax(x / T): no top-k, top-p or min-p."""
+    return not params.greedy and params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0
+
+
+def step_key() -> int:
+    """A fresh Philox key for one step's unseeded rows, from torch's default (CPU) generator."""
+    return int(torch.randint(1 << 62, ()))
+
+
+def counter_race(
+    x: torch.Tensor,
+    draws: Sequence[SeedDraw],
+    temperatures: Sequence[float],
+    key: int,
+    put: ToDevice,
+) -> torch.Tensor:
+    """int64 [R] on ``x``'s device: row r's argmax(x / T - log q) with q the counter-based
+    draws ``draws[r]`` ((seed, k), or None for (``key``, r)) and T = ``temperatures[r]``
+    (0: the plain argmax, no draws). ``x`` [R, V] float32 is not written. One table copy, one
+    race launch."""
+    from pdserve.kernels.triton_sample import TABLE_COLS, race_rows, race_table_row
+
+    assert len(draws) == len(temperatures) == x.shape[0], (len(draws), len(temperatures), x.shape)
+    flat: list[int] = []
+    for r, (d, t) in enumerate(zip(draws, temperatures, strict=True)):
+        seed, k = d if d is not None else (key, r)
+        flat += race_table_row(seed, k, t)
+    table = put(flat, torch.long).view(-1, TABLE_COLS)  # a flat list: ~3x cheaper to convert
+    return race_rows(x if x.stride(1) == 1 else x.contiguous(), table)
