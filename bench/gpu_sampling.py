@@ -17,8 +17,9 @@ Llama-1B shape in bf16 (bench/gpu_decode.py's model), CUDA graphs, asynchronous 
                     argmax and scatter as separate full-vocabulary passes; sampled and seeded
                     run the one-pass race (kernels/triton_sample.py)
 
-Before the engine runs, ``Sampler.sample`` alone on [batch, 128,256] fp32 logits: wall time per
-call (synchronised, unstaged copies) of each sampled mode, fused and not.
+Before the engine runs, the sampler alone on [batch, 128,256] bf16 logits (``sampler_us``: median
+device time per call, unstaged copies): greedy's argmax, each sampled mode fused and not
+after the runner's fp32 upcast, and fused on the bf16 logits themselves.
 
 Each repetition runs the modes in order, then the next in reverse (ABC / CBA), on one engine;
 the decode window is timed from the step that brought every request its first token to the
@@ -29,10 +30,12 @@ DIR/gpu_sampling.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,8 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_decode import MAX_MODEL_LEN, build_model, make_prompts  # noqa: E402
+from gpu_decode import MAX_MODEL_LEN, build_model, make_prompts, median_ms  # noqa: E402
 
+from pdserve import kernels  # noqa: E402
 from pdserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampler import Sampler, SamplerInput  # noqa: E402
@@ -80,10 +84,14 @@ def decode_tok_s(engine: LLMEngine, mode: str, prompts: list[list[int]], new_tok
     return count / (time.perf_counter() - t_open)
 
 
-def sampler_us(batch: int, reps: int = 50) -> dict[str, float]:
-    """Wall microseconds per ``Sampler.sample`` call on [batch, VOCAB] logits, synchronised."""
-    logits = torch.randn(batch, VOCAB, device="cuda") * 4
-    out = {}
+def sampler_us(batch: int) -> dict[str, float]:
+    """Median microseconds per call (``triton.testing.do_bench``: device time from events, L2
+    flushed between calls) on [batch, VOCAB] bf16 logits as the model gives
+    them: greedy is ``argmax_rows`` of the bf16 logits; sampled / seeded widen them to fp32 (the
+    runner's upcast) and call ``Sampler.sample`` fused or unfused; ``-bf16`` hands the fused
+    sampler the bf16 logits (rows ``one_pass_only`` serves: no widened copy)."""
+    logits = (torch.randn(batch, VOCAB, device="cuda") * 4).to(torch.bfloat16)
+    calls: dict[str, Callable[[], object]] = {"greedy": lambda: kernels.argmax_rows(logits)}
     for mode in ("sampled", "seeded"):
         inputs = [
             SamplerInput(
@@ -91,17 +99,13 @@ def sampler_us(batch: int, reps: int = 50) -> dict[str, float]:
             )
             for i in range(batch)
         ]
-        for fused in (True, False):
-            sampler = Sampler(fused=fused)
-            for _ in range(3):
-                sampler.sample(logits, inputs)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                sampler.sample(logits, inputs)
-            torch.cuda.synchronize()
-            out[f"{mode}{'' if fused else '-unfused'}"] = (time.perf_counter() - t0) / reps * 1e6
-    return out
+        fused, unfused = Sampler(fused=True), Sampler(fused=False)
+        calls[mode] = functools.partial(lambda s, inp: s.sample(logits.float(), inp), fused, inputs)
+        calls[f"{mode}-unfused"] = functools.partial(
+            lambda s, inp: s.sample(logits.float(), inp), unfused, inputs
+        )
+        calls[f"{mode}-bf16"] = functools.partial(lambda s, inp: s.sample(logits, inp), fused, inputs)
+    return {name: 1e3 * median_ms(call) for name, call in calls.items()}
 
 
 def main() -> None:
@@ -116,7 +120,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sampler_times = sampler_us(args.batch)
     print(
-        f"Sampler.sample, [{args.batch}, {VOCAB}] fp32: "
+        f"sampler alone, [{args.batch}, {VOCAB}] bf16 logits: "
         + ", ".join(f"{m} {us:,.0f} us" for m, us in sampler_times.items()),
         flush=True,
     )

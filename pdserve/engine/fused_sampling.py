@@ -81,6 +81,21 @@ def temperature_only(params: SamplingParams) -> bool:
     return not params.greedy and params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0
 
 
+def one_pass_only(params: SamplingParams, num_output_tokens: int, counter_draws: bool) -> bool:
+    """Whether the race launch alone gives a row its token: greedy or temperature-only (drawn
+    from the counter-based stream: ``counter_draws``, or no seed), no penalties, no logprobs,
+    min_tokens reached. Such rows may hand the sampler bf16 / fp16 logits: the kernel widens
+    them to fp32 as it loads them, exactly as an fp32 copy would hold them, and the copy's
+    pass over the vocabulary is saved."""
+    drawn_here = params.greedy or (temperature_only(params) and (counter_draws or params.seed is None))
+    return (
+        drawn_here
+        and params.logprobs is None
+        and not params.has_penalties
+        and num_output_tokens >= params.min_tokens
+    )
+
+
 def step_key() -> int:
     """A fresh Philox key for one step's unseeded rows, from torch's default (CPU) generator."""
     return int(torch.randint(1 << 62, ()))

@@ -40,6 +40,7 @@ from pdserve.engine.fused_sampling import (
     counter_race,
     counter_race_applies,
     fused_sampling_enabled,
+    one_pass_only,
     step_key,
     temperature_only,
 )
@@ -104,16 +105,23 @@ class Sampler:
         """The step's tokens (and logprobs) as device tensors. Greedy rows without penalties or
         min_tokens queue device work only; the other paths may copy small index tensors."""
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (tuple(logits.shape), len(inputs))
-        assert logits.dtype == torch.float32, logits.dtype
         if all(argmax_only(x.params, len(x.output_token_ids)) for x in inputs):
             return SampledTensors(kernels.argmax_rows(logits), [], [])  # the common case: one kernel
+        fused = self.fused and counter_race_applies(logits)
+        if logits.dtype != torch.float32:
+            # Half-precision logits serve only rows the race launch alone handles (one_pass_only).
+            if fused and all(
+                one_pass_only(x.params, len(x.output_token_ids), x.generator is None) for x in inputs
+            ):
+                return SampledTensors(_race_all(logits, inputs, self._to_device(logits.device)), [], [])
+            logits = logits.float()
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
 
         put = self._to_device(logits.device)
         logits = penalise(logits, inputs, put)
 
-        if self.fused and counter_race_applies(logits):
+        if fused:
             token_ids = _race_all(logits, inputs, put)
         else:
             token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.backend import TRITON_DTYPES
 from pdserve.kernels.triton_argmax import BLOCK, _merge_argmax_kernel
 from pdserve.kernels.triton_seeded_draw import exponential_draw
 
@@ -73,9 +74,10 @@ def race_table_row(seed: int, k: int, temperature: float) -> list[int]:
 
 
 def race_rows(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: row r's token per ``table`` row r (module docstring). ``x`` [R, V] float32
-    with unit stride along V; ``table`` int64 [R, 3], contiguous, on ``x``'s device."""
-    assert x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, (x.shape, x.dtype, x.stride())
+    """int64 [R]: row r's token per ``table`` row r (module docstring). ``x`` [R, V] float32,
+    bf16 or fp16 (widened to fp32 on load: exact), unit stride along V; ``table`` int64 [R, 3],
+    contiguous, on ``x``'s device."""
+    assert x.dim() == 2 and x.dtype in TRITON_DTYPES and x.stride(1) == 1, (x.shape, x.dtype, x.stride())
     assert table.shape == (x.shape[0], TABLE_COLS) and table.dtype == torch.int64, (table.shape, table.dtype)
     assert table.is_contiguous() and table.device == x.device, (table.stride(), table.device, x.device)
 

@@ -124,3 +124,22 @@ def test_the_keyed_stream_samples_the_softmax() -> None:
         tv = 0.5 * np.abs(np.bincount(tokens, minlength=v) / n_rows - target).sum()
         assert (tv < 0.02) == expect_close, (scale, tv)
     assert not np.any(tokens == v - 1)  # -inf never drawn
+
+
+def test_half_logits_race_as_their_fp32_copy(kern, device) -> None:
+    """bf16 logits: rows the race alone serves are read as bf16 (widened on load, exact); a
+    batch with a top-k row is widened first. Tokens equal those of the fp32 copy either way."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+    sp = SamplingParams
+    one_pass = [
+        _input(sp(temperature=0.0)),
+        _input(sp(temperature=0.8)),
+        _input(sp(seed=4), seed_draw=(4, 2)),
+    ]
+    with_top_k = [*one_pass[:2], _input(sp(top_k=3, seed=4), seed_draw=(4, 2))]
+    sampler = Sampler(fused=True)
+    for inputs in (one_pass, with_top_k):
+        torch.manual_seed(5)
+        half = sampler.sample(x, inputs).token_ids.tolist()
+        torch.manual_seed(5)
+        assert half == sampler.sample(x.float(), inputs).token_ids.tolist()
