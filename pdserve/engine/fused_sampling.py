@@ -14,9 +14,9 @@ forced), a step's rows go to one race launch (two kernels: chunks, merge):
 Penalties and the min_tokens mask come before (``penalise``). The draws ``q`` are the
 counter-based stream of ``kernels/triton_seeded_draw.py``: a seeded row's (seed, k) from
 ``SamplerInput.seed_draw``; an unseeded row's (key, row), ``key`` drawn once per step on the
-host from torch's default generator (``step_key``), so ``torch.manual_seed`` makes a run
+host from torch's default generator (``race.step_key``), so ``torch.manual_seed`` makes a run
 reproducible and no device generator is read. The per-row parameters travel in one int64 table,
-one host-to-device copy.
+one host-to-device copy (``race.counter_race``).
 
 ``PDSERVE_FUSED_SAMPLING`` (default 1) is read once, when the first sampler is made; 0 keeps the
 unfused path everywhere (torch ops, ``exponential_`` for unseeded rows, the seeded draw kernel
@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -94,30 +94,3 @@ def one_pass_only(params: SamplingParams, num_output_tokens: int, counter_draws:
         and not params.has_penalties
         and num_output_tokens >= params.min_tokens
     )
-
-
-def step_key() -> int:
-    """A fresh Philox key for one step's unseeded rows, from torch's default (CPU) generator."""
-    return int(torch.randint(1 << 62, ()))
-
-
-def counter_race(
-    x: torch.Tensor,
-    draws: Sequence[SeedDraw],
-    temperatures: Sequence[float],
-    key: int,
-    put: ToDevice,
-) -> torch.Tensor:
-    """int64 [R] on ``x``'s device: row r's argmax(x / T - log q) with q the counter-based
-    draws ``draws[r]`` ((seed, k), or None for (``key``, r)) and T = ``temperatures[r]``
-    (0: the plain argmax, no draws). ``x`` [R, V] float32 is not written. One table copy, one
-    race launch."""
-    from pdserve.kernels.triton_sample import TABLE_COLS, race_rows, race_table_row
-
-    assert len(draws) == len(temperatures) == x.shape[0], (len(draws), len(temperatures), x.shape)
-    flat: list[int] = []
-    for r, (d, t) in enumerate(zip(draws, temperatures, strict=True)):
-        seed, k = d if d is not None else (key, r)
-        flat += race_table_row(seed, k, t)
-    table = put(flat, torch.long).view(-1, TABLE_COLS)  # a flat list: ~3x cheaper to convert
-    return race_rows(x if x.stride(1) == 1 else x.contiguous(), table)

@@ -28,8 +28,9 @@ default generator); other sampled rows race in the same kernel after their trans
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,15 +38,16 @@ from pdserve import kernels
 from pdserve.engine.fused_sampling import (
     SeedDraw,
     ToDevice,
-    counter_race,
     counter_race_applies,
     fused_sampling_enabled,
     one_pass_only,
-    step_key,
     temperature_only,
 )
 from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.race import counter_race, race_drawn, step_key
+from pdserve.engine.race import draw_ as draw_
+from pdserve.engine.race import race as race
 from pdserve.engine.sampled import SampledTensors, SamplerOutput
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -79,6 +81,16 @@ def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
+class SampledRequest(Protocol):
+    """What ``Sampler.reads_half_logits`` reads of a request (``engine.request.Request``)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
 class Sampler:
     """Stateless; one per model runner. Does not modify ``logits``; advances seeded generators.
 
@@ -91,6 +103,16 @@ class Sampler:
     def __init__(self, staging: PinnedStaging | None = None, fused: bool | None = None) -> None:
         self.staging = staging
         self.fused = fused_sampling_enabled() if fused is None else fused
+
+    def reads_half_logits(self, requests: Iterable[SampledRequest], counter_draws: bool) -> bool:
+        """Whether ``sample`` races bf16 / fp16 logits of these requests' rows without widening
+        them, so the caller may skip its fp32 copy: the one-pass path on, draws from the
+        counter-based stream, every row ``one_pass_only``."""
+        return (
+            self.fused
+            and counter_draws
+            and all(one_pass_only(r.sampling_params, len(r.output_token_ids), True) for r in requests)
+        )
 
     def _to_device(self, device: torch.device) -> ToDevice:
         staging = self.staging
@@ -224,59 +246,6 @@ def _sample(
     return race_drawn(x, draws, put, fused, [i.generator for i in inputs])
 
 
-def race_drawn(
-    x: torch.Tensor,
-    draws: Sequence[SeedDraw],
-    put: ToDevice,
-    fused: bool,
-    generators: Sequence[torch.Generator | None] | None = None,
-) -> torch.Tensor:
-    """The exponential race of rows ``x`` [S, V] after their sampling transforms (overwritten).
-    Row j draws from ``generators[j]`` where set, else from the counter-based stream at
-    ``draws[j]`` (seed, k); a row with neither is unseeded. With ``fused`` on the Triton path
-    (``counter_race_applies``) the counter rows race in one launch at T = 1, an unseeded row j
-    at (step key, j) (``pdserve.engine.fused_sampling``); otherwise q is drawn whole (torch's
-    ``exponential_`` for unseeded rows, the seeded draw kernel for counter rows) and raced."""
-    num_rows, device = x.shape[0], x.device
-    gens = list(generators) if generators is not None else [None] * num_rows
-    seeded = [(j, g) for j, g in enumerate(gens) if g is not None]
-    if fused and counter_race_applies(x):
-        need_key = any(g is None and d is None for g, d in zip(gens, draws, strict=True))
-        temps = [0.0 if g is not None else 1.0 for g in gens]
-        token_ids = counter_race(x, draws, temps, step_key() if need_key else 0, put)
-        for j, gen in seeded:
-            q = torch.empty_like(x[j : j + 1])
-            draw_(q[0], gen)
-            token_ids[j] = race(x[j : j + 1], q)[0]
-        return token_ids
-    q = torch.empty_like(x)  # [S, V] ~ Exp(1)
-    counted = [
-        (j, d) for j, (g, d) in enumerate(zip(gens, draws, strict=True)) if g is None and d is not None
-    ]
-    if len(seeded) + len(counted) < num_rows:
-        draw_(q, None)
-    for j, gen in seeded:
-        assert gen.device.type == device.type, (gen.device, device)
-        draw_(q[j], gen)
-    if counted:
-        assert device.type == "cuda", "counter-based seeded draws are Exp(1) values: CUDA only"
-        from pdserve.kernels.triton_seeded_draw import seeded_exponential_
-
-        table = put([[j, sd[0], sd[1]] for j, sd in counted], torch.long)  # [R, 3]
-        seeded_exponential_(q, table[:, 0], table[:, 1], table[:, 2])
-    return race(x, q)
-
-
-def race(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """argmax(x - log q) per row: a sample of softmax(x) from ``q``'s raw draws (``draw_``; on
-    the CPU uniform values, turned into Exp(1) here). ``q`` is overwritten."""
-    if q.device.type == "cpu":
-        q = torch.log1p(q.neg_()).neg_()  # u in [0, 1) -> -log(1 - u) ~ Exp(1), one vectorised pass
-    # Exp(1) draws can be exactly 0 (u == 0); keep log finite so a masked -inf stays -inf.
-    q.clamp_(min=torch.finfo(torch.float32).tiny)
-    return kernels.argmax_rows(x - q.log())
-
-
 def penalise(logits: torch.Tensor, inputs: Sequence[SamplerInput], put: ToDevice) -> torch.Tensor:
     """Penalties and the min_tokens mask of every row (a copy when any applies, else ``logits``):
     what greedy rows take the argmax of and logprobs describe."""
@@ -306,20 +275,6 @@ def apply_sampling_transforms(x: torch.Tensor, params: list[SamplingParams], put
     if any(p.min_p > 0.0 for p in params):
         probs = x.softmax(dim=-1)  # [S, V]
         x.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-
-
-def draw_(q: torch.Tensor, generator: torch.Generator | None) -> None:
-    """One step's race draws for ``q``'s rows from ``generator`` (None: torch's default): Exp(1)
-    values on a GPU; on the CPU uniform [0, 1) values that ``_sample`` turns into Exp(1) with
-    one vectorised -log(1 - u), because torch's CPU ``exponential_`` is a scalar loop ~6x the
-    cost of ``uniform_`` (16 x 4,096 draws: ~1.26 ms against ~0.2; docs/benchmarks.md,
-    "The CPU decode step"). A seeded request's stream position is the number of draws, so a node that
-    continues another's request (P/D, recompute) skips its earlier draws with this same call
-    (``ModelRunner._generator``)."""
-    if q.device.type == "cpu":
-        q.uniform_(generator=generator)
-    else:
-        q.exponential_(generator=generator)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> None:

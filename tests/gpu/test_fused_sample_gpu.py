@@ -4,6 +4,8 @@ same seeded draws, ties to the lowest index, and the distribution of unseeded ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -20,6 +22,12 @@ ROWS, VOCAB = 64, 128_256
 
 def _input(params: SamplingParams, seed_draw: tuple[int, int] | None = None) -> SamplerInput:
     return SamplerInput(params, [], [], None, frozenset(), seed_draw=seed_draw)
+
+
+@dataclass
+class _Req:
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
 
 
 def _logits(seed: int) -> torch.Tensor:
@@ -49,6 +57,13 @@ def test_seeded_rows_equal_the_unfused_path_at_decode_shape() -> None:
     t = torch.tensor(temps, device="cuda")[:, None]
     ref = torch.where(t > 0, x / t.clamp(min=1e-30) - q.clamp(min=torch.finfo(torch.float32).tiny).log(), x)
     assert fused.tolist() == unfused.tolist() == ref.argmax(dim=-1).tolist()
+    # bf16 logits are raced as read (widened on load): the tokens of their fp32 copy.
+    half = x.to(torch.bfloat16)
+    assert Sampler(fused=True).reads_half_logits([_Req(i.params, []) for i in inputs], counter_draws=True)
+    assert torch.equal(
+        Sampler(fused=True).sample(half, inputs).token_ids,
+        Sampler(fused=True).sample(half.float(), inputs).token_ids,
+    )
     # A row's tokens do not depend on its batch position.
     rolled = Sampler(fused=True).sample(x.roll(5, 0), inputs[-5:] + inputs[:-5]).token_ids
     assert rolled.roll(-5, 0).tolist() == fused.tolist()

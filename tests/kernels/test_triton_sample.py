@@ -74,7 +74,7 @@ def test_a_mixed_batch_through_the_sampler(kern, device) -> None:
     """Greedy, temperature-only (seeded and not), top-k, top-p and penalised rows in one step:
     one-pass rows equal the unfused race over the same draws (unseeded rows: the step key's at
     k = their row), the others their own path, and torch.manual_seed replays the step."""
-    from pdserve.engine.fused_sampling import step_key
+    from pdserve.engine.race import step_key
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 64, generator=g).to(device)
