@@ -143,3 +143,19 @@ def test_half_logits_race_as_their_fp32_copy(kern, device) -> None:
         half = sampler.sample(x, inputs).token_ids.tolist()
         torch.manual_seed(5)
         assert half == sampler.sample(x.float(), inputs).token_ids.tolist()
+
+
+def test_one_pass_rows_cost_one_small_copy(kern, device) -> None:
+    """Greedy and temperature-only rows, seeded and not: the parameters reach the device in one
+    table (one ``put``), not one copy per index list."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(device)
+    inputs = [
+        _input(SamplingParams(temperature=0.0)),
+        _input(SamplingParams()),
+        _input(SamplingParams(seed=2), (2, 0)),
+    ]
+    sampler, calls = Sampler(fused=True), []
+    put = sampler._to_device(x.device)
+    sampler._to_device = lambda _device: lambda data, dtype: calls.append(dtype) or put(data, dtype)  # type: ignore[method-assign]
+    sampler.sample(x, inputs)
+    assert calls == [torch.long]
