@@ -463,8 +463,9 @@ class ModelRunner:
         )
         reqs = [c.request for c in sampling_chunks]
         argmax = all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs)
-        # bf16 -> fp32 is exact: the argmax (first maximum on ties) is the same without the cast
-        logits = self.model.compute_logits(hidden, upcast=not argmax)  # [num_sampled, vocab]
+        # bf16 -> fp32 is exact: the argmax (first maximum on ties) and the one-pass race are the same without it
+        half = argmax or self.sampler.reads_half_logits(reqs, self._counter_draws)
+        logits = self.model.compute_logits(hidden, upcast=not half)  # [num_sampled, vocab]
         grammar_rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured is not None]
         pending = PendingStep(
             [r.request_id for r in reqs],

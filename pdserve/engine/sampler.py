@@ -18,18 +18,37 @@ samples exactly from probs. It is computed as argmax(logits - log q): same argma
 no underflow. A seeded row draws its q with its own generator, V values per step, so its tokens
 depend only on its own logits and seed, never on the other rows of the batch or its position.
 On the CPU the draws are uniform and turned into Exp(1) in one vectorised pass (``draw_``).
+
+Where the logits take the Triton kernels (CUDA), greedy and temperature-only sampled rows get
+their tokens from one race launch that reads each row once and draws q in registers, from the
+counter-based stream (seeded rows: (seed, k); unseeded rows: a per-step key from torch's
+default generator); other sampled rows race in the same kernel after their transforms
+(``pdserve.engine.fused_sampling``). ``PDSERVE_FUSED_SAMPLING=0`` keeps the unfused path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pdserve import kernels
-from pdserve.engine.host_batch import PinnedStaging, copy_to_host
+from pdserve.engine.fused_sampling import (
+    SeedDraw,
+    ToDevice,
+    counter_race_applies,
+    fused_sampling_enabled,
+    one_pass_only,
+    temperature_only,
+)
+from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.race import counter_race, race_drawn, step_key
+from pdserve.engine.race import draw_ as draw_
+from pdserve.engine.race import race as race
+from pdserve.engine.sampled import SampledTensors, SamplerOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -50,71 +69,6 @@ class SamplerInput:
     seed_draw: tuple[int, int] | None = None
 
 
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]  # one per row
-    # Per row: the sampled token's logprob and the top-N alternatives (N = params.logprobs),
-    # best first, when params.logprobs is not None; else None.
-    logprobs: list[TokenLogprob | None]
-
-
-@dataclass
-class SampledTensors:
-    """A step's samples still on the device (or in pinned host copies of them): nothing here has
-    synchronised with the GPU. ``output()`` reads them into Python lists."""
-
-    token_ids: torch.Tensor  # [num_rows] int64
-    logprob_rows: list[int]  # rows that asked for logprobs
-    num_top: list[int]  # per logprob row: how many alternatives it asked for
-    chosen_logprobs: torch.Tensor | None = None  # [len(logprob_rows)] float32
-    top_logprobs: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)] float32, best first
-    top_token_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)] int64
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [
-            t
-            for t in (self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_token_ids)
-            if t is not None
-        ]
-
-    def copy_to_host(self, host_like: Callable[[torch.Tensor], torch.Tensor]) -> SampledTensors:
-        """The same samples copied into host tensors made by ``host_like`` (pinned: the copies
-        do not block the host; read them only once the stream's work up to here has finished)."""
-
-        def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return copy_to_host(t, host_like)
-
-        token_ids = host(self.token_ids)
-        assert token_ids is not None
-        return SampledTensors(
-            token_ids,
-            self.logprob_rows,
-            self.num_top,
-            host(self.chosen_logprobs),
-            host(self.top_logprobs),
-            host(self.top_token_ids),
-        )
-
-    def output(self) -> SamplerOutput:
-        token_ids = self.token_ids.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
-        if self.logprob_rows:
-            assert self.chosen_logprobs is not None
-            chosen = self.chosen_logprobs.tolist()
-            top_lp: list[list[float]] = [[] for _ in self.logprob_rows]
-            top_ids: list[list[int]] = [[] for _ in self.logprob_rows]
-            if self.top_logprobs is not None and self.top_token_ids is not None:
-                top_lp, top_ids = self.top_logprobs.tolist(), self.top_token_ids.tolist()
-            for j, row in enumerate(self.logprob_rows):
-                n = self.num_top[j]
-                logprobs[row] = TokenLogprob(
-                    token_id=token_ids[row],
-                    logprob=chosen[j],
-                    top=tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)),
-                )
-        return SamplerOutput(token_ids, logprobs)
-
-
 def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's token is the plain argmax of its logits (the sampler's fast path): greedy,
     no penalties, no logprobs, min_tokens reached. A grammar does not leave this path: the model
@@ -127,19 +81,38 @@ def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
-# Makes a small device tensor from Python values: (data, dtype) -> tensor on the logits' device.
-ToDevice = Callable[[list, torch.dtype], torch.Tensor]
+class SampledRequest(Protocol):
+    """What ``Sampler.reads_half_logits`` reads of a request (``engine.request.Request``)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 class Sampler:
     """Stateless; one per model runner. Does not modify ``logits``; advances seeded generators.
 
     ``staging``: the runner's pinned buffers, so the small index tensors of penalties, top-k and
-    the like reach the device without a synchronising copy.
+    the like reach the device without a synchronising copy. ``fused``: sampled rows race in one
+    pass on the Triton path (``pdserve.engine.fused_sampling``); None reads
+    ``PDSERVE_FUSED_SAMPLING``.
     """
 
-    def __init__(self, staging: PinnedStaging | None = None) -> None:
+    def __init__(self, staging: PinnedStaging | None = None, fused: bool | None = None) -> None:
         self.staging = staging
+        self.fused = fused_sampling_enabled() if fused is None else fused
+
+    def reads_half_logits(self, requests: Iterable[SampledRequest], counter_draws: bool) -> bool:
+        """Whether ``sample`` races bf16 / fp16 logits of these requests' rows without widening
+        them, so the caller may skip its fp32 copy: the one-pass path on, draws from the
+        counter-based stream, every row ``one_pass_only``."""
+        return (
+            self.fused
+            and counter_draws
+            and all(one_pass_only(r.sampling_params, len(r.output_token_ids), True) for r in requests)
+        )
 
     def _to_device(self, device: torch.device) -> ToDevice:
         staging = self.staging
@@ -154,20 +127,31 @@ class Sampler:
         """The step's tokens (and logprobs) as device tensors. Greedy rows without penalties or
         min_tokens queue device work only; the other paths may copy small index tensors."""
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (tuple(logits.shape), len(inputs))
-        assert logits.dtype == torch.float32, logits.dtype
         if all(argmax_only(x.params, len(x.output_token_ids)) for x in inputs):
             return SampledTensors(kernels.argmax_rows(logits), [], [])  # the common case: one kernel
+        fused = self.fused and counter_race_applies(logits)
+        if logits.dtype != torch.float32:
+            # Half-precision logits serve only rows the race launch alone handles (one_pass_only).
+            if fused and all(
+                one_pass_only(x.params, len(x.output_token_ids), x.generator is None) for x in inputs
+            ):
+                return SampledTensors(_race_all(logits, inputs, self._to_device(logits.device)), [], [])
+            logits = logits.float()
         sampled = [i for i, x in enumerate(inputs) if not x.params.greedy]
         with_logprobs = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
 
         put = self._to_device(logits.device)
         logits = penalise(logits, inputs, put)
 
-        token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs
-        if sampled:
-            idx = put(sampled, torch.long)
-            # Advanced indexing copies, so _sample may work in place.
-            token_ids[idx] = _sample(logits[idx], [inputs[i] for i in sampled], put)
+        if fused:
+            token_ids = _race_all(logits, inputs, put)
+        else:
+            token_ids = kernels.argmax_rows(logits)  # [num_rows]; greedy rows keep theirs
+            if sampled:
+                idx = put(sampled, torch.long)
+                # Advanced indexing copies, so _sample may work in place.
+                rows = [inputs[i] for i in sampled]
+                token_ids[idx] = _sample(logits[idx], rows, put, False, [x.seed_draw for x in rows])
 
         out = SampledTensors(token_ids, [], [])
         if with_logprobs:
@@ -230,35 +214,36 @@ def _mask_stop_tokens(
         logits.index_put_((put(r, torch.long), put(c, torch.long)), minus_inf)
 
 
-def _sample(x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice) -> torch.Tensor:
+def _race_all(logits: torch.Tensor, inputs: Sequence[SamplerInput], put: ToDevice) -> torch.Tensor:
+    """Every row's token on the Triton path: one race launch for greedy and temperature-only
+    rows, then ``_sample`` for the other sampled rows (``pdserve.engine.fused_sampling``)."""
+    draws: list[SeedDraw] = []
+    temps: list[float] = []
+    rest: list[int] = []  # sampled rows that are not one-pass
+    need_key = False
+    for i, x in enumerate(inputs):
+        draws.append(x.seed_draw)
+        need_key = need_key or (x.seed_draw is None and x.generator is None and not x.params.greedy)
+        one_pass = x.generator is None and temperature_only(x.params)
+        temps.append(x.params.temperature if one_pass else 0.0)
+        if not one_pass and not x.params.greedy:
+            rest.append(i)
+    key = step_key() if need_key else 0
+    token_ids = counter_race(logits, draws, temps, key, put)
+    if rest:
+        # An unseeded row draws at k = its row in ``logits``, here too.
+        rest_draws = [draws[i] if draws[i] is not None else (key, i) for i in rest]
+        idx = put(rest, torch.long)
+        token_ids[idx] = _sample(logits[idx], [inputs[i] for i in rest], put, True, rest_draws)
+    return token_ids
+
+
+def _sample(
+    x: torch.Tensor, inputs: list[SamplerInput], put: ToDevice, fused: bool, draws: list[SeedDraw]
+) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the exponential race. ``x`` [S, V] is overwritten."""
-    num_rows, device = x.shape[0], x.device
     apply_sampling_transforms(x, [i.params for i in inputs], put)
-    q = torch.empty_like(x)  # [S, V] ~ Exp(1)
-    seeded = [(j, i.generator) for j, i in enumerate(inputs) if i.generator is not None]
-    counted = [(j, i.seed_draw) for j, i in enumerate(inputs) if i.seed_draw is not None]
-    if len(seeded) + len(counted) < num_rows:
-        draw_(q, None)
-    for j, gen in seeded:
-        assert gen.device.type == device.type, (gen.device, device)
-        draw_(q[j], gen)
-    if counted:
-        assert device.type == "cuda", "counter-based seeded draws are Exp(1) values: CUDA only"
-        from pdserve.kernels.triton_seeded_draw import seeded_exponential_
-
-        table = put([[j, sd[0], sd[1]] for j, sd in counted], torch.long)  # [R, 3]
-        seeded_exponential_(q, table[:, 0], table[:, 1], table[:, 2])
-    return race(x, q)
-
-
-def race(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """argmax(x - log q) per row: a sample of softmax(x) from ``q``'s raw draws (``draw_``; on
-    the CPU uniform values, turned into Exp(1) here). ``q`` is overwritten."""
-    if q.device.type == "cpu":
-        q = torch.log1p(q.neg_()).neg_()  # u in [0, 1) -> -log(1 - u) ~ Exp(1), one vectorised pass
-    # Exp(1) draws can be exactly 0 (u == 0); keep log finite so a masked -inf stays -inf.
-    q.clamp_(min=torch.finfo(torch.float32).tiny)
-    return kernels.argmax_rows(x - q.log())
+    return race_drawn(x, draws, put, fused, [i.generator for i in inputs])
 
 
 def penalise(logits: torch.Tensor, inputs: Sequence[SamplerInput], put: ToDevice) -> torch.Tensor:
@@ -290,20 +275,6 @@ def apply_sampling_transforms(x: torch.Tensor, params: list[SamplingParams], put
     if any(p.min_p > 0.0 for p in params):
         probs = x.softmax(dim=-1)  # [S, V]
         x.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-
-
-def draw_(q: torch.Tensor, generator: torch.Generator | None) -> None:
-    """One step's race draws for ``q``'s rows from ``generator`` (None: torch's default): Exp(1)
-    values on a GPU; on the CPU uniform [0, 1) values that ``_sample`` turns into Exp(1) with
-    one vectorised -log(1 - u), because torch's CPU ``exponential_`` is a scalar loop ~6x the
-    cost of ``uniform_`` (16 x 4,096 draws: ~1.26 ms against ~0.2; docs/benchmarks.md,
-    "The CPU decode step"). A seeded request's stream position is the number of draws, so a node that
-    continues another's request (P/D, recompute) skips its earlier draws with this same call
-    (``ModelRunner._generator``)."""
-    if q.device.type == "cpu":
-        q.uniform_(generator=generator)
-    else:
-        q.exponential_(generator=generator)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> None:

@@ -9,6 +9,9 @@ earlier draws, and every seeded row of a step goes in one launch instead of one 
 each.
 
 Grid: axis 0 = the seeded rows, axis 1 = blocks of ``BLOCK`` vocabulary entries.
+
+``exponential_draw`` is the stream itself, one ``@triton.jit`` helper: the fused sampling kernel
+(``kernels/triton_sample.py``) calls it too, so a seeded row draws the same values there.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ BLOCK = 2048
 
 
 @triton.jit
+def exponential_draw(seed, counters):
+    """Exp(1) draws of Philox-4x32-10 keyed by ``seed`` (int64) at ``counters`` (int64):
+    ``-log(1 - u)``, u the first word in [0, 1); 1 - u is in (0, 1], so a draw can be 0."""
+    u = tl.rand(seed, counters)
+    return -tl.log(1.0 - u)
+
+
+@triton.jit
 def _seeded_exponential_kernel(
     q_ptr, q_row_stride, rows_ptr, seeds_ptr, counters_ptr, n_cols, BLOCK: tl.constexpr
 ):
@@ -30,8 +41,7 @@ def _seeded_exponential_kernel(
     row = tl.load(rows_ptr + j)
     seed = tl.load(seeds_ptr + j)
     counter = tl.load(counters_ptr + j)  # k * V: the first counter of this row's draws
-    u = tl.rand(seed, counter + offs)  # [0, 1)
-    e = -tl.log(1.0 - u)  # Exp(1); 1 - u in (0, 1]
+    e = exponential_draw(seed, counter + offs)
     tl.store(q_ptr + row * q_row_stride + offs, e, mask=mask)
 
 

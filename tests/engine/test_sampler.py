@@ -265,3 +265,25 @@ def test_per_row_top_k_top_p_in_one_batch(sampler: Sampler, other: dict[str, flo
     support_other = set(out.token_ids[0::2])
     assert support_k2 == {0, 1}
     assert support_other == ({0, 1, 2} if other == {"top_k": 3} else {0, 1})
+
+
+@pytest.mark.parametrize(("value", "fused"), [(None, True), ("1", True), ("0", False), ("yes", None)])
+def test_fused_sampling_setting(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, fused: bool | None
+) -> None:
+    from pdserve.engine.fused_sampling import ENV_FUSED_SAMPLING, fused_sampling_enabled
+    from pdserve.errors import ConfigError
+
+    if value is None:
+        monkeypatch.delenv(ENV_FUSED_SAMPLING, raising=False)
+    else:
+        monkeypatch.setenv(ENV_FUSED_SAMPLING, value)
+    fused_sampling_enabled.cache_clear()
+    try:
+        if fused is None:
+            with pytest.raises(ConfigError, match="PDSERVE_FUSED_SAMPLING='yes'"):
+                Sampler()
+        else:
+            assert Sampler().fused is fused
+    finally:
+        fused_sampling_enabled.cache_clear()
