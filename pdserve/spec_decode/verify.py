@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import kernels
+from pdserve.engine.fused_sampling import SeedDraw, fused_sampling_enabled
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.race import race_drawn
 from pdserve.engine.sampler import (
     SamplerInput,
     ToDevice,
@@ -124,7 +126,6 @@ def _sample_rows(
     them all), and, for a group with its own generator, rows drawn one at a time up to the first
     rejection, so the generator advances by one row of V draws per emitted token, as the plain
     sampler advances it. ``x`` [S, V]: the sampled groups' rows after the sampling transforms."""
-    device = x.device
     starts, s = {}, 0
     for i in sampled:
         starts[i] = s
@@ -135,23 +136,11 @@ def _sample_rows(
     if batch:
         rows = [starts[i] + j for i in batch for j in range(len(groups[i].drafts) + 1)]
         xb = x if not lazy else x[put(rows, torch.long)]
-        q = torch.empty_like(xb)
-        counted: list[list[int]] = []  # (row of q, seed, token index)
-        r = 0
+        draws: list[SeedDraw] = []  # row j of a group draws at its token index k + j
         for i in batch:
-            n, sd = len(groups[i].drafts) + 1, groups[i].input.seed_draw
-            if sd is not None:
-                counted.extend([r + j, sd[0], sd[1] + j] for j in range(n))
-            r += n
-        if len(counted) < len(rows):
-            draw_(q, None)
-        if counted:
-            assert device.type == "cuda", "counter-based seeded draws are Exp(1) values: CUDA only"
-            from pdserve.kernels.triton_seeded_draw import seeded_exponential_
-
-            table = put(counted, torch.long)  # [C, 3]
-            seeded_exponential_(q, table[:, 0], table[:, 1], table[:, 2])
-        drawn = race(xb, q).tolist()
+            sd = groups[i].input.seed_draw
+            draws.extend(None if sd is None else (sd[0], sd[1] + j) for j in range(len(groups[i].drafts) + 1))
+        drawn = race_drawn(xb, draws, put, fused_sampling_enabled()).tolist()
         r = 0
         for i in batch:
             n = len(groups[i].drafts) + 1
