@@ -29,7 +29,8 @@ async def _one(session: Any, url: str, model: str, prompt: list[int], args: dict
         body["stream_options"] = {"include_usage": True}
     body.update(args.get("extra_body") or {})  # a peer server's own fields (bench/real_cpu.py)
     t0 = time.perf_counter()
-    rec: dict[str, Any] = {"t0": t0, "n": 0, "ttft": None, "itl": [], "chunks": 0}
+    # "ts": each streamed chunk's arrival (perf_counter), for bench/served.py --dump-timings
+    rec: dict[str, Any] = {"t0": t0, "n": 0, "ttft": None, "itl": [], "chunks": 0, "ts": []}
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
             if resp.status != 200:
@@ -60,6 +61,7 @@ async def _one(session: Any, url: str, model: str, prompt: list[int], args: dict
                     elif last is not None:
                         rec["itl"].append(now - last)
                     last = now
+                    rec["ts"].append(now)
                     texts += 1
             rec["chunks"] = texts
             if not rec["n"]:  # a server without stream usage (llama-cpp-python): a token per chunk

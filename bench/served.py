@@ -223,7 +223,11 @@ def http_level(
     name: str,
     server_pids: dict[str, int] | None = None,
     metrics_urls: dict[str, str] | None = None,
+    dump: Path | None = None,
 ) -> dict:
+    """One measured window of ``level`` requests in flight; ``dump``: write every request's
+    timings there as JSON (start, end, tokens, each streamed chunk's arrival; seconds on the
+    host's monotonic clock)."""
     nproc = max(1, min(args.client_procs, level))
     # Plain processes running only bench/_served_client.py: a multiprocessing client (spawn or
     # forkserver) re-imported this script, torch included (~2 s each), so 8 clients took 5-30 s
@@ -285,6 +289,10 @@ def http_level(
         f"  {name} c={level}: clients up {phases[0]:.1f} s (connecting {touch_s:.1f} s of it), "
         f"load {phases[1]:.1f} s, exit {phases[2]:.1f} s"
     )
+    if dump is not None:
+        keep = ("t0", "t1", "n", "ttft", "ts", "error")
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        dump.write_text(json.dumps([{k: r[k] for k in keep if k in r} for r in recs]) + "\n")
     errors = [r["error"] for r in recs if r.get("error")]
     if errors:
         log(f"  {name} c={level}: {len(errors)} errors, first: {errors[0]}")
@@ -633,6 +641,13 @@ def main() -> None:
         help="at this level (first repetition) sample every server process with py-spy (raw "
         "collapsed stacks per thread, one file per process, variant and mode, next to --out)",
     )
+    ap.add_argument(
+        "--dump-timings",
+        type=Path,
+        default=None,
+        help="a folder: every measured window's per-request timings (start, end, each streamed "
+        "chunk's arrival) as <variant>-<mode>-c<level>-r<rep>.json there",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.kv_bytes is None:
@@ -718,6 +733,9 @@ def main() -> None:
                             label,
                             pids,
                             murls,
+                            dump=args.dump_timings / f"{label.replace(' ', '-')}-c{lv}-r{rep}.json"
+                            if args.dump_timings
+                            else None,
                         )
                         stop_spies(spies)
                         raw.setdefault((label, lv), []).append(r)

@@ -10,6 +10,7 @@ import sys
 from pdserve.config.choices import Role
 from pdserve.config.node_spec import NodeSpec
 from pdserve.errors import ConfigError
+from services.gc_heap import freeze_startup_heap
 from services.node import NodeBase
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ def run_node(opts: NodeSpec) -> None:
     except ConfigError as e:  # e.g. Mooncake's ports on a non-loopback address (kvtransfer/exposure.py)
         logger.critical("node %s refuses to start: %s", opts.name, e)
         sys.exit(EXIT_CONFIG_REFUSED)
+    # engine, model and KV cache built: most of what the process keeps (services/gc_heap.py)
+    freeze_startup_heap(f"{opts.role} node {opts.name}")
     try:
         asyncio.run(node.serve())
     except OSError as e:  # a port in use, an address not bindable: one line, not a traceback

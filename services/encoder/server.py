@@ -38,6 +38,7 @@ from pdserve.rpc import node_pb2_grpc as pb_grpc
 from pdserve.rpc.limits import encoder_receive_limit_bytes
 from pdserve.rpc.malformed import MalformedRequestInterceptor
 from services.encoder.core import EncoderCore, EncoderMetrics, ImageInput
+from services.gc_heap import freeze_startup_heap
 from services.node_lifecycle import start_grpc_server
 
 logger = logging.getLogger(__name__)
@@ -218,4 +219,6 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
 
 def run_encoder(opts: NodeSpec) -> None:
-    asyncio.run(EncoderNode(opts).serve())
+    node = EncoderNode(opts)
+    freeze_startup_heap(f"encoder node {opts.name}")  # vision tower loaded (services/gc_heap.py)
+    asyncio.run(node.serve())

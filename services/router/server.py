@@ -21,6 +21,7 @@ from pdserve.config.cluster import ClusterConfig
 from pdserve.kvevents.consumer import ConsumerConfig, KVEventConsumer
 from pdserve.kvevents.index import PrefixIndex
 from pdserve.registry import registry_for
+from services.gc_heap import freeze_startup_heap
 from services.router.app import create_app
 from services.router.cache_aware import CacheAwareWeights, KVEventsCollector
 from services.router.discovery import NodeDiscovery, discovery_interval_s
@@ -149,6 +150,10 @@ async def serve_router(cluster: ClusterConfig, sock: socket.socket | None = None
             timeout_keep_alive=int(r.http_keepalive_s),
         )
     )
+    # uvicorn's protocol modules imported (serve() skips a loaded config), then the heap frozen:
+    # the first requests meet no full collection of it (services/gc_heap.py)
+    server.config.load()
+    freeze_startup_heap("router" if sock is None else f"router worker {os.getpid()}")
     if sock is None:
         print(f"pdserve router ready on http://{r.host}:{r.port}/v1", flush=True)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 
 import httpx
@@ -103,6 +104,16 @@ def test_a_stop_token_id_comes_back_as_an_int(cluster, tokenizer, reference, pro
     assert last.finish_reason == "stop"
     assert (last.model_extra or {}).get("stop_reason") == out[stop_at]  # an int, not "123"
     _wait_all_free(cluster)
+
+
+def test_every_process_froze_its_start_up_heap(cluster) -> None:
+    """services/gc_heap.py: the router and each node froze their start-up objects before serving
+    (no full collection walks them while requests stream)."""
+    for child in cluster.children:
+        log = child.log_path.read_text(errors="replace")
+        m = re.search(r"(\d+) start-up objects frozen out of garbage collection", log)
+        assert m is not None, f"{child.name} logged no frozen start-up heap"
+        assert int(m.group(1)) > 50_000, f"{child.name}: only {m.group(1)} objects frozen"
 
 
 def _samples(url: str) -> dict[tuple[str, frozenset], float]:
