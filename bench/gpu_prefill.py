@@ -148,6 +148,24 @@ def profile_engine(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, Any
     }
 
 
+def host_profile(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    """cProfile of one run (host Python only): where a step's host time goes, by own time and
+    by cumulative time (waits for the GPU show as synchronize / wait entries)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    wall_s, steps, _ = run_prompts(engine, prompts, "hostprof")
+    prof.disable()
+    log(f"host profile: {1e3 * wall_s / steps:.2f} ms a step under cProfile ({steps} steps)")
+    for key, n in (("tottime", 30), ("cumulative", 30)):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(n)
+        print(buf.getvalue(), flush=True)
+
+
 def attention_sweep(num_prompts: int, prompt_len: int) -> list[dict]:
     """Prefill tiles of the Triton kernel over a fresh paged cache vs torch SDPA (flash)."""
     from pdserve.kernels.triton_attention import paged_attention
@@ -263,6 +281,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--skip-profile", action="store_true")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile one run at each profiled budget")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     out = Path(args.out)
@@ -335,6 +354,8 @@ def main() -> None:
             except (RuntimeError, AttributeError) as e:  # a profiler API difference must not sink the run
                 log(f"profile failed: {type(e).__name__}: {e}")
                 p = None
+            if args.host_profile:
+                host_profile(engine, prompts)
         if p is not None:
             log(
                 f"profile: wall {p['wall_ms']:.1f} ms, GPU busy {p['gpu_busy_ms']:.1f} ms (idle {p['idle_share']:.3f})"

@@ -37,10 +37,12 @@ def race_drawn(
         need_key = any(g is None and d is None for g, d in zip(gens, draws, strict=True))
         temps = [0.0 if g is not None else 1.0 for g in gens]
         token_ids = counter_race(x, draws, temps, step_key() if need_key else 0, put)
-        for j, gen in seeded:
-            q = torch.empty_like(x[j : j + 1])
-            draw_(q[0], gen)
-            token_ids[j] = race(x[j : j + 1], q)[0]
+        if seeded:  # rows with their own generator: drawn one by one, raced together
+            idx = put([j for j, _ in seeded], torch.long)
+            q = torch.empty((len(seeded), x.shape[1]), dtype=x.dtype, device=device)
+            for i, (_, gen) in enumerate(seeded):
+                draw_(q[i], gen)
+            token_ids[idx] = race(x[idx], q)
         return token_ids
     q = torch.empty_like(x)  # [S, V] ~ Exp(1)
     counted = [
