@@ -3,7 +3,7 @@
 #
 #   bash bench/h200.sh [PART ...]   PART: decode pd pytest pytest-async pytest-rest pytest-files
 #                                         kernels attn attn-prefill decode-quick startup prefill ipc
-#                                         pd-ipc served gemv gemv-l2 grammar sampling spec
+#                                         pd-ipc served gemv-l2 grammar sampling spec
 #                                   (pytest-files: the tests named in $PYTEST_FILES)
 #                                   (default: decode pd pytest)
 #
@@ -68,7 +68,6 @@ for p in "${parts[@]}"; do
     pytest-rest) part pytest_rest "${PYTEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu tests/kernels tests/engine/test_async_scheduling.py -rfE --tb=short \
       --ignore=tests/gpu/test_async_cuda.py ;;
-    gemv) part gemv "${GEMV_LIMIT:-200}" python3 bench/gpu_gemv.py --out "$OUT" ${GEMV_ARGS:-} ;;
     gemv-l2) part gemv_l2 "${GEMV_LIMIT:-60}" python3 bench/gpu_gemv_l2.py --out "$OUT" ;;
     attn-prefill) part attn_prefill "${ATTN_LIMIT:-90}" python3 bench/gpu_attn_prefill.py --out "$OUT" ;;
     attn) part attn_sweep "${ATTN_LIMIT:-240}" python3 bench/gpu_diagnose.py --out "$OUT" --no-traces ;;

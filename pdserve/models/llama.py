@@ -28,7 +28,7 @@ from torch import nn
 from pdserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pdserve.errors import ConfigError
 from pdserve.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
-from pdserve.models import cudnn_prefill, fused_decode
+from pdserve.models import cudnn_prefill
 from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
 from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
 from pdserve.models.linear import Linear
@@ -155,21 +155,8 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return row_parallel(
-            self.o_proj, self.attend_qkv(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, meta)
-        )
-
-    def attend_qkv(
-        self,
-        qkv: torch.Tensor,  # [n, (H + 2 Hkv)/tp * D]: the qkv projection's output
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Everything between the two projections: RoPE, the KV store, attention -> [n, H/tp * D]."""
-        n = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [n, H/tp, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv/tp, D]
@@ -177,7 +164,7 @@ class LlamaAttention(nn.Module):
         k_out = cudnn_prefill.key_buffer(q, k, meta)  # the rotated keys too, for cuDNN prefill steps
         q = rotary_and_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta, k_out)  # rotated q
         out = attend_cached(q, kv_cache, meta, self.scale, k_out, v if k_out is not None else None)
-        return out.reshape(n, self.q_size)
+        return row_parallel(self.o_proj, out.reshape(n, self.q_size))  # [n, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -201,10 +188,6 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is deferred into the next norm (vLLM style): the stream is
         # residual + hidden, and each norm fuses the add.
-        if residual is not None and fused_decode.applies(self, hidden):
-            return fused_decode.layer_forward(
-                self, hidden, residual, positions, cos_sin_cache, kv_cache, meta
-            )
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
