@@ -72,7 +72,8 @@ class BlockIds:
             return self
         if self.increasing and n > 0:
             ids = self.ids[:n]
-            return BlockIds(ids, self.step[: n - 1], self.lo, int(ids[-1]), True, self.consecutive)
+            hi = int(ids[-1])
+            return BlockIds(ids, self.step[: n - 1], self.lo, hi, True, hi - self.lo == n - 1)
         return BlockIds.of_array(self.ids[:n])
 
     def first_repeat(self) -> int | None:

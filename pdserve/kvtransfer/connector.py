@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.group_transfer import GroupPlan, GroupPlans, group_kv_regions
@@ -40,6 +42,7 @@ from pdserve.kvtransfer.regions import (
     DescriptorPlan,
     LayoutKey,
     Region,
+    Spans,
     align_regions,
     layout_key,
     regions_for_kv_cache,
@@ -424,6 +427,7 @@ class KVProducer:
         if not isinstance(dst_block_ids, (list, tuple)):
             dst_block_ids = list(dst_block_ids)
         plan: DescriptorPlan | HeadSlicePlan | GatherPlan | GroupPlan
+        spans: Spans | None = None  # known to a DescriptorPlan: the backend checks them, not every row
         if self.layer_groups:
             if dst_heads is not None and dst_heads != self.heads:
                 raise InvalidRequestError(
@@ -435,8 +439,11 @@ class KVProducer:
             descs = plan.descriptors(src_ids, dst_block_ids, held, dst_group_block_ids)
         else:
             plan = self._plan(dst_regions, dst_heads)
-            descs = plan.descriptors(src_ids, dst_block_ids)
-        nbytes = int(descs[:, 2].sum())  # an int64 table [n, 3] (regions.DescriptorTable)
+            if isinstance(plan, DescriptorPlan):
+                descs, spans = plan.descriptors_spans(src_ids, dst_block_ids)
+            else:
+                descs = plan.descriptors(src_ids, dst_block_ids)
+        nbytes = int(np.add.reduce(descs[:, 2]))  # an int64 table [n, 3] (regions.DescriptorTable)
         t0 = time.perf_counter()
         ok, err = False, ""
         self.tracker.start_send(transfer_id)
@@ -447,7 +454,7 @@ class KVProducer:
                     dst_session, plan.gather(src_ids.tolist()), descs, transfer_id=transfer_id
                 )
             elif len(descs):
-                self.backend.write(dst_session, descs, transfer_id=transfer_id)
+                self.backend.write_spanned(dst_session, descs, spans, transfer_id=transfer_id)
             ok = True
         except Exception as e:  # the write failed: counted and reported, never swallowed silently
             err = str(e)

@@ -46,7 +46,7 @@ import numpy as np
 
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
 from pdserve.kvtransfer.cuda_runtime import BATCHED_COPY_MIN, CudaApi, CudaRuntime, copy_table
-from pdserve.kvtransfer.regions import Descriptors
+from pdserve.kvtransfer.regions import Descriptors, Spans
 
 __all__ = ["BATCHED_COPY_MIN", "CudaApi", "CudaIpcBackend", "parse_session"]
 
@@ -330,12 +330,17 @@ class CudaIpcBackend(TransferBackend):
         self._close_mappings(to_close)
 
     def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
+        self.write_spanned(peer_session, descs, None, transfer_id=transfer_id)
+
+    def write_spanned(
+        self, peer_session: str, descs: Descriptors, spans: Spans | None, *, transfer_id: str
+    ) -> None:
         if self._closed:
             raise TransferError(peer_session, transfer_id, "write", None, "backend is closed")
         if len(descs) == 0:
             return
         table = copy_table(descs)
-        lo, hi, d_lo, d_hi = _spans(table)
+        lo, hi, d_lo, d_hi = _spans(table) if spans is None else spans
         with self._lock:
             # one registered range holding every source (the KV cache: the usual case) answers
             # for all descriptors at once; otherwise each is looked up

@@ -31,6 +31,8 @@ Descriptor = tuple[int, int, int]
 DescriptorTable: TypeAlias = np.ndarray
 # What a backend's write takes: either form
 Descriptors: TypeAlias = Sequence[Descriptor] | np.ndarray
+# [lowest start, highest end) of the descriptors' sources, then of their targets
+Spans: TypeAlias = tuple[int, int, int, int]
 
 
 _LISTS = (list, tuple)
@@ -138,7 +140,7 @@ class DescriptorPlan:
                 raise BlockIdError(f"{('sender', 'receiver')[side]} block id {hi} lies past 2**63 bytes")
         return s, d
 
-    def _one_run(self, src: BlockIdsLike, dst: BlockIdsLike) -> DescriptorTable | None:
+    def _one_run(self, src: BlockIdsLike, dst: BlockIdsLike) -> tuple[DescriptorTable, Spans] | None:
         """The rows of one run of blocks on both ends (a fresh pool on both, the common case)
         from C-level list compares or known facts, without arrays of ids; None where that is not
         the case, the groups take a row per block, or an id needs ``check`` (which raises)."""
@@ -156,18 +158,41 @@ class DescriptorPlan:
         rows = np.array(
             [(sb + s0 * ss, db + d0 * ds, n * k) for sb, db, ss, ds, n in self.groups], dtype=np.int64
         )
-        return rows if len(rows) == 1 else merge_adjacent(rows)
+        spans = self._spans(s0, s0 + k - 1, d0, d0 + k - 1)
+        return (rows if len(rows) == 1 else merge_adjacent(rows)), spans
+
+    def _spans(self, s_lo: int, s_hi: int, d_lo: int, d_hi: int) -> Spans:
+        """The rows' spans from the extreme ids: block b of group g spans ``[base + b * stride,
+        base + b * stride + bytes)`` on each side."""
+        if len(self.groups) == 1:
+            ((sb, db, ss, ds, n),) = self.groups
+            return sb + s_lo * ss, sb + s_hi * ss + n, db + d_lo * ds, db + d_hi * ds + n
+        g = self.groups
+        return (
+            min(x[0] + s_lo * x[2] for x in g),
+            max(x[0] + s_hi * x[2] + x[4] for x in g),
+            min(x[1] + d_lo * x[3] for x in g),
+            max(x[1] + d_hi * x[3] + x[4] for x in g),
+        )
 
     def descriptors(self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike) -> DescriptorTable:
         """Rows (src_addr, dst_addr, length_bytes) copying ``src_block_ids[i]`` to
         ``dst_block_ids[i]`` in every region pair, sorted and merged (``merge_adjacent``)."""
+        return self.descriptors_spans(src_block_ids, dst_block_ids)[0]
+
+    def descriptors_spans(
+        self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike
+    ) -> tuple[DescriptorTable, Spans | None]:
+        """``descriptors`` and the rows' spans (``Spans``: what a backend checks against its
+        registered memory) from the ids' extremes, without a pass over the rows; None for no rows."""
         one = self._one_run(src_block_ids, dst_block_ids)
         if one is not None:
             return one
         s, d = self.check(src_block_ids, dst_block_ids)
         k = len(s)
         if not k or not self._sets:
-            return np.empty((0, 3), dtype=np.int64)
+            return np.empty((0, 3), dtype=np.int64), None
+        spans = self._spans(s.lo, s.hi, d.lo, d.hi)
         # Runs of blocks consecutive on both ends, in the given order: first ids on each side,
         # blocks per run. A block ends a run where either side does not step by one.
         counts: np.ndarray | None = None  # blocks per run; None: one each
@@ -205,8 +230,8 @@ class DescriptorPlan:
                 rows[:, :, 2] = n
             at += size
         if self._runs_only and (s.increasing or (run_s[1:] > run_s[:-1]).all()):
-            return table  # one group, rows in increasing source order: nothing to merge
-        return merge_adjacent_columns(table[:, 0], table[:, 1], table[:, 2])
+            return table, spans  # one group, rows in increasing source order: nothing to merge
+        return merge_adjacent_columns(table[:, 0], table[:, 1], table[:, 2]), spans
 
 
 def descriptor_table(descs: Descriptors) -> DescriptorTable:
