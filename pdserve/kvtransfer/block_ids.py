@@ -15,6 +15,8 @@ import numpy as np
 
 from pdserve.errors import PdserveError
 
+_MIN = np.minimum.reduce  # ndarray.min() without its Python wrapper
+
 
 class BlockIdError(PdserveError, ValueError):
     """A block id list is out of range, has duplicates, or does not pair up with its peer list."""
@@ -34,14 +36,22 @@ class BlockIds:
     """Block ids (``ids``, int64) with their lowest and highest id, their steps (``ids[i+1] -
     ids[i]``), whether they strictly increase and whether they step by one (one run)."""
 
-    __slots__ = ("consecutive", "hi", "ids", "increasing", "lo", "step")
+    __slots__ = ("_ordered", "consecutive", "hi", "ids", "increasing", "lo", "step")
 
     def __init__(
-        self, ids: np.ndarray, step: np.ndarray, lo: int, hi: int, increasing: bool, consecutive: bool
+        self,
+        ids: np.ndarray,
+        step: np.ndarray,
+        lo: int,
+        hi: int,
+        increasing: bool,
+        consecutive: bool,
+        ordered: np.ndarray | None = None,
     ) -> None:
         self.ids, self.step = ids, step
         self.lo, self.hi = lo, hi
         self.increasing, self.consecutive = increasing, consecutive
+        self._ordered = ordered  # the ids sorted (ids that do not increase), for first_repeat
 
     @classmethod
     def of(cls, block_ids: Sequence[int] | np.ndarray | BlockIds, what: str = "block ids") -> BlockIds:
@@ -58,10 +68,11 @@ class BlockIds:
         if k < 2:
             lo = hi = int(ids[0]) if k else 0
             return cls(ids, step, lo, hi, True, True)
-        if int(step.min()) > 0:  # increasing: the ends are the extremes
+        if _MIN(step) > 0:  # increasing: the ends are the extremes
             lo, hi = int(ids[0]), int(ids[-1])
             return cls(ids, step, lo, hi, True, hi - lo == k - 1)
-        return cls(ids, step, int(ids.min()), int(ids.max()), False, False)
+        ordered = np.sort(ids)  # the extremes, and what first_repeat looks at
+        return cls(ids, step, int(ordered[0]), int(ordered[-1]), False, False, ordered)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -80,7 +91,7 @@ class BlockIds:
         """An id that occurs twice, or None (increasing ids never repeat)."""
         if self.increasing:
             return None
-        ordered = np.sort(self.ids)
+        ordered = np.sort(self.ids) if self._ordered is None else self._ordered
         same = ordered[1:] == ordered[:-1]
         return int(ordered[int(same.argmax())]) if same.any() else None
 

@@ -443,7 +443,10 @@ class KVProducer:
                 descs, spans = plan.descriptors_spans(src_ids, dst_block_ids)
             else:
                 descs = plan.descriptors(src_ids, dst_block_ids)
-        nbytes = int(np.add.reduce(descs[:, 2]))  # an int64 table [n, 3] (regions.DescriptorTable)
+        if isinstance(plan, DescriptorPlan):  # its rows move every block pair once in every layer
+            nbytes = need_blocks * plan.bytes_per_block
+        else:
+            nbytes = int(np.add.reduce(descs[:, 2]))  # an int64 table [n, 3] (regions.DescriptorTable)
         t0 = time.perf_counter()
         ok, err = False, ""
         self.tracker.start_send(transfer_id)

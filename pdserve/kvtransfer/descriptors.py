@@ -94,6 +94,7 @@ class DescriptorPlan:
                 (s.base_addr, d.base_addr, s.block_stride_bytes, d.block_stride_bytes, s.block_bytes)
             )
         self.groups = groups
+        self.bytes_per_block = sum(x[4] for x in groups)  # what one block pair moves in all
         g = np.array(groups, dtype=np.int64).reshape(-1, 5)
         whole = (g[:, 2] == g[:, 4]) & (g[:, 3] == g[:, 4])
         # Per set of groups: columns [G, 1] of (src base, dst base, src stride, dst stride,
@@ -203,7 +204,7 @@ class DescriptorPlan:
                 breaks = (d.step if s.consecutive else s.step) != 1
             else:
                 breaks = (s.step != 1) | (d.step != 1)
-            ends = np.flatnonzero(breaks)
+            (ends,) = np.nonzero(breaks)
             if len(ends) == k - 1:  # every block its own run (scattered): rows as for single blocks
                 run_s, run_d = s.ids, d.ids
             else:

@@ -68,6 +68,8 @@ class SendEntry:
 
     @property
     def complete(self) -> bool:
+        if self.num_stages == 1:  # one stage (the usual case): no generator
+            return len(self.consumers.get(0, ())) >= self.need_send
         return all(len(self.consumers.get(s, ())) >= self.need_send for s in range(self.num_stages))
 
 
