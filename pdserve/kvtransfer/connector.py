@@ -30,23 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.descriptors import Spans
 from pdserve.kvtransfer.group_transfer import GroupPlan, GroupPlans, group_kv_regions
 from pdserve.kvtransfer.handshake import HandshakeInfo
 from pdserve.kvtransfer.head_slices import GatherPlan, GatherWriter, HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.producer_transfer import ProducerTransfer
-from pdserve.kvtransfer.regions import (
-    DescriptorPlan,
-    LayoutKey,
-    Region,
-    Spans,
-    align_regions,
-    layout_key,
-    regions_for_kv_cache,
-)
+from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, layout_key, regions_for_kv_cache
 from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
 
 logger = logging.getLogger(__name__)
@@ -200,7 +191,7 @@ class KVProducer:
         # receiver regions -> aligned + fused plan: a decode's layout is the same on every push,
         # and aligning 16 layers cost more host time than a 2k-token prompt's device copy
         self._plans: dict[
-            tuple[LayoutKey, tuple[int, int] | None], DescriptorPlan | HeadSlicePlan | GatherPlan
+            tuple[tuple[Any, ...], tuple[int, int] | None], DescriptorPlan | HeadSlicePlan | GatherPlan
         ] = {}
         self.heads = heads
         self.layout = layout
@@ -424,8 +415,6 @@ class KVProducer:
                 f"{len(dst_block_ids)} destination blocks for {num_tokens} tokens; expected {need_blocks}"
             )
         src_ids = held_ids.head(need_blocks)
-        if not isinstance(dst_block_ids, (list, tuple)):
-            dst_block_ids = list(dst_block_ids)
         plan: DescriptorPlan | HeadSlicePlan | GatherPlan | GroupPlan
         spans: Spans | None = None  # known to a DescriptorPlan: the backend checks them, not every row
         if self.layer_groups:
@@ -443,10 +432,11 @@ class KVProducer:
                 descs, spans = plan.descriptors_spans(src_ids, dst_block_ids)
             else:
                 descs = plan.descriptors(src_ids, dst_block_ids)
-        if isinstance(plan, DescriptorPlan):  # its rows move every block pair once in every layer
+        # a DescriptorPlan's rows move every block pair once in every layer; others: sum the table
+        if isinstance(plan, DescriptorPlan):
             nbytes = need_blocks * plan.bytes_per_block
         else:
-            nbytes = int(np.add.reduce(descs[:, 2]))  # an int64 table [n, 3] (regions.DescriptorTable)
+            nbytes = int(descs[:, 2].sum())
         t0 = time.perf_counter()
         ok, err = False, ""
         self.tracker.start_send(transfer_id)

@@ -58,9 +58,8 @@ _PROCESS_ID = f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def _spans(table: np.ndarray) -> tuple[int, int, int, int]:
-    """[lowest start, highest end) of the descriptors' sources, then of their targets (one
-    reduction per column: an ``axis=0`` reduction of the [n, 2] columns costs 4x as much at
-    1,000 rows)."""
+    """[lowest start, highest end) of the sources, then of the targets (per column: an
+    ``axis=0`` reduction of the [n, 2] columns costs 4x as much at 1,000 rows)."""
     if len(table) == 1:
         src, dst, n = table[0].tolist()
         return src, src + n, dst, dst + n
