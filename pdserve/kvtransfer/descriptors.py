@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from pdserve.kvtransfer.block_ids import BlockIdError, BlockIds, as_id_array
+from pdserve.kvtransfer.block_ids import BlockIdError, BlockIds, as_id_array, steps_by_one
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.regions import Region
@@ -40,12 +40,6 @@ _LISTS = (list, tuple)
 BlockIdsLike: TypeAlias = Sequence[int] | np.ndarray | BlockIds
 
 
-def _steps_by_one(ids: Sequence[int]) -> bool:
-    """``ids[i] == ids[0] + i`` for every i, as one C-level compare (a list or a tuple)."""
-    run = range(ids[0], ids[0] + len(ids))
-    return ids == (list(run) if isinstance(ids, list) else tuple(run))
-
-
 def _one_run_start(ids: BlockIdsLike) -> int | None:
     """The first id where ``ids`` are one run of consecutive ids from an id >= 0 (decided by
     C-level compares of a list, or the facts of a ``BlockIds``), else None."""
@@ -54,7 +48,7 @@ def _one_run_start(ids: BlockIdsLike) -> int | None:
     if not (isinstance(ids, _LISTS) and ids):
         return None
     first = ids[0]
-    if not (0 <= first and ids[-1] - first == len(ids) - 1 and _steps_by_one(ids)):  # the ends first
+    if not (0 <= first and ids[-1] - first == len(ids) - 1 and steps_by_one(ids)):  # the ends first
         return None
     return int(first)
 

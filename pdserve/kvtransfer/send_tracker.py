@@ -58,7 +58,7 @@ class SendEntry:
     num_stages: int = 1  # prefill stages that each must reach need_send
     # prefill stage -> the consumers that reported to it (distinct (pp_rank, tp_rank) pairs)
     consumers: dict[int, frozenset[object]] = field(default_factory=dict)
-    # block_ids as int64 with their facts (``held_ids``), made when the entry is added
+    # block_ids as int64 with their facts, made by the first push that asks (``held_ids``)
     ids: BlockIds | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -99,18 +99,11 @@ class KVSendTracker:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         if need_send < 1:
             raise ValueError(f"need_send must be >= 1, got {need_send} for transfer_id {transfer_id!r}")
-        # the ids' facts once per hold, not per push (a few numpy calls: ~5 us for 125 blocks)
-        ids = BlockIds.of(block_ids)
         with self._lock:
             if transfer_id in self._entries:
                 raise ValueError(f"transfer_id {transfer_id!r} is already held")
             self._entries[transfer_id] = SendEntry(
-                transfer_id,
-                tuple(block_ids),
-                need_send,
-                self._clock() + self.lease_s,
-                num_stages=num_stages,
-                ids=ids,
+                transfer_id, tuple(block_ids), need_send, self._clock() + self.lease_s, num_stages=num_stages
             )
 
     def begin_send(self, transfer_id: str) -> SendEntry:
@@ -229,14 +222,14 @@ class KVSendTracker:
             return None if entry is None else copy.copy(entry)
 
     def held_ids(self, transfer_id: str) -> BlockIds | None:
-        """The entry's block ids as ``BlockIds`` (made once, when added), without a snapshot
-        of the entry; None if not held."""
+        """The entry's block ids as ``BlockIds`` (made by the first push, kept on the entry for
+        the transfer's other pushes: TP ranks, stages), without a snapshot; None if not held."""
         with self._lock:
             entry = self._entries.get(transfer_id)
         if entry is None:
             return None
         ids = entry.ids
-        if ids is None:  # an entry made without them: two pushes at once may both make them
+        if ids is None:  # two first pushes at once may both make them: the same value
             ids = entry.ids = BlockIds.of(entry.block_ids)
         return ids
 

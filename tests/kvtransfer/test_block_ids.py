@@ -11,7 +11,8 @@ import random
 import numpy as np
 import pytest
 
-from pdserve.kvtransfer.block_ids import BlockIdError, BlockIds
+from pdserve.kvtransfer import block_ids
+from pdserve.kvtransfer.block_ids import BlockIdError, BlockIds, steps_by_one
 from pdserve.kvtransfer.connector import KVProducer
 from pdserve.kvtransfer.head_slices import HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.regions import (
@@ -64,6 +65,27 @@ def test_block_ids_facts_match_the_reference_on_random_lists():
     assert BlockIds.of(range(4, 10, 2)).tolist() == [4, 6, 8]
     with pytest.raises(BlockIdError, match="outside int64"):
         BlockIds.of([1 << 70])
+
+
+def test_steps_by_one_against_its_cache_and_past_it(monkeypatch):
+    """Runs told by slices of the cached ids 0..n-1 (grown on demand), and by ints made for
+    them where an id lies past the cache's cap or below 0: the same verdict either way."""
+    monkeypatch.setattr(block_ids, "_RUN_CACHE_MAX", 5000)
+    monkeypatch.setattr(block_ids, "_runs", ([], ()))
+    rng = random.Random(11)
+    for _ in range(300):
+        first, k = (
+            rng.choice([rng.randint(-5, 100), rng.randint(4990, 5010), rng.randint(0, 3000)]),
+            rng.randint(1, 40),
+        )
+        ids = list(range(first, first + k))
+        if rng.random() < 0.5 and k > 1:
+            ids[rng.randrange(1, k)] += rng.choice([-1, 1, 7])
+        want = all(b == ids[0] + i for i, b in enumerate(ids))
+        assert steps_by_one(ids) is want and steps_by_one(tuple(ids)) is want, ids
+        b = BlockIds.of(tuple(ids))
+        assert b.tolist() == ids and b.consecutive is want
+    assert 4096 <= len(block_ids._runs[0]) <= 5000 and block_ids._runs[1] == tuple(block_ids._runs[0])
 
 
 def _ref_spans(rows: list[tuple[int, int, int]]) -> tuple[int, int, int, int]:
