@@ -263,7 +263,7 @@ def _push_host_sections(
     prod: KVProducer, src: list[int], dst: list[int], dst_regions: list, plan: DescriptorPlan
 ) -> dict[str, float]:
     """Host-only parts of a scattered push, median us over 2,000 calls each: the hold's ids
-    (``BlockIds``, made by ``on_hold``), the plan cache lookup with the fresh regions a gRPC
+    (``BlockIds``, made by its first push), the plan cache lookup with the fresh regions a gRPC
     request brings, ``descriptors_spans``, and the table's spans as ``write`` finds them from
     the rows (what ``write_spanned`` skips)."""
     from pdserve.kvtransfer.block_ids import BlockIds

@@ -18,7 +18,8 @@ tokens: 32 KiB per layer and block), the plan built once as a producer keeps it.
 CUDA calls are a no-op fake: the host part of a cuda_ipc push (checks, descriptors, the
 directory lookup, the table shift to the mapping of a peer in "another process"), without the
 copy; the gRPC layer's fresh ``Region`` objects and tuple of block ids each push. ``on_hold``
-(the engine thread's hold before any push: it makes the held ids' ``BlockIds``) is timed apart.
+(the engine thread's hold before any push) is timed apart; each push is its hold's first (it
+makes the held ids' ``BlockIds``).
 
 Sender blocks are 1..n; receiver blocks are consecutive (a fresh pool) or a random sample
 (scattered: every block its own run). Each cell is the median over ``--reps`` calls (fewer where
