@@ -89,6 +89,20 @@ class DescriptorPlan:
             )
         self.groups = groups
         self.bytes_per_block = sum(x[4] for x in groups)  # what one block pair moves in all
+        # groups of one stride per side: (strides, (lowest base, highest end) on each side)
+        self._one_stride = (
+            (
+                (groups[0][2], groups[0][3]),
+                (
+                    min(x[0] for x in groups),
+                    max(x[0] + x[4] for x in groups),
+                    min(x[1] for x in groups),
+                    max(x[1] + x[4] for x in groups),
+                ),
+            )
+            if groups and len({(x[2], x[3]) for x in groups}) == 1
+            else None
+        )
         g = np.array(groups, dtype=np.int64).reshape(-1, 5)
         whole = (g[:, 2] == g[:, 4]) & (g[:, 3] == g[:, 4])
         # Per set of groups: columns [G, 1] of (src base, dst base, src stride, dst stride,
@@ -159,9 +173,9 @@ class DescriptorPlan:
     def _spans(self, s_lo: int, s_hi: int, d_lo: int, d_hi: int) -> Spans:
         """The rows' spans from the extreme ids: block b of group g spans ``[base + b * stride,
         base + b * stride + bytes)`` on each side."""
-        if len(self.groups) == 1:
-            ((sb, db, ss, ds, n),) = self.groups
-            return sb + s_lo * ss, sb + s_hi * ss + n, db + d_lo * ds, db + d_hi * ds + n
+        if self._one_stride is not None:  # one stride per side (a fused tensor, K/V apart)
+            (ss, ds), (sb, s_end, db, d_end) = self._one_stride
+            return sb + s_lo * ss, s_end + s_hi * ss, db + d_lo * ds, d_end + d_hi * ds
         g = self.groups
         return (
             min(x[0] + s_lo * x[2] for x in g),

@@ -17,6 +17,7 @@ from pdserve.kvtransfer.connector import KVProducer
 from pdserve.kvtransfer.head_slices import HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.regions import (
     DescriptorPlan,
+    Region,
     align_regions,
     descriptor_list,
     layout_key,
@@ -120,6 +121,23 @@ def test_descriptors_spans_match_the_reference_rows_and_their_extremes():
                     assert spans == _ref_spans(descriptor_list(table)), (pairs, src, dst)
                     spans_seen += 1
     assert spans_seen > 150
+
+
+def test_spans_of_groups_with_different_strides():
+    """The engine's fused tensor plus a drafter's own tensor (another stride): spans from the
+    groups one by one, equal to the rows' extremes."""
+    names = [f"layers.{i}" for i in range(3)]
+    src = regions_for_kv_cache(0x10_0000, 40, names, 4, 2, 8, 2) + [Region("mtp", 0, 0x50_0000, 256, 256, 40)]
+    dst = regions_for_kv_cache(0x90_0000, 40, names, 4, 2, 8, 2) + [Region("mtp", 0, 0xD0_0000, 512, 256, 40)]
+    plan = DescriptorPlan(align_regions(src, dst))
+    assert plan._one_stride is None
+    rng = random.Random(4)
+    for _ in range(50):
+        k = rng.randint(1, 10)
+        s_ids, d_ids = rng.sample(range(40), k), rng.sample(range(40), k)
+        table, spans = plan.descriptors_spans(s_ids, d_ids)
+        assert spans == _ref_spans(descriptor_list(table))
+        assert descriptor_list(table) == descriptor_list(_RefPlan(plan.pairs).descriptors(s_ids, d_ids))
 
 
 def test_head_slice_plans_take_block_ids():
