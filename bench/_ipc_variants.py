@@ -7,7 +7,8 @@ receiver's KV opened through CUDA IPC) and each method it measures
   holds the stream, so host gaps do not count. Median of ``reps``.
 - ``host ms``: wall clock of the whole enqueue (table built, staged and launched, or the memcpy
   calls), with the stream held by the sleep: the host path alone. ``launch ms``: the same for the
-  Triton launch alone (the table already staged).
+  Triton launch alone (the table already staged); ``stage ms``: for the table's staging alone
+  (rows built, copied to the pinned buffer, the host-to-device copy enqueued).
 - ``wall ms``: ``CudaRuntime.copy`` (the transport's call: lock, table, enqueue, stream wait) by
   wall clock; for the reference, torch's copy plus a synchronize.
 and checks that every destination slot holds its source's bytes afterwards.
@@ -163,6 +164,10 @@ def run_case(
                 row["kernel_ms"], row["launch_host_ms"] = timer.held(
                     lambda s=staged: triton_copy.launch(s), stream
                 )
+                # the table alone: built (kernel_rows), copied to the pinned buffer, its H2D copy enqueued
+                _, row["stage_host_ms"] = timer.held(
+                    lambda n=name: triton_copy.stage(table, dev, stream, triton_copy.VARIANTS[n]), stream
+                )
                 _, row["host_ms"] = timer.held(
                     lambda n=name: triton_copy.batched_copy(table, dev, stream, n), stream
                 )
@@ -198,10 +203,10 @@ def run_case(
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(
-        "\n| case | method | kernel ms | host ms | launch ms | wall ms | GB/s kernel | GB/s wall | "
+        "\n| case | method | kernel ms | host ms | stage ms | launch ms | wall ms | GB/s kernel | GB/s wall | "
         "of copy (kernel) | of copy (wall) | programs | v4 loads | bytes ok |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['case']} | {r['variant']} | skipped: {r['skipped']} |")
@@ -211,7 +216,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             return format(r[k], fmt) if r.get(k) is not None else "-"
 
         print(
-            f"| {r['case']} | {r['variant']} | {f('kernel_ms')} | {f('host_ms')} | {f('launch_host_ms')} | "
+            f"| {r['case']} | {r['variant']} | {f('kernel_ms')} | {f('host_ms')} | {f('stage_host_ms')} | "
+            f"{f('launch_host_ms')} | "
             f"{f('wall_ms')} | "
             f"{f('GBps_kernel', ',.0f')} | {f('GBps_wall', ',.0f')} | {f('of_copy_kernel', '.2f')} | "
             f"{f('of_copy_wall', '.2f')} | {r.get('programs', '-')} | {r.get('ptx_v4_loads', '-')} | "

@@ -19,6 +19,7 @@ the copy bandwidth). Then every method and Triton variant on 125 x 512 KiB, 1,00
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -161,14 +162,16 @@ def main() -> None:
             }
         )
     rt.copy_method = default
-    # The backend's write alone (descriptors built once, the int64 table a push writes): the
-    # copy plus the ctypes / directory cost, without KVProducer's validation and descriptor building.
+    # The backend's write alone (descriptors and their spans built once: the int64 table and
+    # the spans a push hands ``write_spanned``): the copy plus the ctypes / directory cost,
+    # without KVProducer's validation and descriptor building.
+    plan = DescriptorPlan(align_regions(src_regions, dst_regions))
     for layout in ("consecutive", "scattered"):
-        descs = DescriptorPlan(align_regions(src_regions, dst_regions)).descriptors(
-            src_blocks, layouts[layout]
-        )
+        descs, spans = plan.descriptors_spans(src_blocks, layouts[layout])
         wn = int(descs[:, 2].sum())
-        w_ms = median_ms(lambda d=descs: backend.write(session, d, transfer_id="w"), args.reps)
+        w_ms = median_ms(
+            lambda d=descs, sp=spans: backend.write_spanned(session, d, sp, transfer_id="w"), args.reps
+        )
         res["rows"].append(
             {
                 "layout": f"{layout}, write() only",
@@ -179,6 +182,7 @@ def main() -> None:
                 "GBps": wn / w_ms / 1e6,
             }
         )
+    res["push_host_us"] = _push_host_sections(prod, src_blocks, layouts["scattered"], dst_regions, plan)
     nbytes = res["rows"][0]["bytes"]
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -255,6 +259,43 @@ def main() -> None:
     assert not bad, f"bytes did not land: {bad}"
 
 
+def _push_host_sections(
+    prod: KVProducer, src: list[int], dst: list[int], dst_regions: list, plan: DescriptorPlan
+) -> dict[str, float]:
+    """Host-only parts of a scattered push, median us over 2,000 calls each: the hold's ids
+    (``BlockIds``, made by its first push), the plan cache lookup with the fresh regions a gRPC
+    request brings, ``descriptors_spans``, and the table's spans as ``write`` finds them from
+    the rows (what ``write_spanned`` skips)."""
+    from pdserve.kvtransfer.block_ids import BlockIds
+    from pdserve.kvtransfer.cuda_ipc import _spans
+
+    held = BlockIds.of(src)
+    ids = tuple(dst)
+    fresh = [dataclasses.replace(r) for r in dst_regions]
+    table, _ = plan.descriptors_spans(held, ids)
+
+    def us(fn) -> float:
+        for _ in range(20):
+            fn()
+        ts = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    out = {
+        "held_ids_us": us(lambda: BlockIds.of(src)),
+        "plan_lookup_us": us(lambda: prod._plan(fresh, None)),
+        "descriptors_spans_us": us(lambda: plan.descriptors_spans(held, ids)),
+        "row_spans_us": us(lambda: _spans(table)),
+    }
+    print(
+        "scattered push, host sections (us, this host): " + ", ".join(f"{k} {v:.1f}" for k, v in out.items())
+    )
+    return out
+
+
 def _print_breakdown(res: dict) -> None:
     """Where a scattered push's time goes, from the rows above (default method)."""
     rows = {r["layout"]: r for r in res["rows"]}
@@ -273,11 +314,13 @@ def _print_breakdown(res: dict) -> None:
     if not (push and write and copy and "wall_ms" in copy):
         return
     print(
-        f"\nscattered push, {method}: push {push['ms']:.3f} ms = KVProducer (plan, checks) "
+        f"\nscattered push, {method} (holds made before the pushes; write() is write_spanned): "
+        f"push {push['ms']:.3f} ms = KVProducer (plan, checks) "
         f"{push['ms'] - write['ms']:.3f} + write() {write['ms']:.3f}; write() = backend (lookups, shift) "
         f"{write['ms'] - copy['wall_ms']:.3f} + CudaRuntime.copy {copy['wall_ms']:.3f} (its own "
         f"{copy['case']} slots); copy = host path and wait {copy['wall_ms'] - copy['kernel_ms']:.3f} "
-        f"(enqueue alone {copy['host_ms']:.3f}) + kernel {copy['kernel_ms']:.3f}"
+        f"(enqueue alone {copy['host_ms']:.3f}: table staged {copy.get('stage_host_ms', float('nan')):.3f}, "
+        f"launch {copy.get('launch_host_ms', float('nan')):.3f}) + kernel {copy['kernel_ms']:.3f}"
     )
 
 

@@ -16,7 +16,10 @@ tokens: 32 KiB per layer and block), the plan built once as a producer keeps it.
 
 ``--push`` also times ``KVProducer.push`` whole (fused layout) over a ``CudaIpcBackend`` whose
 CUDA calls are a no-op fake: the host part of a cuda_ipc push (checks, descriptors, the
-directory lookup, the table shift), without the copy.
+directory lookup, the table shift to the mapping of a peer in "another process"), without the
+copy; the gRPC layer's fresh ``Region`` objects and tuple of block ids each push. ``on_hold``
+(the engine thread's hold before any push) is timed apart; each push is its hold's first (it
+makes the held ids' ``BlockIds``).
 
 Sender blocks are 1..n; receiver blocks are consecutive (a fresh pool) or a random sample
 (scattered: every block its own run). Each cell is the median over ``--reps`` calls (fewer where
@@ -27,6 +30,7 @@ and their spread (a shared host: noisy).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -52,6 +56,7 @@ NUM_BLOCKS = 4096
 HALF_BYTES = 16 * 8 * 64 * 2  # K (or V) of one layer and block
 BLOCK_BYTES = 2 * HALF_BYTES * len(LAYERS)  # one block of the fused tensor
 SRC_BASE, DST_BASE = 0x7F00_0000_0000, 0x7E00_0000_0000
+MAPPED_SHIFT = 0x1000_0000_0000  # where the fake maps a peer's allocation, from its own address
 
 
 def kv_split_regions(base: int) -> list[Region]:
@@ -101,7 +106,7 @@ class _NoCopyCuda:
         return base.to_bytes(64, "little")
 
     def open_handle(self, handle: bytes, device: int) -> int:
-        return int.from_bytes(handle, "little")
+        return int.from_bytes(handle, "little") + MAPPED_SHIFT  # a mapping elsewhere: a real shift
 
     def close_handle(self, addr: int, device: int) -> None:
         pass
@@ -111,37 +116,52 @@ class _NoCopyCuda:
 
 
 def time_pushes(blocks: list[int], rounds: int, reps: int) -> list[dict]:
-    """Median us of ``KVProducer.push`` (its host part, module docstring) per round."""
+    """Median us of ``KVProducer.push`` (its host part, module docstring) per round, and of the
+    ``on_hold`` before it."""
     cuda = _NoCopyCuda()
     sender, receiver = CudaIpcBackend(cuda=cuda), CudaIpcBackend(cuda=cuda)
     sender.register(SRC_BASE, NUM_BLOCKS * BLOCK_BYTES)
     receiver.register(DST_BASE, NUM_BLOCKS * BLOCK_BYTES)
+    receiver._process = "another"  # the directory says "another process": the IPC path, shifted
     dst_regions = regions_for_kv_cache(DST_BASE, NUM_BLOCKS, LAYERS, **GEOM)
     prod = KVProducer(sender, regions_for_kv_cache(SRC_BASE, NUM_BLOCKS, LAYERS, **GEOM), 16, lambda t: None)
     rng, rows = random.Random(1), []
     try:
         for n in blocks:
+            src = list(range(1, n + 1))  # the engine's block table: a list
             for kind, dst in (
                 ("consecutive", list(range(2000, 2000 + n))),
                 ("scattered", rng.sample(range(NUM_BLOCKS), n)),
             ):
-                us = []
+                us, hold_us = [], []
                 for r in range(rounds):
-                    times = []
+                    times, holds = [], []
                     for i in range(reps):
                         tid = f"{kind}-{n}-{r}-{i}"
-                        prod.on_hold(tid, range(1, n + 1), need_send=1)
+                        # what the gRPC layer hands a push: fresh regions, the ids as a tuple
+                        regions = [dataclasses.replace(x) for x in dst_regions]
+                        ids = tuple(dst)
                         t0 = time.perf_counter()
-                        res = prod.push(tid, dst, n * 16, dst_regions, receiver.session_id)
-                        times.append(time.perf_counter() - t0)
+                        prod.on_hold(tid, src, need_send=1)
+                        t1 = time.perf_counter()
+                        res = prod.push(tid, ids, n * 16, regions, receiver.session_id)
+                        times.append(time.perf_counter() - t1)
+                        holds.append(t1 - t0)
                         assert res.ok, res.error
                     us.append(statistics.median(times) * 1e6)
+                    hold_us.append(statistics.median(holds) * 1e6)
                 rows.append(
-                    {"blocks": n, "receiver": kind, "push_us": statistics.median(us), "push_us_rounds": us}
+                    {
+                        "blocks": n,
+                        "receiver": kind,
+                        "push_us": statistics.median(us),
+                        "push_us_rounds": us,
+                        "on_hold_us": statistics.median(hold_us),
+                    }
                 )
                 print(
                     f"| push | {n} | {kind} | {res.num_descriptors} | {statistics.median(us):.1f} | "
-                    f"| {min(us):.1f}-{max(us):.1f} |",
+                    f"on_hold {statistics.median(hold_us):.1f} | {min(us):.1f}-{max(us):.1f} |",
                     flush=True,
                 )
     finally:

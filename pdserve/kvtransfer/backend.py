@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from pdserve.errors import PdserveError
+from pdserve.kvtransfer.descriptors import Spans
 from pdserve.kvtransfer.regions import MAX_DESCRIPTORS_PER_BATCH, Descriptors, descriptor_list, split_batches
 
 # Writes of many descriptors (more than MANY_DESCRIPTORS) go in batches of WRITE_BATCH_DESCRIPTORS,
@@ -124,6 +125,15 @@ class TransferBackend(ABC):
         per-call limit; raises TransferError on the first failed chunk (earlier chunks stay written).
         """
 
+    def write_spanned(
+        self, peer_session: str, descs: Descriptors, spans: Spans | None, *, transfer_id: str
+    ) -> None:
+        """``write`` of descriptors whose spans the caller knows (``Spans``, from
+        ``DescriptorPlan.descriptors_spans``; None: not known): a backend that checks whether
+        the ranges lie in registered memory checks the spans instead of every descriptor. The
+        same effect as ``write``; this default (no such check) ignores them."""
+        self.write(peer_session, descs, transfer_id=transfer_id)
+
     @abstractmethod
     def close(self) -> None:
         """Unregister everything and release the engine; idempotent."""
@@ -189,10 +199,17 @@ class MooncakeBackend(TransferBackend):
             raise TransferError(self._session_id, "-", f"unregister({addr:#x})", code)
 
     def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
+        self.write_spanned(peer_session, descs, None, transfer_id=transfer_id)
+
+    def write_spanned(
+        self, peer_session: str, descs: Descriptors, spans: Spans | None, *, transfer_id: str
+    ) -> None:
         engine = self._live_engine("write", peer_session, transfer_id)
         descs = descriptor_list(descs)  # the engine takes lists of Python ints
         with self._lock:
-            bad = self._ranges.first_outside([(s, n) for s, _, n in descs])
+            # one registered range holding the sources' span answers for every descriptor
+            inside = spans is not None and self._ranges.contains(spans[0], spans[1] - spans[0])
+            bad = None if inside else self._ranges.first_outside([(s, n) for s, _, n in descs])
         if bad is not None:
             raise TransferError(
                 peer_session,

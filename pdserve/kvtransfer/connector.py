@@ -32,11 +32,12 @@ from typing import Any
 
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer.backend import TransferBackend
+from pdserve.kvtransfer.descriptors import Spans
 from pdserve.kvtransfer.group_transfer import GroupPlan, GroupPlans, group_kv_regions
 from pdserve.kvtransfer.handshake import HandshakeInfo
 from pdserve.kvtransfer.head_slices import GatherPlan, GatherWriter, HeadLayout, HeadSlicePlan
 from pdserve.kvtransfer.producer_transfer import ProducerTransfer
-from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, regions_for_kv_cache
+from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, layout_key, regions_for_kv_cache
 from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
 
 logger = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class KVProducer:
         # receiver regions -> aligned + fused plan: a decode's layout is the same on every push,
         # and aligning 16 layers cost more host time than a 2k-token prompt's device copy
         self._plans: dict[
-            tuple[tuple[Region, ...], tuple[int, int] | None], DescriptorPlan | HeadSlicePlan | GatherPlan
+            tuple[tuple[Any, ...], tuple[int, int] | None], DescriptorPlan | HeadSlicePlan | GatherPlan
         ] = {}
         self.heads = heads
         self.layout = layout
@@ -401,20 +402,21 @@ class KVProducer:
         heads the puller holds (None: the same as this producer's, as between equal TP sizes).
         ``dst_group_block_ids``: the puller's tables of the KV groups after the first, when the
         groups have tables of their own (each group's blocks move with its own ids)."""
-        entry = self.tracker.get(transfer_id)
-        if entry is None:
+        held_ids = self.tracker.held_ids(transfer_id)
+        if held_ids is None:
             raise UnknownTransferError(transfer_id)
         need_blocks = -(-num_tokens // self.block_size)
-        if num_tokens < 1 or need_blocks > len(entry.block_ids):
+        if num_tokens < 1 or need_blocks > len(held_ids):
             raise InvalidRequestError(
-                f"num_tokens {num_tokens} does not fit the {len(entry.block_ids)} blocks held for {transfer_id}"
+                f"num_tokens {num_tokens} does not fit the {len(held_ids)} blocks held for {transfer_id}"
             )
         if len(dst_block_ids) != need_blocks:
             raise InvalidRequestError(
                 f"{len(dst_block_ids)} destination blocks for {num_tokens} tokens; expected {need_blocks}"
             )
-        src_ids = entry.block_ids[:need_blocks]
+        src_ids = held_ids.head(need_blocks)
         plan: DescriptorPlan | HeadSlicePlan | GatherPlan | GroupPlan
+        spans: Spans | None = None  # known to a DescriptorPlan: the backend checks them, not every row
         if self.layer_groups:
             if dst_heads is not None and dst_heads != self.heads:
                 raise InvalidRequestError(
@@ -423,22 +425,29 @@ class KVProducer:
             plan = self._group_plans.get(dst_regions)
             with self._lock:
                 held = self._group_ids.get(transfer_id, ())
-            descs = plan.descriptors(src_ids, list(dst_block_ids), held, dst_group_block_ids)
+            descs = plan.descriptors(src_ids, dst_block_ids, held, dst_group_block_ids)
         else:
             plan = self._plan(dst_regions, dst_heads)
-            descs = plan.descriptors(src_ids, list(dst_block_ids))
-        nbytes = int(descs[:, 2].sum())  # an int64 table [n, 3] (regions.DescriptorTable)
+            if isinstance(plan, DescriptorPlan):
+                descs, spans = plan.descriptors_spans(src_ids, dst_block_ids)
+            else:
+                descs = plan.descriptors(src_ids, dst_block_ids)
+        # a DescriptorPlan's rows move every block pair once in every layer; others: sum the table
+        if isinstance(plan, DescriptorPlan):
+            nbytes = need_blocks * plan.bytes_per_block
+        else:
+            nbytes = int(descs[:, 2].sum())
         t0 = time.perf_counter()
         ok, err = False, ""
-        self.tracker.begin_send(transfer_id)
+        self.tracker.start_send(transfer_id)
         try:
             if len(descs) and isinstance(plan, GatherPlan):
                 assert self.gatherer is not None
                 self.gatherer.write_gathered(
-                    dst_session, plan.gather(src_ids), descs, transfer_id=transfer_id
+                    dst_session, plan.gather(src_ids.tolist()), descs, transfer_id=transfer_id
                 )
             elif len(descs):
-                self.backend.write(dst_session, descs, transfer_id=transfer_id)
+                self.backend.write_spanned(dst_session, descs, spans, transfer_id=transfer_id)
             ok = True
         except Exception as e:  # the write failed: counted and reported, never swallowed silently
             err = str(e)
@@ -457,7 +466,7 @@ class KVProducer:
     def _plan(
         self, dst_regions: Sequence[Region], dst_heads: tuple[int, int] | None
     ) -> DescriptorPlan | HeadSlicePlan | GatherPlan:
-        key = (tuple(dst_regions), dst_heads)
+        key = (layout_key(dst_regions), dst_heads)
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:  # RegionMismatchError: not cached

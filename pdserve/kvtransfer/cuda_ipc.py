@@ -46,7 +46,7 @@ import numpy as np
 
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
 from pdserve.kvtransfer.cuda_runtime import BATCHED_COPY_MIN, CudaApi, CudaRuntime, copy_table
-from pdserve.kvtransfer.regions import Descriptors
+from pdserve.kvtransfer.regions import Descriptors, Spans
 
 __all__ = ["BATCHED_COPY_MIN", "CudaApi", "CudaIpcBackend", "parse_session"]
 
@@ -58,10 +58,13 @@ _PROCESS_ID = f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def _spans(table: np.ndarray) -> tuple[int, int, int, int]:
-    """[lowest start, highest end) of the descriptors' sources, then of their targets."""
-    lo = table[:, :2].min(axis=0)
-    hi = (table[:, :2] + table[:, 2:3]).max(axis=0)
-    return int(lo[0]), int(hi[0]), int(lo[1]), int(hi[1])
+    """[lowest start, highest end) of the sources, then of the targets (per column: an
+    ``axis=0`` reduction of the [n, 2] columns costs 4x as much at 1,000 rows)."""
+    if len(table) == 1:
+        src, dst, n = table[0].tolist()
+        return src, src + n, dst, dst + n
+    src, dst, n = table.T
+    return int(src.min()), int((src + n).max()), int(dst.min()), int((dst + n).max())
 
 
 class _Directory(socketserver.ThreadingTCPServer):
@@ -326,12 +329,17 @@ class CudaIpcBackend(TransferBackend):
         self._close_mappings(to_close)
 
     def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
+        self.write_spanned(peer_session, descs, None, transfer_id=transfer_id)
+
+    def write_spanned(
+        self, peer_session: str, descs: Descriptors, spans: Spans | None, *, transfer_id: str
+    ) -> None:
         if self._closed:
             raise TransferError(peer_session, transfer_id, "write", None, "backend is closed")
         if len(descs) == 0:
             return
         table = copy_table(descs)
-        lo, hi, d_lo, d_hi = _spans(table)
+        lo, hi, d_lo, d_hi = _spans(table) if spans is None else spans
         with self._lock:
             # one registered range holding every source (the KV cache: the usual case) answers
             # for all descriptors at once; otherwise each is looked up

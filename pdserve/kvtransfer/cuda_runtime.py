@@ -127,6 +127,7 @@ class CudaRuntime:
         self._batch_attrs = _MemcpyAttributes(order=1)  # cudaMemcpySrcAccessOrderStream
         self._batch_attr_idx = (ctypes.c_size_t * 1)(0)
         self._batch_fail_idx = False
+        self._triton: tuple[Any, Any, Any] | None = None  # (torch, CompilationError, triton_copy)
         self._rt: Any = lib
         if lib is None:
             self._rt = _load_cudart()
@@ -295,14 +296,17 @@ class CudaRuntime:
         16-byte aligned."""
         if "triton" in self.unavailable:
             return False
-        try:
-            import torch
-            from triton.compiler.errors import CompilationError
+        if self._triton is None:  # imported once: an import statement per copy costs ~3 us
+            try:
+                import torch
+                from triton.compiler.errors import CompilationError
 
-            from pdserve.kernels import triton_copy
-        except ImportError as e:
-            self._unavailable("triton", f"{type(e).__name__}: {e}")
-            return False
+                from pdserve.kernels import triton_copy
+            except ImportError as e:
+                self._unavailable("triton", f"{type(e).__name__}: {e}")
+                return False
+            self._triton = (torch, CompilationError, triton_copy)
+        torch, CompilationError, triton_copy = self._triton
         stream = self._torch_streams.get(device)
         if stream is None:
             self._stream(device)  # the device's copy lock

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from pdserve.errors import PdserveError
+from pdserve.kvtransfer.block_ids import BlockIdError, BlockIds, as_id_array, steps_by_one
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.regions import Region
@@ -31,46 +31,33 @@ Descriptor = tuple[int, int, int]
 DescriptorTable: TypeAlias = np.ndarray
 # What a backend's write takes: either form
 Descriptors: TypeAlias = Sequence[Descriptor] | np.ndarray
-
-
-class BlockIdError(PdserveError, ValueError):
-    """A block id list is out of range, has duplicates, or does not pair up with its peer list."""
-
-
-def _ids(block_ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-    """Block ids as an int64 array (a ``range`` without a Python loop)."""
-    if isinstance(block_ids, range):
-        return np.arange(block_ids.start, block_ids.stop, block_ids.step, dtype=np.int64)
-    try:
-        return np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    except OverflowError:
-        raise BlockIdError(f"{what}: a block id is outside int64: {list(block_ids)}") from None
+# [lowest start, highest end) of the descriptors' sources, then of their targets
+Spans: TypeAlias = tuple[int, int, int, int]
 
 
 _LISTS = (list, tuple)
+# Either side of a push: a list of ids, an int64 array, or ids whose facts are known (BlockIds)
+BlockIdsLike: TypeAlias = Sequence[int] | np.ndarray | BlockIds
 
 
-def _steps_by_one(ids: Sequence[int]) -> bool:
-    """``ids[i] == ids[0] + i`` for every i, as one C-level compare (a list or a tuple)."""
-    run = range(ids[0], ids[0] + len(ids))
-    return ids == (list(run) if isinstance(ids, list) else tuple(run))
-
-
-def _id_pairs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> np.ndarray:
-    """[2, k] int64: the sender's ids, then the receiver's (one conversion for two lists)."""
-    if isinstance(src, _LISTS) and isinstance(dst, _LISTS):
-        try:
-            return np.array((src, dst), dtype=np.int64).reshape(2, -1)
-        except OverflowError:
-            pass  # _ids names the side
-    return np.stack((_ids(src, "sender"), _ids(dst, "receiver")))
+def _one_run_start(ids: BlockIdsLike) -> int | None:
+    """The first id where ``ids`` are one run of consecutive ids from an id >= 0 (decided by
+    C-level compares of a list, or the facts of a ``BlockIds``), else None."""
+    if isinstance(ids, BlockIds):
+        return ids.lo if len(ids) and ids.consecutive and ids.lo >= 0 else None
+    if not (isinstance(ids, _LISTS) and ids):
+        return None
+    first = ids[0]
+    if not (0 <= first and ids[-1] - first == len(ids) - 1 and steps_by_one(ids)):  # the ends first
+        return None
+    return int(first)
 
 
 def check_block_ids(
     block_ids: Sequence[int] | np.ndarray, num_blocks: int | None, *, what: str = "block ids"
 ) -> None:
     """Raise BlockIdError unless every id is in ``[0, num_blocks)`` (only ``>= 0`` when num_blocks is None)."""
-    ids = _ids(block_ids, what)
+    ids = as_id_array(block_ids, what)
     bad = ids < 0 if num_blocks is None else (ids < 0) | (ids >= num_blocks)
     if bad.any():
         bound = "" if num_blocks is None else f", {num_blocks}"
@@ -101,13 +88,28 @@ class DescriptorPlan:
                 (s.base_addr, d.base_addr, s.block_stride_bytes, d.block_stride_bytes, s.block_bytes)
             )
         self.groups = groups
+        self.bytes_per_block = sum(x[4] for x in groups)  # what one block pair moves in all
+        # groups of one stride per side: (strides, (lowest base, highest end) on each side)
+        self._one_stride = (
+            (
+                (groups[0][2], groups[0][3]),
+                (
+                    min(x[0] for x in groups),
+                    max(x[0] + x[4] for x in groups),
+                    min(x[1] for x in groups),
+                    max(x[1] + x[4] for x in groups),
+                ),
+            )
+            if groups and len({(x[2], x[3]) for x in groups}) == 1
+            else None
+        )
         g = np.array(groups, dtype=np.int64).reshape(-1, 5)
         whole = (g[:, 2] == g[:, 4]) & (g[:, 3] == g[:, 4])
-        # Per set of groups: bases and strides [G, 1, 2] (src, dst), bytes [G, 1]; the
-        # groups that fill the block stride on both ends take a row per run of blocks, the others
-        # a row per block. Rows of group g: base + id * stride.
-        self._sets = [
-            (g[sel][:, None, :2], g[sel][:, None, 2:4], g[sel, 4:5], per_run)
+        # Per set of groups: columns [G, 1] of (src base, dst base, src stride, dst stride,
+        # bytes); the groups that fill the block stride on both ends take a row per run of
+        # blocks, the others a row per block. Rows of group g: base + id * stride.
+        self._sets: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]] = [
+            (g[sel, 0:1], g[sel, 1:2], g[sel, 2:3], g[sel, 3:4], g[sel, 4:5], per_run)
             for sel, per_run in ((whole, True), (~whole, False))
             if sel.any()
         ]
@@ -122,62 +124,41 @@ class DescriptorPlan:
         self._src_limit = min(s_lim) if s_lim else None
         self._dst_limit = min(d_lim) if d_lim else None
 
-    def _check(
-        self, src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, bool]:
-        """The ids as one int64 array [2, k] (sender's, receiver's), its steps along k, and
-        whether the sender's ids increase; BlockIdError where they do not pair up or fit."""
+    def check(self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike) -> tuple[BlockIds, BlockIds]:
+        """Both id lists as ``BlockIds``; BlockIdError where they do not pair up (lengths,
+        receiver ids that repeat) or an id lies outside a layer's blocks."""
         if len(src_block_ids) != len(dst_block_ids):
             raise BlockIdError(
                 f"sender has {len(src_block_ids)} block ids but receiver has {len(dst_block_ids)}; they pair 1:1"
             )
-        ids = _id_pairs(src_block_ids, dst_block_ids)
-        k = ids.shape[1]
-        step = ids[:, 1:] - ids[:, :-1]
-        s_up, d_up = step.min(axis=1).tolist() if k > 1 else (1, 1)  # > 0: the ids increase
-        if d_up > 0:  # increasing ids cannot repeat
-            d_lo, d_hi = (int(ids[1, 0]), int(ids[1, -1])) if k else (0, 0)
-        else:  # sorted to tell
-            ordered = np.sort(ids[1])
-            if (ordered[1:] == ordered[:-1]).any():
-                raise BlockIdError(
-                    f"receiver block ids repeat (two writes to one block): {list(dst_block_ids)}"
-                )
-            d_lo, d_hi = int(ordered[0]), int(ordered[-1])
-        if not k or not self.pairs:
-            return ids, step, s_up > 0
+        s, d = BlockIds.of(src_block_ids, "sender"), BlockIds.of(dst_block_ids, "receiver")
+        if d.first_repeat() is not None:
+            raise BlockIdError(f"receiver block ids repeat (two writes to one block): {d.tolist()}")
+        if not len(s) or not self.pairs:
+            return s, d
         # The id lists are the same for every layer, so their extremes decide; the per-layer scan
         # (which names the layer and the id) runs only when they fail.
-        if s_up > 0:
-            s_lo, s_hi = int(ids[0, 0]), int(ids[0, -1])
-        else:
-            s_lo, s_hi = int(ids[0].min()), int(ids[0].max())
-        if s_lo < 0 or (self._src_limit is not None and s_hi >= self._src_limit):
-            for s, _ in self.pairs:
-                check_block_ids(ids[0], s.num_blocks, what=f"sender layer {s.layer_name!r}")
-        if d_lo < 0 or (self._dst_limit is not None and d_hi >= self._dst_limit):
-            for _, d in self.pairs:
-                check_block_ids(ids[1], d.num_blocks, what=f"receiver layer {d.layer_name!r}")
-        for side, hi in ((0, s_hi), (1, d_hi)):
+        if s.lo < 0 or (self._src_limit is not None and s.hi >= self._src_limit):
+            for r, _ in self.pairs:
+                check_block_ids(s.ids, r.num_blocks, what=f"sender layer {r.layer_name!r}")
+        if d.lo < 0 or (self._dst_limit is not None and d.hi >= self._dst_limit):
+            for _, r in self.pairs:
+                check_block_ids(d.ids, r.num_blocks, what=f"receiver layer {r.layer_name!r}")
+        for side, hi in ((0, s.hi), (1, d.hi)):
             if self._reach[side] + hi * self._stride[side] >= 1 << 63:
                 raise BlockIdError(f"{('sender', 'receiver')[side]} block id {hi} lies past 2**63 bytes")
-        return ids, step, s_up > 0
+        return s, d
 
-    def _one_run(
-        self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
-    ) -> DescriptorTable | None:
+    def _one_run(self, src: BlockIdsLike, dst: BlockIdsLike) -> tuple[DescriptorTable, Spans] | None:
         """The rows of one run of blocks on both ends (a fresh pool on both, the common case)
-        from C-level list compares, without arrays of ids; None where that is not the case,
-        the groups take a row per block, or an id needs ``_check`` (which raises)."""
-        if not (self._per_run and isinstance(src, _LISTS) and isinstance(dst, _LISTS)):
+        from C-level list compares or known facts, without arrays of ids; None where that is not
+        the case, the groups take a row per block, or an id needs ``check`` (which raises)."""
+        if not self._per_run or len(src) != len(dst):
             return None
-        if not src or len(src) != len(dst):
+        s0, d0 = _one_run_start(src), _one_run_start(dst)
+        if s0 is None or d0 is None:
             return None
-        k, s0, d0 = len(src), src[0], dst[0]
-        if not (0 <= s0 and 0 <= d0 and src[-1] - s0 == k - 1 == dst[-1] - d0):  # the ends first
-            return None
-        if not (_steps_by_one(src) and _steps_by_one(dst)):
-            return None
+        k = len(src)
         for end, limit, reach, stride in zip(
             (s0 + k, d0 + k), (self._src_limit, self._dst_limit), self._reach, self._stride, strict=True
         ):
@@ -186,52 +167,80 @@ class DescriptorPlan:
         rows = np.array(
             [(sb + s0 * ss, db + d0 * ds, n * k) for sb, db, ss, ds, n in self.groups], dtype=np.int64
         )
-        return rows if len(rows) == 1 else merge_adjacent(rows)
+        spans = self._spans(s0, s0 + k - 1, d0, d0 + k - 1)
+        return (rows if len(rows) == 1 else merge_adjacent(rows)), spans
 
-    def descriptors(
-        self, src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray
-    ) -> DescriptorTable:
+    def _spans(self, s_lo: int, s_hi: int, d_lo: int, d_hi: int) -> Spans:
+        """The rows' spans from the extreme ids: block b of group g spans ``[base + b * stride,
+        base + b * stride + bytes)`` on each side."""
+        if self._one_stride is not None:  # one stride per side (a fused tensor, K/V apart)
+            (ss, ds), (sb, s_end, db, d_end) = self._one_stride
+            return sb + s_lo * ss, s_end + s_hi * ss, db + d_lo * ds, d_end + d_hi * ds
+        g = self.groups
+        return (
+            min(x[0] + s_lo * x[2] for x in g),
+            max(x[0] + s_hi * x[2] + x[4] for x in g),
+            min(x[1] + d_lo * x[3] for x in g),
+            max(x[1] + d_hi * x[3] + x[4] for x in g),
+        )
+
+    def descriptors(self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike) -> DescriptorTable:
         """Rows (src_addr, dst_addr, length_bytes) copying ``src_block_ids[i]`` to
         ``dst_block_ids[i]`` in every region pair, sorted and merged (``merge_adjacent``)."""
+        return self.descriptors_spans(src_block_ids, dst_block_ids)[0]
+
+    def descriptors_spans(
+        self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike
+    ) -> tuple[DescriptorTable, Spans | None]:
+        """``descriptors`` and the rows' spans (``Spans``: what a backend checks against its
+        registered memory) from the ids' extremes, without a pass over the rows; None for no rows."""
         one = self._one_run(src_block_ids, dst_block_ids)
         if one is not None:
             return one
-        ids, step, src_up = self._check(src_block_ids, dst_block_ids)
-        k = ids.shape[1]
+        s, d = self.check(src_block_ids, dst_block_ids)
+        k = len(s)
         if not k or not self._sets:
-            return np.empty((0, 3), dtype=np.int64)
-        # Runs of blocks consecutive on both ends, in the given order: first ids [2, R], lengths
-        # [R]. A block ends a run where either side does not step by one.
-        ends = np.flatnonzero((step != 1).any(axis=0))
-        counts: np.ndarray | None  # blocks per run; None: one each
-        if len(ends) == k - 1:  # every block its own run (scattered): rows as for single blocks
-            runs, counts = ids, None
-        elif len(ends):
-            starts = np.empty(len(ends) + 1, dtype=np.int64)
-            starts[0] = 0
-            np.add(ends, 1, out=starts[1:])
-            counts = np.empty_like(starts)
-            np.subtract(starts[1:], starts[:-1], out=counts[:-1])
-            counts[-1] = k - starts[-1]
-            runs = ids[:, starts]
-        else:  # one run (a fresh pool on both ends)
-            runs, counts = ids[:, :1], np.full(1, k, dtype=np.int64)
+            return np.empty((0, 3), dtype=np.int64), None
+        spans = self._spans(s.lo, s.hi, d.lo, d.hi)
+        # Runs of blocks consecutive on both ends, in the given order: first ids on each side,
+        # blocks per run. A block ends a run where either side does not step by one.
+        counts: np.ndarray | None = None  # blocks per run; None: one each
+        if s.consecutive and d.consecutive:  # one run (a fresh pool on both ends)
+            run_s, run_d, counts = s.ids[:1], d.ids[:1], np.full(1, k, dtype=np.int64)
+        else:
+            if s.consecutive or d.consecutive:
+                breaks = (d.step if s.consecutive else s.step) != 1
+            else:
+                breaks = (s.step != 1) | (d.step != 1)
+            (ends,) = np.nonzero(breaks)
+            if len(ends) == k - 1:  # every block its own run (scattered): rows as for single blocks
+                run_s, run_d = s.ids, d.ids
+            else:
+                starts = np.empty(len(ends) + 1, dtype=np.int64)
+                starts[0] = 0
+                np.add(ends, 1, out=starts[1:])
+                counts = np.empty_like(starts)
+                np.subtract(starts[1:], starts[:-1], out=counts[:-1])
+                counts[-1] = k - starts[-1]
+                run_s, run_d = s.ids[starts], d.ids[starts]
         # rows straight into the table: [G, runs (or blocks), 3] per set of groups, set after set
-        sizes = [len(n) * (runs.shape[1] if per_run else k) for _, _, n, per_run in self._sets]
+        sizes = [len(n) * (len(run_s) if per_run else k) for *_, n, per_run in self._sets]
         table = np.empty((sum(sizes), 3), dtype=np.int64)
         at = 0
-        for (bases, strides, n, per_run), size in zip(self._sets, sizes, strict=True):
+        for (sb, db, ss, ds, n, per_run), size in zip(self._sets, sizes, strict=True):
             rows = table[at : at + size].reshape(len(n), -1, 3)
-            np.multiply((runs if per_run else ids).T, strides, out=rows[:, :, :2])
-            rows[:, :, :2] += bases
+            for col, ids, base, stride in ((0, run_s, sb, ss), (1, run_d, db, ds)):
+                out = rows[:, :, col]
+                np.multiply(ids if per_run else (s.ids, d.ids)[col], stride, out=out)
+                out += base
             if per_run and counts is not None:
                 np.multiply(n, counts, out=rows[:, :, 2])
             else:
                 rows[:, :, 2] = n
             at += size
-        if self._runs_only and (src_up or (runs[0, 1:] > runs[0, :-1]).all()):
-            return table  # one group, rows in increasing source order: nothing to merge
-        return merge_adjacent_columns(table[:, 0], table[:, 1], table[:, 2])
+        if self._runs_only and (s.increasing or (run_s[1:] > run_s[:-1]).all()):
+            return table, spans  # one group, rows in increasing source order: nothing to merge
+        return merge_adjacent_columns(table[:, 0], table[:, 1], table[:, 2]), spans
 
 
 def descriptor_table(descs: Descriptors) -> DescriptorTable:

@@ -27,7 +27,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
-from pdserve.kvtransfer.regions import DescriptorPlan, DescriptorTable, Region, align_regions, merge_adjacent
+from pdserve.kvtransfer.descriptors import BlockIdsLike
+from pdserve.kvtransfer.regions import (
+    DescriptorPlan,
+    DescriptorTable,
+    LayoutKey,
+    Region,
+    align_regions,
+    layout_key,
+    merge_adjacent,
+)
 
 # The block every group's pool takes at start and never frees (engine/kv_group_tables.py): a
 # table entry of a block the group does not hold. Defined here, beneath the engine, so that this
@@ -115,7 +124,7 @@ class GroupPlan:
 
     def descriptors(
         self,
-        src_ids: Sequence[int],
+        src_ids: BlockIdsLike,
         dst_ids: Sequence[int],
         src_group_ids: Sequence[Sequence[int]],
         dst_group_ids: Sequence[Sequence[int]],
@@ -155,12 +164,12 @@ class GroupPlans:
 
     def __init__(self, src: Sequence[Region], layer_groups: Sequence[set[str]]) -> None:
         self.src, self.layer_groups = list(src), list(layer_groups)
-        self._plans: dict[tuple[Region, ...], GroupPlan] = {}
+        self._plans: dict[LayoutKey, GroupPlan] = {}
         self._lock = threading.Lock()
 
     def get(self, dst: Sequence[Region]) -> GroupPlan:
         """Raises RegionMismatchError (not cached) when the layouts do not pair up."""
-        key = tuple(dst)
+        key = layout_key(dst)
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:

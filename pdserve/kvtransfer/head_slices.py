@@ -29,6 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pdserve.kvtransfer.descriptors import BlockIdsLike
 from pdserve.kvtransfer.regions import (
     Descriptor,
     DescriptorPlan,
@@ -106,16 +107,16 @@ class HeadSlicePlan:
         """Descriptors one block pair costs over every layer (before merging adjacent ones)."""
         return len(self.row_runs) * len(self.pairs)
 
-    def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> DescriptorTable:
-        ids, _, _ = self._bounds._check(src_block_ids, dst_block_ids)
-        if not len(self._rows) or not ids.shape[1] or not self.pairs:
+    def descriptors(self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike) -> DescriptorTable:
+        ids = tuple(x.ids for x in self._bounds.check(src_block_ids, dst_block_ids))
+        if not len(self._rows) or not len(ids[0]) or not self.pairs:
             return np.empty((0, 3), dtype=np.int64)
         # [pair, block, row]: the row's offsets from the block's address on each side
         src, dst = (
             ((base + b * stride)[:, :, None] + self._rows[:, side]).ravel()
             for side, (base, stride, b) in enumerate(zip(self._bases, self._strides, ids, strict=True))
         )
-        lengths = np.broadcast_to(self._rows[:, 2], (len(self.pairs), ids.shape[1], len(self._rows))).ravel()
+        lengths = np.broadcast_to(self._rows[:, 2], (len(self.pairs), len(ids[0]), len(self._rows))).ravel()
         if len(src) < 2:
             return np.stack((src, dst, lengths), axis=1)
         return merge_adjacent_columns(src, dst, lengths)
@@ -170,9 +171,9 @@ class GatherPlan:
         self._bounds = DescriptorPlan(pairs)  # block id checks against the real regions
         self.heads = (dst_heads[0] - src_heads[0], dst_heads[1] - src_heads[0])
 
-    def descriptors(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> DescriptorTable:
+    def descriptors(self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike) -> DescriptorTable:
         """Relative to the staging buffer's start (staged block i holds ``src_block_ids[i]``)."""
-        self._bounds._check(src_block_ids, dst_block_ids)
+        self._bounds.check(src_block_ids, dst_block_ids)
         return self._plan.descriptors(range(len(src_block_ids)), dst_block_ids)
 
     def gather(self, src_block_ids: Sequence[int]) -> HeadGather:

@@ -19,9 +19,10 @@ tests can use it without the engine.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.descriptors import (
@@ -31,6 +32,7 @@ from pdserve.kvtransfer.descriptors import (
     DescriptorPlan,
     Descriptors,
     DescriptorTable,
+    Spans,
     check_block_ids,
     descriptor_list,
     descriptor_table,
@@ -48,11 +50,13 @@ __all__ = [
     "Descriptors",
     "Region",
     "RegionMismatchError",
+    "Spans",
     "align_regions",
     "build_descriptors",
     "check_block_ids",
     "descriptor_list",
     "descriptor_table",
+    "layout_key",
     "merge_adjacent",
     "merge_adjacent_columns",
     "regions_for_kv_cache",
@@ -121,6 +125,20 @@ class Region:
             block_bytes=int(d["block_bytes"]),
             num_blocks=None if num_blocks is None else int(num_blocks),
         )
+
+
+_REGION_FIELDS = operator.attrgetter(
+    "layer_name", "occurrence", "base_addr", "block_stride_bytes", "block_bytes", "num_blocks"
+)
+# A layout's regions as plain tuples of their fields
+LayoutKey: TypeAlias = tuple[tuple[str, int, int, int, int, int | None], ...]
+
+
+def layout_key(regions: Iterable[Region]) -> LayoutKey:
+    """The regions' fields as one tuple: a dict key that hashes and compares in C (a tuple of
+    ``Region`` calls the dataclass's ``__hash__`` and ``__eq__`` once per region: 16 layers of
+    a decode's layout cost half again as much to look up)."""
+    return tuple(map(_REGION_FIELDS, regions))
 
 
 def regions_for_kv_cache(

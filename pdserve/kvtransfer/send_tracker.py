@@ -12,7 +12,7 @@ An entry is freed - ``free_fn(transfer_id, block_ids)`` called exactly once - on
     lease passed (expire())                 and nothing in flight
     abort()                                 and nothing in flight (else when the last write ends)
 
-never while a write into the blocks' source memory is still in flight. Pure Python, thread-safe.
+never while a write into the blocks' source memory is still in flight. Thread-safe.
 
 Reports are counted per prefill stage (``num_stages``: the node's PP size; the blocks are one
 node-wide table, so they are freed once, when every stage reached its count) and by consumer
@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pdserve.errors import PdserveError
+from pdserve.kvtransfer.block_ids import BlockIds
 
 
 class UnknownTransferError(PdserveError, LookupError):
@@ -57,6 +58,8 @@ class SendEntry:
     num_stages: int = 1  # prefill stages that each must reach need_send
     # prefill stage -> the consumers that reported to it (distinct (pp_rank, tp_rank) pairs)
     consumers: dict[int, frozenset[object]] = field(default_factory=dict)
+    # block_ids as int64 with their facts, made by the first push that asks (``held_ids``)
+    ids: BlockIds | None = field(default=None, repr=False, compare=False)
 
     @property
     def reported(self) -> int:
@@ -65,6 +68,8 @@ class SendEntry:
 
     @property
     def complete(self) -> bool:
+        if self.num_stages == 1:  # one stage (the usual case): no generator
+            return len(self.consumers.get(0, ())) >= self.need_send
         return all(len(self.consumers.get(s, ())) >= self.need_send for s in range(self.num_stages))
 
 
@@ -104,14 +109,22 @@ class KVSendTracker:
     def begin_send(self, transfer_id: str) -> SendEntry:
         """A pull starts writing from this entry's blocks; extends the lease; returns a snapshot."""
         with self._lock:
-            entry = self._entries.get(transfer_id)
-            if entry is None:
-                raise UnknownTransferError(transfer_id)
-            if entry.aborted:
-                raise UnknownTransferError(transfer_id, "aborted")
-            entry.sending += 1
-            self._extend(entry)
-            return copy.copy(entry)  # shallow, as dataclasses.replace, at a third of its cost
+            return copy.copy(self._begin(transfer_id))  # shallow, as dataclasses.replace, cheaper
+
+    def start_send(self, transfer_id: str) -> None:
+        """``begin_send`` without the snapshot (a push reads nothing of it)."""
+        with self._lock:
+            self._begin(transfer_id)
+
+    def _begin(self, transfer_id: str) -> SendEntry:
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            raise UnknownTransferError(transfer_id)
+        if entry.aborted:
+            raise UnknownTransferError(transfer_id, "aborted")
+        entry.sending += 1
+        self._extend(entry)
+        return entry
 
     def end_send(
         self, transfer_id: str, ok: bool, consumer: tuple[int, int] | None = None, stage: int = 0
@@ -207,6 +220,18 @@ class KVSendTracker:
         with self._lock:
             entry = self._entries.get(transfer_id)
             return None if entry is None else copy.copy(entry)
+
+    def held_ids(self, transfer_id: str) -> BlockIds | None:
+        """The entry's block ids as ``BlockIds`` (made by the first push, kept on the entry for
+        the transfer's other pushes: TP ranks, stages), without a snapshot; None if not held."""
+        with self._lock:
+            entry = self._entries.get(transfer_id)
+        if entry is None:
+            return None
+        ids = entry.ids
+        if ids is None:  # two first pushes at once may both make them: the same value
+            ids = entry.ids = BlockIds.of(entry.block_ids)
+        return ids
 
     @property
     def num_held_blocks(self) -> int:

@@ -185,6 +185,37 @@ def test_a_failed_copy_is_a_counted_failed_push(cuda, pair):
     assert build_descriptors(pairs, [0, 1], [3, 4])  # the plan itself was valid
 
 
+def test_push_checks_the_plans_spans_against_registered_memory(cuda, pair):
+    """KVProducer.push hands the plan's spans to ``write_spanned``: scattered blocks inside the
+    registered half of the sender's allocation land byte for byte; a block past it is refused
+    before any copy, as ``write`` refuses it from the rows."""
+    p, d = pair
+    geom = dict(block_size=4, num_kv_heads=1, head_dim=8, elem_bytes=2)  # 128 B per layer block
+    layers = ["l0", "l1"]  # 256 B per block, 16 blocks: the whole allocation
+    src_buf, src = cuda.alloc(0)
+    ctypes.memmove(src, bytes(range(256)) * 16, SIZE)
+    dst_buf, dst = cuda.alloc(0)
+    p.register(src, SIZE // 2)  # blocks 0-7 only
+    d.register(dst, SIZE)
+    src_regions = regions_for_kv_cache(src, 16, layers, **geom)
+    dst_regions = regions_for_kv_cache(dst, 16, layers, **geom)
+    prod = KVProducer(p, src_regions, 4, lambda t: None)
+    prod.on_hold("ok", [1, 2, 7], need_send=1)
+    res = prod.push("ok", [9, 3, 12], 12, dst_regions, d.session_id)
+    assert res.ok and res.bytes == 3 * 256 and res.num_descriptors == 3
+    for s_b, d_b in ((1, 9), (2, 3), (7, 12)):
+        assert dst_buf.raw[d_b * 256 : d_b * 256 + 256] == src_buf.raw[s_b * 256 : s_b * 256 + 256]
+    assert dst_buf.raw.count(0) == SIZE - 3 * 256 + 3  # nothing else written (one 0 a block)
+    prod.on_hold("past", [6, 8], need_send=1)
+    copies = len(cuda.copies)
+    res = prod.push("past", [0, 1], 8, dst_regions, d.session_id)
+    assert not res.ok and "not registered" in res.error and len(cuda.copies) == copies
+    plan = prod._plan(dst_regions, None)
+    table, _ = plan.descriptors_spans([6, 8], [0, 1])
+    with pytest.raises(TransferError, match=r"source .* not registered"):
+        p.write(d.session_id, table, transfer_id="rows")  # the same verdict from the rows
+
+
 def test_factory_refuses_cuda_ipc_on_cpu_and_unknown_transports():
     with pytest.raises(ConfigError, match=r"cuda_ipc.*'cpu'"):
         make_backend("cuda_ipc", "127.0.0.1", "cpu")
