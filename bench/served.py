@@ -329,12 +329,14 @@ def _variant(v: str) -> str:
         m in ("nodedetok", "serial")
         or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
         or (m[:2] == "sf" and m[2:].isdigit())
+        or (m[:2] == "pp" and m[2:].isdigit() and 1 <= int(m[2:]) <= 100)
         for m in mods
     )
     if not ok:
         raise argparse.ArgumentTypeError(
             f"variant {v!r}: colocated | pd, then optionally +wN (router workers), "
-            "+sfN (router.stream_flush_ms N), "
+            "+sfN (router.stream_flush_ms N), +ppN (P/D under CUDA MPS: the prefill node's "
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE N), "
             "+nodedetok (the nodes make the text: router.detokenize: node), +serial (P/D: the "
             "decode leg after the prefill leg, router.pd_decode_leg: after_prefill)"
         )
@@ -401,6 +403,8 @@ class Cluster:
         self.cfg_path = run_dir / f"{kind}.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.nodes = nodes
+        # +ppN: the prefill node's share of the GPU's SMs under CUDA MPS (bench/h200.sh MPS=1)
+        self.prefill_sm_percent = next((m[2:] for m in mods if m[:2] == "pp"), None)
         self.torch_threads = args.torch_threads
         self.procs: list[tuple[str, subprocess.Popen[bytes], Any]] = []
 
@@ -416,6 +420,8 @@ class Cluster:
         env = child_env()
         if self.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.torch_threads)  # the same as the in-process engine
+        if self.prefill_sm_percent and role == "prefill":
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = self.prefill_sm_percent
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs.append((name or "router", p, logf))
 
@@ -607,7 +613,8 @@ def main() -> None:
         default=["colocated", "pd"],
         type=_variant,
         help="colocated | pd, each optionally with +wN (N router worker processes, router.workers), "
-        "+sfN (router.stream_flush_ms N: streamed tokens merged per N ms), +nodedetok (the nodes make the text, router.detokenize: node; the default "
+        "+sfN (router.stream_flush_ms N: streamed tokens merged per N ms), +ppN (P/D on one GPU "
+        "under CUDA MPS: the prefill node's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE N), +nodedetok (the nodes make the text, router.detokenize: node; the default "
         "is the router) and +serial (P/D: the decode leg opens after the prefill leg's answer, "
         "router.pd_decode_leg: after_prefill; the default opens both at once)",
     )
