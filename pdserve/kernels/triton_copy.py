@@ -113,6 +113,10 @@ def _chunks_kernel(rows_ptr, anchor_ptr, BLOCK: tl.constexpr, CHUNK: tl.constexp
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
+class UnalignedCopyError(ValueError):
+    """An address or length is not a multiple of ``ALIGN`` bytes: nothing was enqueued."""
+
+
 def as_table(copies: Sequence[tuple[int, int, int]] | np.ndarray) -> np.ndarray:
     """The copies as an int64 array [n, 3] (src, dst, bytes); an int64 array passes through.
     Addresses are below 2**63 (user-space virtual addresses), so int64 holds them."""
@@ -144,9 +148,9 @@ def kernel_rows(table: np.ndarray, anchor: int, variant: Variant) -> tuple[np.nd
     """The rows the kernel reads (addresses relative to ``anchor``, everything in 16-byte units)
     and its grid. ``chunks``: rows with as many pieces each (equal lengths: KV blocks) stay whole
     and grid axis 1 walks the pieces; otherwise the rows are split (``chunk_rows``) and axis 1 is
-    1. ValueError when an address or length is not 16-byte aligned."""
+    1. UnalignedCopyError when an address or length is not 16-byte aligned."""
     if (table & (ALIGN - 1)).any() or anchor % ALIGN:
-        raise ValueError("batched_copy needs 16-byte aligned addresses and lengths")
+        raise UnalignedCopyError("batched_copy needs 16-byte aligned addresses and lengths")
     units = table >> 4  # exact: multiples of 16 (an arithmetic shift, far cheaper than // 16)
     units[:, :2] -= anchor >> 4
     chunk = variant.chunk_bytes // ALIGN
@@ -173,22 +177,23 @@ class _Buffers:
         self.anchor = torch.empty(ALIGN, dtype=torch.uint8, device=device)
         self.anchor32 = self.anchor.view(torch.int32)  # the kernel addresses int32 words
         self.pinned = torch.empty(0, dtype=torch.int64)
+        self.pinned_np = self.pinned.numpy()  # the same memory, written without a tensor view
         self.on_device = torch.empty(0, dtype=torch.int64, device=device)
 
     def rows(self, rows: np.ndarray, table: str) -> torch.Tensor:
-        """The rows where the kernel reads them (enqueues the copy on the current stream)."""
+        """The rows where the kernel reads them (enqueues the copy on the current stream). The
+        kernel reads only the rows its grid names, so a buffer longer than them is handed over
+        whole."""
         n = rows.size
         if self.pinned.numel() < n:
             self.pinned = torch.empty(max(n, 3 << 10), dtype=torch.int64).pin_memory()
-        host = self.pinned[:n]
-        host.numpy()[:] = rows.reshape(-1)
-        if table == "pinned":
-            return host
-        if self.on_device.numel() < n:
+            self.pinned_np = self.pinned.numpy()
             self.on_device = torch.empty(self.pinned.numel(), dtype=torch.int64, device=self.device)
-        dev = self.on_device[:n]
-        dev.copy_(host, non_blocking=True)
-        return dev
+        self.pinned_np[:n] = rows.reshape(-1)
+        if table == "pinned":
+            return self.pinned
+        self.on_device[:n].copy_(self.pinned[:n], non_blocking=True)
+        return self.on_device
 
 
 _buffers: dict[tuple[int, int], _Buffers] = {}
@@ -252,7 +257,7 @@ def batched_copy(
     ``stream`` before calling again with it (the table's buffers are reused). ``variant``: a
     name in ``VARIANTS`` (None: ``DEFAULT_VARIANT``).
 
-    The regions must not overlap (copies run in any order). Raises ValueError when a copy is not
+    The regions must not overlap (copies run in any order). Raises UnalignedCopyError when a copy is not
     16-byte aligned (nothing is enqueued then; the caller's fallback is one memcpy each)."""
     if len(copies) == 0:
         return

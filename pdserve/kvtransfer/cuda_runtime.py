@@ -314,13 +314,13 @@ class CudaRuntime:
                 stream = self._torch_streams.setdefault(
                     device, torch.cuda.Stream(torch.device("cuda", device))
                 )
-        if not triton_copy.aligned(copies):  # an address or length not 16-byte aligned
-            return False
         # one copy at a time per device: the kernel's stream and its table buffers are shared
         with self._copy_locks[device]:
             try:
                 triton_copy.batched_copy(copies, stream.device, stream, variant)
                 stream.synchronize()
+            except triton_copy.UnalignedCopyError:  # nothing enqueued: one memcpy each instead
+                return False
             except CompilationError as e:  # nothing enqueued: this Triton cannot build the kernel
                 self._unavailable("triton", f"{type(e).__name__}: {e}")
                 return False
