@@ -87,3 +87,17 @@ def wants_native(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` may take a native CPU kernel (``kernels.cpu_native``, which then
     checks the rest and answers None when the case is not for it): backend auto, a CPU bf16 tensor."""
     return _backend == "auto" and x.dtype is torch.bfloat16 and x.device.type == "cpu"
+
+
+def small_to_device(data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of Python ints on ``device``, queued without waiting for the device.
+
+    ``torch.tensor(data, device="cuda")`` copies from pageable memory and waits for the stream,
+    i.e. for every kernel queued before it: called while a step is being launched it stalls the
+    host until the previous step finished, which undoes asynchronous scheduling. Through a pinned
+    buffer (torch's caching host allocator keeps it until the copy ran) the copy is only queued.
+    """
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

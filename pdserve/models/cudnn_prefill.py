@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pdserve.kernels.backend import small_to_device
+
 if TYPE_CHECKING:
     from pdserve.models.attention import AttentionMetadata
 
@@ -93,7 +95,7 @@ class _Plan:
         if not other or self.num_fresh < MIN_FRESH_TOKENS:
             return
         dev = meta.slot_mapping.device
-        o_rows = torch.tensor(other, dtype=torch.long, device=dev)
+        o_rows = small_to_device(other, torch.long, dev)
         lens = [qlens[i] for i in other]
         self.other_tok = _tokens_of(meta, o_rows, lens)
         self.other_cu = _cumulative(lens, dev)
@@ -106,14 +108,14 @@ def _cumulative(lens: list[int], dev: torch.device) -> torch.Tensor:
     out = [0]
     for n in lens:
         out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=dev)
+    return small_to_device(out, torch.int32, dev)
 
 
 def _tokens_of(meta: AttentionMetadata, rows: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """The step's token indices of ``rows``' queries, row after row."""
     total = sum(lens)
     dev = rows.device
-    lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+    lens_t = small_to_device(lens, torch.long, dev)
     starts = meta.query_start_loc[rows].long()
     first = torch.cumsum(lens_t, 0) - lens_t  # where each row begins in the output
     shift = torch.repeat_interleave(starts - first, lens_t, output_size=total)

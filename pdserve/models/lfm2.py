@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.distributed.parallel_state import tp_size
 from pdserve.errors import ConfigError
+from pdserve.kernels.backend import small_to_device
 from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
 from pdserve.models.llama import LlamaForCausalLM, RotaryEmbedding, VocabEmbedding
@@ -93,8 +94,10 @@ def conv_index(meta: AttentionMetadata, positions: torch.Tensor, kernel: int) ->
     """Where each token's K inputs live in the convolution group's cache (one step, all layers):
     token t at position p reads positions p - K + 1 .. p of its request, through its table."""
     device = positions.device
-    qlens = torch.tensor(meta.query_lens_cpu, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(meta.query_lens_cpu), device=device), qlens)  # [n]
+    qlens = small_to_device(meta.query_lens_cpu, torch.long, device)
+    rows = torch.repeat_interleave(
+        torch.arange(len(meta.query_lens_cpu), device=device), qlens, output_size=positions.shape[0]
+    )  # [n]; output_size given: no wait for the device to count it
     pos = positions[:, None] - (kernel - 1) + torch.arange(kernel, device=device)  # [n, K]
     valid = pos >= 0
     pos = pos.clamp(min=0)
