@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.kernels.backend import small_to_device
 from pdserve.lora.peft import LoRAModuleWeights
 
 
@@ -49,8 +50,10 @@ class LoRAStep:
         row_list: list[int] = []
         for slot, n in slots_per_chunk:
             row_list.extend([slot] * n)
+        # Queued copies (kernels.backend.small_to_device): a pageable copy would wait for the
+        # device, i.e. for the previous step, and undo asynchronous scheduling.
         rows = torch.tensor(row_list, dtype=torch.int64)
-        step = cls(rows.to(device), mode, num_slots)
+        step = cls(small_to_device(row_list, torch.int64, device), mode, num_slots)
         step.slots_present = frozenset(slot for slot, n in slots_per_chunk if slot >= 0 and n)
         if mode == "bgmv":
             return step
@@ -58,7 +61,11 @@ class LoRAStep:
             onehot = torch.zeros(len(row_list), num_slots, 1, dtype=dtype)
             used = rows >= 0
             onehot[used.nonzero(as_tuple=True)[0], rows[used], 0] = 1
-            step.onehot = onehot.to(device)
+            step.onehot = (
+                onehot.pin_memory().to(device, non_blocking=True)
+                if device.type == "cuda"
+                else onehot.to(device)
+            )
             return step
         starts: dict[int, list[int]] = {}
         pos = 0
@@ -71,16 +78,12 @@ class LoRAStep:
             if hi - lo == len(idx):
                 step.groups.append((slot, slice(lo, hi)))
             else:
-                step.groups.append((slot, torch.tensor(idx, dtype=torch.int64, device=device)))
+                step.groups.append((slot, small_to_device(idx, torch.int64, device)))
         return step
 
     @property
     def any_adapter(self) -> bool:
-        return (
-            bool(self.groups)
-            if self.mode == "segmented"
-            else bool(self.onehot is not None and self.onehot.any())
-        )
+        return bool(self.slots_present)  # host side: no wait for the device
 
 
 class LoRASlots:
