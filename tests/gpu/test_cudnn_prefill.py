@@ -71,3 +71,29 @@ def test_cudnn_prefill_stays_off_for_small_steps_graphs_fp32_and_decodes():
     assert cudnn_prefill.attend(q, cache, meta, D**-0.5) is None
     q, cache, meta = _batch([200] * 8, [200] * 8, torch.bfloat16)  # fresh, but every prompt short
     assert not cudnn_prefill.applicable(q, meta)
+
+
+@pytest.mark.parametrize("path", ["cudnn", "flash"])
+def test_a_mixed_step_is_queued_without_waiting_for_the_device(path, monkeypatch):
+    """Asynchronous scheduling launches step N+1 while step N runs: nothing in the attention of a
+    prefill step may wait for the device (a pageable host-to-device copy, ``.item()``, an output
+    size the host must read back). torch raises on any such call in sync-debug "error" mode."""
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", path == "cudnn")
+    monkeypatch.setattr(flash_prefill, "ENABLED", path == "flash")
+    # a chunk after context, a fresh prompt, a decode row, a second fresh prompt, a short one
+    q, cache, meta = _batch([512, 1500, 1, 1300, 17], [900, 1500, 400, 1300, 30], torch.bfloat16)
+    k = v = None
+    if path == "cudnn":
+        blk, off = meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size
+        k, v = cache[blk, 0, off].clone(), cache[blk, 1, off].clone()
+    attend_cached(q, cache, meta, D**-0.5, k, v)  # compiles / plans once outside the check
+    meta.refilled()
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = attend_cached(q, cache, meta, D**-0.5, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    assert out.shape == q.shape
+    assert (meta._dense_plan if path == "cudnn" else meta._flash_index) is not None  # the path ran
