@@ -329,7 +329,7 @@ def _variant(v: str) -> str:
         m in ("nodedetok", "serial")
         or (m[:1] == "w" and m[1:].isdigit() and int(m[1:]) >= 1)
         or (m[:2] == "sf" and m[2:].isdigit())
-        or (m[:2] == "pp" and m[2:].isdigit() and 1 <= int(m[2:]) <= 100)
+        or (m[:2] == "pp" and m[2:].isdigit() and 1 <= int(m[2:]) <= 100 and topology == "pd")
         for m in mods
     )
     if not ok:

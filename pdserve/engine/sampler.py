@@ -74,7 +74,7 @@ def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     no penalties, no logprobs, min_tokens reached. A grammar does not leave this path: the model
     runner masks the row's logits in place before the argmax."""
     return (
-        params.temperature == 0.0
+        params.greedy
         and params.logprobs is None
         and not params.has_penalties
         and num_output_tokens >= params.min_tokens

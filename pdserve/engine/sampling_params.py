@@ -20,6 +20,9 @@ def _check(cond: bool, fld: str, msg: str) -> None:
         raise InvalidRequestError(f"{fld}: {msg}", field=fld)
 
 
+GREEDY_BELOW = 1e-5  # temperature; see SamplingParams.greedy
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -121,7 +124,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW`` decode greedily (as vLLM does): dividing by one
+        rounds to infinity or to a float32 zero, which no sampling path computes the same way."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -73,6 +73,6 @@ def launch_verify(
     else:
         runner._prev_sampled, runner._prev_rows = None, {}
         pending.event = runner.staging.end_step()
-    out = verify(logits[put(spec_rows, torch.long)], groups, put)
+    out = verify(logits[put(spec_rows, torch.long)], groups, put, fused=runner.sampler.fused)
     pending.spec = (out.tokens, out.logprobs)
     return pending

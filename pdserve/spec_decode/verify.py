@@ -88,9 +88,14 @@ def verify(
     groups: Sequence[VerifyGroup],
     put: ToDevice,
     accept: AcceptRule = accept_point_mass_draft,
+    fused: bool | None = None,
 ) -> VerifyOutput:
     """``logits`` [sum(1 + m_g), V] float32, the groups' rows back to back. ``accept`` exists for
-    the test that shows a wrong rule failing; callers keep the default."""
+    the test that shows a wrong rule failing; callers keep the default. ``fused``: the node's
+    sampler's setting (``Sampler.fused``), so verified rows race as its plain rows do (None: the
+    process setting, ``PDSERVE_FUSED_SAMPLING``)."""
+    if fused is None:
+        fused = fused_sampling_enabled()
     assert logits.dtype == torch.float32 and logits.shape[0] == sum(len(g.drafts) + 1 for g in groups)
     inputs = _row_inputs(groups)
     pen = penalise(logits, inputs, put)  # [R, V]
@@ -105,7 +110,7 @@ def verify(
         rows = [offsets[i] + j for i in sampled for j in range(len(groups[i].drafts) + 1)]
         x = pen[put(rows, torch.long)]  # [S, V], a copy
         apply_sampling_transforms(x, [inputs[r].params for r in rows], put)
-        samples = _sample_rows(x, groups, sampled, put, accept)
+        samples = _sample_rows(x, groups, sampled, put, accept, fused)
     tokens: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         m = len(g.drafts)
@@ -119,7 +124,12 @@ def verify(
 
 
 def _sample_rows(
-    x: torch.Tensor, groups: Sequence[VerifyGroup], sampled: list[int], put: ToDevice, accept: AcceptRule
+    x: torch.Tensor,
+    groups: Sequence[VerifyGroup],
+    sampled: list[int],
+    put: ToDevice,
+    accept: AcceptRule,
+    fused: bool,
 ) -> dict[int, list[int]]:
     """Sampled group -> the target's sample of each of its rows that decides something: every
     row of a group drawing from the default generator or the counter-based stream (one race over
@@ -140,7 +150,7 @@ def _sample_rows(
         for i in batch:
             sd = groups[i].input.seed_draw
             draws.extend(None if sd is None else (sd[0], sd[1] + j) for j in range(len(groups[i].drafts) + 1))
-        drawn = race_drawn(xb, draws, put, fused_sampling_enabled()).tolist()
+        drawn = race_drawn(xb, draws, put, fused).tolist()
         r = 0
         for i in batch:
             n = len(groups[i].drafts) + 1

@@ -159,3 +159,29 @@ def test_one_pass_rows_cost_one_small_copy(kern, device) -> None:
     sampler._to_device = lambda _device: lambda data, dtype: calls.append(dtype) or put(data, dtype)  # type: ignore[method-assign]
     sampler.sample(x, inputs)
     assert calls == [torch.long]
+
+
+@pytest.mark.parametrize("top_k", [0, 5])  # one-pass rows, and rows transformed then raced at T = 1
+def test_verified_rows_draw_what_the_plain_sampler_draws(kern, device, top_k) -> None:
+    """A seeded row in a verification step (speculative decoding) races at token index k + j
+    through the same path as the plain sampler at k + j: its tokens do not depend on whether a
+    step carried drafts."""
+    from pdserve.spec_decode.verify import VerifyGroup, verify
+    from tests.spec_decode.test_verify import DRAFTS, LOGITS
+
+    def put(data, dtype):
+        return torch.tensor(data, dtype=dtype, device=device)
+
+    logits = LOGITS.to(device)
+    params = SamplingParams(temperature=0.8, top_k=top_k, seed=7)
+    sampler = Sampler(fused=True)
+    for k0 in range(3, 9):
+        inp = SamplerInput(params, [1, 2, 3], [4], None, frozenset(), seed_draw=(7, k0))
+        got = verify(logits.clone(), [VerifyGroup("s", inp, DRAFTS)], put, fused=True).tokens["s"]
+        want: list[int] = []
+        for j in range(len(DRAFTS) + 1):
+            x = SamplerInput(params, [1, 2, 3], [4, *DRAFTS[:j]], None, frozenset(), seed_draw=(7, k0 + j))
+            want.append(int(sampler.sample(logits[j : j + 1].clone(), [x]).token_ids[0]))
+            if j == len(DRAFTS) or want[j] != DRAFTS[j]:
+                break
+        assert got == want, (k0, got, want)
