@@ -7,8 +7,10 @@ Same Llama-1B-shaped random bf16 checkpoint as gpu_decode.py (``--model-dir``). 
   engine     32 fresh prompts of 2,000 random tokens, ``max_tokens=1``, prefix caching off,
              through ``engine.step()`` at each token budget (``max_num_batched_tokens``; prompts
              longer than the budget's share are chunked), after a warm-up with the same shapes;
-             attention as the engine picks it (cuDNN / flash / Triton), at ``--triton-budgets``
-             again with the Triton kernel alone, and ``--runs BUDGET:MODE`` with one path forced.
+             attention as the engine picks it by default (mode ``auto``: flash / Triton, cuDNN
+             off), at ``--triton-budgets`` again with the Triton kernel alone, and ``--runs
+             BUDGET:MODE`` with paths forced (``MODES``; ``cudnn+flash`` was ``auto`` before the
+             engine left cuDNN off).
   flops      matmuls (2 * N * K per token) + causal attention (4 * H * D * (ctx + 1) per token,
              summed over positions) + the LM head for the last token of each prompt, over the
              989 TFLOP/s bf16 dense peak (and over a cuBLAS 8192^3 bf16 GEMM measured here).
@@ -41,8 +43,10 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 PEAK_TFLOPS = 989.0
-# auto: cuDNN for fresh prompts + flash for small steps + Triton (the engine's default)
-MODES = ("auto", "cudnn", "flash", "triton")
+# auto: the engine's defaults (flash_prefill.ENABLED, cudnn_prefill.ENABLED as shipped: flash for
+# steps of at most 4,096 tokens, else Triton; cuDNN off); cudnn+flash: both on, cuDNN first; cudnn,
+# flash: that path alone before Triton; triton: the paged Triton kernel only
+MODES = ("auto", "cudnn+flash", "cudnn", "flash", "triton")
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
 
@@ -303,6 +307,7 @@ def main() -> None:
         profile_at = {(args.budgets[-1], "auto")}
     from pdserve.models import cudnn_prefill, flash_prefill
 
+    defaults = {"flash": flash_prefill.ENABLED, "cudnn": cudnn_prefill.ENABLED}
     runs = [(b, "auto") for b in args.budgets] + [(b, "triton") for b in args.triton_budgets]
     for spec in args.runs:
         b, _, mode = spec.partition(":")
@@ -310,9 +315,11 @@ def main() -> None:
         runs.append((int(b), mode))
     for budget, mode in runs:
         p: dict[str, Any] | None = None
-        flash = mode in ("auto", "flash")
+        if mode == "auto":
+            flash, cudnn_prefill.ENABLED = defaults["flash"], defaults["cudnn"]
+        else:
+            flash, cudnn_prefill.ENABLED = mode in ("cudnn+flash", "flash"), mode in ("cudnn+flash", "cudnn")
         flash_prefill.ENABLED = flash
-        cudnn_prefill.ENABLED = mode in ("auto", "cudnn")
         cudnn_prefill.GQA = args.cudnn_gqa
         engine = make_engine(model_dir, budget, args.num_prompts)
         run_prompts(engine, prompts[: max(2, budget // args.prompt_len + 1)], "warm")
