@@ -77,7 +77,7 @@ def test_a_mixed_batch_through_the_sampler(kern, device) -> None:
     from pdserve.engine.race import step_key
 
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(6, 64, generator=g).to(device)
+    x = torch.randn(8, 64, generator=g).to(device)
     sp = SamplingParams
     inputs = [
         _input(sp(temperature=0.0)),
@@ -86,6 +86,8 @@ def test_a_mixed_batch_through_the_sampler(kern, device) -> None:
         _input(sp(temperature=1.0, top_k=1, seed=8), seed_draw=(8, 0)),
         _input(sp(temperature=2.0, top_p=1e-6)),
         _input(sp(temperature=0.5, presence_penalty=2.0), seed_draw=(1, 1)),
+        _input(sp(temperature=1.5, top_k=3, seed=9), seed_draw=(9, 2)),  # transformed, then raced
+        _input(sp(temperature=1.5, top_k=3)),  # at T = 1 with its own draws
     ]
     inputs[5].output_token_ids = [int(x[5].argmax())]  # the penalty moves this row's argmax
     torch.manual_seed(11)
@@ -97,10 +99,15 @@ def test_a_mixed_batch_through_the_sampler(kern, device) -> None:
     assert sampler.sample(x, inputs).token_ids.tolist() == tokens
     pen = x.clone()
     pen[5, inputs[5].output_token_ids[0]] -= 2.0
-    one_pass = _reference(pen, [(0, 0, 0.0), (key, 1, 1.0), (3, 4, 0.5), (0, 0, 0.0), (0, 0, 0.0), (1, 1, 0.5)],
+    one_pass = _reference(pen[:6], [(0, 0, 0.0), (key, 1, 1.0), (3, 4, 0.5), (0, 0, 0.0), (0, 0, 0.0), (1, 1, 0.5)],
                           kern[1].seeded_exponential_)  # fmt: skip
     assert [tokens[i] for i in (0, 1, 2, 5)] == [int(one_pass[i]) for i in (0, 1, 2, 5)]
     assert tokens[3:5] == x[3:5].argmax(dim=-1).tolist()  # top-k 1, top-p 1e-6: the argmax
+    # top-k 3 at T = 1.5: x / T outside the top 3 masked, raced at T = 1 over (seed, k) or (key, row)
+    top = x[6:8] / 1.5
+    top[top < top.topk(3, dim=-1).values[:, -1:]] = float("-inf")
+    rest = _reference(top, [(9, 2, 1.0), (key, 7, 1.0)], kern[1].seeded_exponential_)
+    assert tokens[6:8] == rest.tolist()
 
 
 def _philox_exponential(seed: int, counters: np.ndarray) -> np.ndarray:

@@ -200,9 +200,18 @@ def test_push_checks_the_plans_spans_against_registered_memory(cuda, pair):
     src_regions = regions_for_kv_cache(src, 16, layers, **geom)
     dst_regions = regions_for_kv_cache(dst, 16, layers, **geom)
     prod = KVProducer(p, src_regions, 4, lambda t: None)
+    seen_spans: list[object] = []
+    write_spanned = p.write_spanned
+
+    def spy(peer, descs, spans, *, transfer_id):
+        seen_spans.append(spans)
+        return write_spanned(peer, descs, spans, transfer_id=transfer_id)
+
+    p.write_spanned = spy
     prod.on_hold("ok", [1, 2, 7], need_send=1)
     res = prod.push("ok", [9, 3, 12], 12, dst_regions, d.session_id)
     assert res.ok and res.bytes == 3 * 256 and res.num_descriptors == 3
+    assert seen_spans and all(s is not None for s in seen_spans)  # the plan's spans, not recomputed
     for s_b, d_b in ((1, 9), (2, 3), (7, 12)):
         assert dst_buf.raw[d_b * 256 : d_b * 256 + 256] == src_buf.raw[s_b * 256 : s_b * 256 + 256]
     assert dst_buf.raw.count(0) == SIZE - 3 * 256 + 3  # nothing else written (one 0 a block)
