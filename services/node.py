@@ -24,11 +24,11 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.errors import ConfigError, EngineDeadError
 from pdserve.kvevents.publisher import KVEventPublisher, start_publisher
 from pdserve.kvtransfer.backend import TransferBackend
-from pdserve.kvtransfer.connector import drafter_kv_buffers, handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.exposure import check_kv_ports, check_no_wildcard
 from pdserve.kvtransfer.factory import make_backend
 from pdserve.kvtransfer.group_transfer import kv_groups_wire, kv_tensors_of, shared_table_reason
 from pdserve.kvtransfer.handshake import new_epoch
+from pdserve.kvtransfer.runner_kv import drafter_kv_buffers, handshake_info_of, kv_regions_of
 from pdserve.kvtransfer.speculative_compat import spec_wire
 from pdserve.pcp.runner import PCPModelRunner
 from pdserve.rpc.limits import node_receive_limit_bytes

@@ -240,8 +240,8 @@ class _Worker:
         runner.sample_deferred(pending)
 
     def register_kv(self, msg: RegisterKV) -> KVEndpoint:
-        from pdserve.kvtransfer.connector import kv_regions_of
         from pdserve.kvtransfer.factory import make_backend
+        from pdserve.kvtransfer.runner_kv import kv_regions_of
 
         cache = self.runner.kv_cache
         assert cache is not None, "RegisterKV before InitKVCache"

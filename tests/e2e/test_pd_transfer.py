@@ -313,7 +313,7 @@ def _decode_handshake(rc) -> pb.HandshakeInfo:
             stub.Handshake(pb.HandshakeRequest(info=probe), timeout=5)
         except grpc.RpcError:
             pass
-    from pdserve.kvtransfer.connector import model_identity
+    from pdserve.kvtransfer.runner_kv import model_identity
     from pdserve.models.config import ModelArchConfig
 
     a = ModelArchConfig.from_model_dir(rc.cluster.model)

@@ -16,9 +16,10 @@ from pdserve.engine.kv_group_tables import NULL_BLOCK_ID
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.backend import LoopbackBackend
-from pdserve.kvtransfer.connector import KVProducer, kv_regions_of
+from pdserve.kvtransfer.connector import KVProducer
 from pdserve.kvtransfer.group_transfer import kv_tensors_of
 from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
+from pdserve.kvtransfer.runner_kv import kv_regions_of
 from tests.engine.test_engine_parity import NEW_TOKENS, compare_greedy
 from tests.models.test_lfm2 import reference_full_forward
 

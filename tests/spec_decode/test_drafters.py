@@ -155,9 +155,9 @@ def test_mtp_kv_moves_from_prefill_to_decode(mtp_model: Any) -> None:
     from pdserve.config.choices import KvLoadFailurePolicy
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.kvtransfer.connector import kv_regions_of
     from pdserve.kvtransfer.params import RemoteDecodeParams, RemotePrefillParams
     from pdserve.kvtransfer.regions import align_regions, build_descriptors
+    from pdserve.kvtransfer.runner_kv import kv_regions_of
 
     prompt, max_tokens = PROMPTS[4], 24
     cfg = EngineConfig(model=str(mtp_model), device="cpu", max_model_len=512, speculative={"method": "mtp"})
