@@ -19,9 +19,11 @@ def test_startup_objects_leave_every_later_collection_and_garbage_is_collected_f
     del garbage  # unreachable only through its cycle: a collection frees it
     try:
         frozen = freeze_startup_heap("test")
-        assert frozen == gc.get_freeze_count() >= len(kept)
-        # what a full collection walks now: only objects made after the freeze
-        assert len(gc.get_objects()) < 1_000
+        # a frozen object freed since (another thread of the test process) lowers the count
+        assert frozen >= gc.get_freeze_count() >= len(kept)
+        # what a full collection walks now: only objects made after the freeze (other threads of a
+        # long test process make some), not the hundreds of thousands frozen
+        assert len(gc.get_objects()) < 10_000 < len(kept)
         assert not any(isinstance(o, _Cycle) for o in gc.get_objects())
         assert gc.is_tracked(kept[0]) and kept[0] == [0]
     finally:
