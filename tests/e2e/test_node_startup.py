@@ -1,5 +1,5 @@
-"""A node whose port is taken says so in one line and exits with its own code (CI stop 23 saw a
-node die with SIGSEGV after the bind error: the transfer engine's threads were still up)."""
+"""A node whose port is taken says so in one line and exits with its own code (a node once died
+with SIGSEGV after the bind error: the transfer engine's threads were still up)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def test_a_decode_node_whose_port_is_taken_exits_with_the_port_named(tiny_models
     node = cluster.node("decode-0")
     port = getattr(node, which)
     holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # no SO_REUSEPORT: nobody shares it
+    # SO_REUSEADDR: the port may still have connections in TIME_WAIT from earlier tests (the
+    # free-port check passes them); a listening socket with it still keeps every other bind out
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     holder.bind(("127.0.0.1", port))
     holder.listen(1)
     try:
