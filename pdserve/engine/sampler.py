@@ -50,6 +50,7 @@ from pdserve.engine.race import draw_ as draw_
 from pdserve.engine.race import race as race
 from pdserve.engine.sampled import SampledTensors, SamplerOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels.backend import small_to_device
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Sampler:
         staging = self.staging
         if staging is not None and staging.device.type == device.type:
             return staging.list_to_device
-        return lambda data, dtype: torch.tensor(data, dtype=dtype, device=device)
+        return lambda data, dtype: small_to_device(data, dtype, device)
 
     def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> SamplerOutput:
         return self.sample(logits, inputs).output()

@@ -89,15 +89,22 @@ def wants_native(x: torch.Tensor) -> bool:
     return _backend == "auto" and x.dtype is torch.bfloat16 and x.device.type == "cpu"
 
 
-def small_to_device(data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small tensor of Python ints on ``device``, queued without waiting for the device.
+def small_to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of Python numbers on ``device``, queued without waiting for the device
+    (``host_to_device`` of ``torch.tensor(data, dtype=dtype)``)."""
+    return host_to_device(torch.tensor(data, dtype=dtype), device)
 
-    ``torch.tensor(data, device="cuda")`` copies from pageable memory and waits for the stream,
-    i.e. for every kernel queued before it: called while a step is being launched it stalls the
-    host until the previous step finished, which undoes asynchronous scheduling. Through a pinned
-    buffer (torch's caching host allocator keeps it until the copy ran) the copy is only queued.
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, queued without waiting for the device.
+
+    ``t.to("cuda")`` from pageable memory (and ``torch.tensor(data, device="cuda")``) waits for the
+    stream, i.e. for every kernel queued before it: called while a step is being launched it stalls
+    the host until the previous step finished, which undoes asynchronous scheduling. Through a
+    pinned buffer (torch's caching host allocator keeps it until the copy ran) the copy is only
+    queued. The engine's own per-step copies use its pinned staging slots
+    (``engine.host_batch.PinnedStaging``); this serves code without one (models, LoRA tables).
     """
-    t = torch.tensor(data, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

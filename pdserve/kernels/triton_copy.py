@@ -152,7 +152,7 @@ def kernel_rows(table: np.ndarray, anchor: int, variant: Variant) -> tuple[np.nd
     and its grid. ``chunks``: rows with as many pieces each (equal lengths: KV blocks) stay whole
     and grid axis 1 walks the pieces; otherwise the rows are split (``chunk_rows``) and axis 1 is
     1. UnalignedCopyError when an address or length is not 16-byte aligned."""
-    if (table & (ALIGN - 1)).any() or anchor % ALIGN:
+    if not aligned(table) or anchor % ALIGN:
         raise UnalignedCopyError("batched_copy needs 16-byte aligned addresses and lengths")
     units = table >> 4  # exact: multiples of 16 (an arithmetic shift, far cheaper than // 16)
     units[:, :2] -= anchor >> 4

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.backend import small_to_device
+from pdserve.kernels.backend import host_to_device, small_to_device
 from pdserve.lora.peft import LoRAModuleWeights
 
 
@@ -50,10 +50,10 @@ class LoRAStep:
         row_list: list[int] = []
         for slot, n in slots_per_chunk:
             row_list.extend([slot] * n)
-        # Queued copies (kernels.backend.small_to_device): a pageable copy would wait for the
+        # Queued copies (kernels.backend.host_to_device): a pageable copy would wait for the
         # device, i.e. for the previous step, and undo asynchronous scheduling.
         rows = torch.tensor(row_list, dtype=torch.int64)
-        step = cls(small_to_device(row_list, torch.int64, device), mode, num_slots)
+        step = cls(host_to_device(rows, device), mode, num_slots)
         step.slots_present = frozenset(slot for slot, n in slots_per_chunk if slot >= 0 and n)
         if mode == "bgmv":
             return step
@@ -61,11 +61,7 @@ class LoRAStep:
             onehot = torch.zeros(len(row_list), num_slots, 1, dtype=dtype)
             used = rows >= 0
             onehot[used.nonzero(as_tuple=True)[0], rows[used], 0] = 1
-            step.onehot = (
-                onehot.pin_memory().to(device, non_blocking=True)
-                if device.type == "cuda"
-                else onehot.to(device)
-            )
+            step.onehot = host_to_device(onehot, device)
             return step
         starts: dict[int, list[int]] = {}
         pos = 0
