@@ -87,6 +87,9 @@ def running_cluster(
     rc = RunningCluster(cluster, children, run_dir)
     try:
         wait_ready(cluster, children, timeout_s=180, router=router)
+        if router:  # the router's /ready needs a decode node only: a test's first request may
+            # need the prefill nodes too (the router otherwise sends it to decode alone)
+            _wait_in_rotation(rc, [n.name for n in cluster.nodes if n.role != "encoder"], timeout_s=30)
         yield rc
     except BaseException:
         print(rc.logs())
