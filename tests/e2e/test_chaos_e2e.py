@@ -13,6 +13,7 @@ death, not from a lease running out.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -234,6 +235,13 @@ def test_engine_death_of_prefill_is_absorbed(cluster, want) -> None:
     wait_nothing_held(cluster, NODES)
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PDSERVE_FULL_TESTS"),
+    reason="~17 s on 2 cores (a node restart): PDSERVE_FULL_TESTS=1 runs it. CI keeps the same engine "
+    "death on prefill (exit 70, absorbed, restarted: test_engine_death_of_prefill_is_absorbed), a decode "
+    "node's streams failing when it loses a worker (test_tp_pd_e2e, test_pp_e2e) and a decode node "
+    "leaving rotation and coming back (test_engine_watchdog_e2e)",
+)
 def test_engine_death_of_decode_through_http_is_a_clean_error_then_out_of_rotation(cluster) -> None:
     """Decode's engine thread dies mid-stream in the real process: the client's stream ends at
     once with an OpenAI error, the node turns NOT_SERVING and exits 70, /ready says 503 within
