@@ -3,6 +3,7 @@ time (plain int reads; no lock). ``NodeBase`` registers one on its registry."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,6 +15,7 @@ from services.lora_rpc import lora_metric_families
 from services.memwatch import resident_bytes
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_group_tables import GroupTables
     from services.node import NodeBase
 
 
@@ -43,7 +45,16 @@ class NodeCollector:
 
         yield gauge("num_requests_running", "Requests in the running batch", st.num_running)
         yield gauge("num_requests_waiting", "Requests waiting (incl. for remote KV)", st.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use", pool.usage)
+        groups = eng.kv.groups  # a hybrid model's groups after the first, with pools of their own
+        usage = pool.usage
+        if groups is not None:  # the fullest pool is the one that stops admission
+            group_usage = zip(groups.num_used_blocks, groups.num_total_blocks, strict=True)
+            usage = max(usage, *(u / t for u, t in group_usage))
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV blocks in use (a hybrid model: its fullest group's, kv_group_* per group)",
+            usage,
+        )
         yield gauge("kv_blocks_used", "KV blocks in use", pool.num_used_blocks)
         yield gauge("kv_blocks_total", "KV blocks the cache holds", eng.cache_sizes.num_blocks)
         yield gauge(
@@ -60,6 +71,8 @@ class NodeCollector:
                 resident_bytes(kv.data_ptr(), kv.numel() * kv.element_size()),
             )
         yield gauge("kv_blocks_cached", "KV blocks holding a prefix-cache entry", pool.num_cached_blocks)
+        if groups is not None:
+            yield from _group_families(labels, lv, pool.num_used_blocks, pool.num_blocks, groups)
         yield gauge("kv_blocks_held_for_transfer", "Prefill blocks held for a pull", n.held_transfer_blocks())
         yield gauge("stranded_kv_blocks", "Blocks held that no live peer will read", n.stranded_kv_blocks())
         yield gauge("ec_reservations", "Embedding-buffer reservations alive", n.ec_reservations())
@@ -155,3 +168,25 @@ class NodeCollector:
 
     def describe(self):  # type: ignore[no-untyped-def]
         return []
+
+
+def _group_families(
+    labels: list[str], lv: list[str], used0: int, total0: int, groups: GroupTables
+) -> Iterator[GaugeMetricFamily]:
+    """A hybrid model's KV groups, each with a pool of its own (engine/kv_group_tables.py): the
+    blocks in use and the pool's size per group; group 0 is the full-attention layers' pool (what
+    kv_blocks_used and kv_blocks_total count)."""
+    glabels = [*labels, "group"]
+    used = GaugeMetricFamily(
+        "pdserve:kv_group_blocks_used", "KV blocks in use, per KV cache group", labels=glabels
+    )
+    total = GaugeMetricFamily(
+        "pdserve:kv_group_blocks_total", "KV blocks a KV cache group's pool holds", labels=glabels
+    )
+    used.add_metric([*lv, "0"], used0)
+    total.add_metric([*lv, "0"], total0)
+    for i, (u, t) in enumerate(zip(groups.num_used_blocks, groups.num_total_blocks, strict=True), start=1):
+        used.add_metric([*lv, str(i)], u)
+        total.add_metric([*lv, str(i)], t)
+    yield used
+    yield total

@@ -183,6 +183,11 @@ class GroupTables:
         return tuple(p.num_used_blocks - 1 for p in self.pools)
 
     @property
+    def num_total_blocks(self) -> tuple[int, ...]:
+        """Blocks each group's pool can hand out (its null block not counted)."""
+        return tuple(p.num_blocks - 1 for p in self.pools)
+
+    @property
     def num_deferred_blocks(self) -> int:
         return sum(len(b) for _, _, b in self._deferred)
 

@@ -90,3 +90,31 @@ def test_step_counters_move_with_a_generation(tiny_models, pp) -> None:
     assert toks == 3 * 29 + 3 * 5
     assert decodes == 3 * 5
     assert seqs == decodes + 3  # one prompt chunk each (29 tokens fit the step budget)
+
+
+def test_a_hybrid_models_kv_groups_each_have_their_gauges(tiny_model_factory) -> None:
+    """Gemma-3-shaped (sliding-window layers with a pool of their own): past the window the
+    sliding group holds 3 blocks and the full-attention group 16; kv_group_blocks_* give both,
+    and kv_cache_usage_perc is the fuller pool's share (the one that stops admission first)."""
+    model_dir = tiny_model_factory("gemma3", num_layers=4, max_position_embeddings=1024)
+    cfg = EngineConfig(model=str(model_dir), device="cpu", dtype="float32")
+    node = DecodeNode(NodeSpec.for_test(name="colo-g", role="colocated", engine=cfg, grpc_port=_free_port()))
+    try:
+        eng = node.engine
+        assert eng.kv.groups is not None and eng.kv.block_size == 16
+        prompt = [(7 * i) % eng.arch.vocab_size for i in range(150)]
+        req = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), "g")
+        while len(req.output_token_ids) < 92:  # position 240 computed: blocks 13..15 of the window
+            eng.step()
+        fams = {
+            f.name: {s.labels.get("group"): s.value for s in f.samples if s.labels.get("node") == "colo-g"}
+            for f in text_string_to_metric_families(generate_latest(node.registry).decode())
+        }
+    finally:
+        node.engine.close()
+    used, total = fams["pdserve:kv_group_blocks_used"], fams["pdserve:kv_group_blocks_total"]
+    assert used == {"0": 16.0, "1": 3.0}
+    assert total["0"] == fams["pdserve:kv_blocks_total"][None] == eng.cache_sizes.num_blocks
+    assert 3 < total["1"] < total["0"]  # the sliding group's pool is sized by its window
+    usage = fams["pdserve:kv_cache_usage_perc"][None]
+    assert usage == max(16 / total["0"], 3 / total["1"]) == 3 / total["1"]
