@@ -51,7 +51,7 @@ def main() -> None:
     from pdserve.engine.engine_loop import EngineLoop
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.models import attention
+    from pdserve.models import attention_torch
 
     eargs = argparse.Namespace(
         prompt_tokens=48,
@@ -67,7 +67,7 @@ def main() -> None:
     engine = LLMEngine(served.engine_config(eargs, model))
     prompts = served.make_prompts(args.requests, 48, served.model_vocab(model), seed=16)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    default_rows = attention.EAGER_BF16_MIN_ROWS
+    default_rows = attention_torch.EAGER_BF16_MIN_ROWS
 
     def plain(level: int, n: int) -> float:
         return float(served.inprocess_level(engine, prompts[:n], eargs, level)["output_tok_s"])
@@ -117,11 +117,11 @@ def main() -> None:
                     continue
 
                 def run(lv: int = lv, n: int = n, rows: int = rows) -> float:
-                    attention.EAGER_BF16_MIN_ROWS = rows
+                    attention_torch.EAGER_BF16_MIN_ROWS = rows
                     try:
                         return plain(lv, n)
                     finally:
-                        attention.EAGER_BF16_MIN_ROWS = default_rows
+                        attention_torch.EAGER_BF16_MIN_ROWS = default_rows
 
                 variants[f"plain c={lv} attention {mode}"] = run
     plain(c, min(len(prompts), 2 * c))  # warm-up

@@ -482,7 +482,8 @@ def run_attention(batches: list[int], ctx: int, copy_gbps: float) -> list[dict]:
     torch path: eager (its padding check syncs, so it cannot be captured); Triton: eager, and
     in a CUDA graph over 16 layers' caches (GPU time without launch gaps, no L2 reuse).
     """
-    from pdserve.models.attention import AttentionMetadata, paged_attention
+    from pdserve.models.attention import AttentionMetadata
+    from pdserve.models.paged_attention import paged_attention
 
     layers = MODEL_SHAPE["num_layers"]
     heads, kv_heads, dim = MODEL_SHAPE["num_heads"], MODEL_SHAPE["num_kv_heads"], MODEL_SHAPE["head_dim"]

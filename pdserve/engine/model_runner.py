@@ -55,7 +55,8 @@ from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.structured import usable_cpus
 from pdserve.errors import ConfigError
 from pdserve.lora.manager import LoRAManager
-from pdserve.models.attention import AttentionMetadata, select_attention_backend
+from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention_backend import select_attention_backend
 from pdserve.models.config import IntermediateTensors
 from pdserve.models.loader import load_model
 

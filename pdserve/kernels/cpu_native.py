@@ -11,8 +11,8 @@ CPython's fast-call protocol instead).
 
 When: ``backend`` "auto" (the default), a CPU bf16 tensor, and the work under each function's
 cap (past it torch's vectorised, multi-threaded kernels win); the callers in ``rmsnorm``,
-``activation`` and ``models.attention`` fall back to their torch twins when a function here
-returns None. Backend "torch" never comes here.
+``activation``, ``models.kv_store`` and ``models.attention_torch`` fall back to their torch twins
+when a function here returns None. Backend "torch" never comes here.
 
 ``PDSERVE_CPU_KERNELS`` (read once, at first use):
   auto    (default) native when the module builds (a C compiler and Python.h); otherwise the

@@ -131,7 +131,7 @@ def apply_rotary_torch(
 
 def rotary_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The cos and sin rows of ``positions``, [n, 1, D/2] fp32 each (broadcast over heads): the
-    same for every layer of a step, so a caller may compute them once (models/attention.py)."""
+    same for every layer of a step, so a caller may compute them once (models/kv_store.py)."""
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [n, D/2] fp32 each
     return cos[:, None], sin[:, None]
 

@@ -1,7 +1,8 @@
 """Triton paged attention: KV write and one attention kernel for any mix of query lengths.
 
-Imported only by ``pdserve.models.attention`` when the Triton path is taken (it imports triton).
-The torch path in that module is the CPU path and the reference these kernels are tested against.
+Imported only by ``pdserve.models.attention_backend`` when the Triton path is taken (it imports
+triton). The torch path (``pdserve.models.attention_torch``) is the CPU path and the reference
+these kernels are tested against.
 
 Attention grid (one program per query tile x KV head x KV split)::
 

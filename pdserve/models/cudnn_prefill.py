@@ -72,7 +72,7 @@ def applicable(q: torch.Tensor, meta: AttentionMetadata) -> bool:
 
 def key_buffer(q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
     """Where the rotary kernel should also write the rotated keys when this step goes to cuDNN
-    (``attention.rotary_and_store_kv(k_out=...)``); None otherwise."""
+    (``kv_store.rotary_and_store_kv(k_out=...)``); None otherwise."""
     if not applicable(q, meta):
         return None
     return torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -152,7 +152,7 @@ def attend(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Causal attention like ``attention.attend_cached``; None when this step is not for cuDNN.
+    """Causal attention like ``paged_attention.attend_cached``; None when this step is not for cuDNN.
 
     ``k``, ``v``: this step's rotated keys and its values, [n, Hkv, D] in token order (from
     ``key_buffer``); without them they are gathered from the cache."""

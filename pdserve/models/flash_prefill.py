@@ -76,7 +76,7 @@ def _key_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, tor
 def attend(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor | None:
-    """Causal attention like ``attention.attend_cached``; None when this step is not for flash."""
+    """Causal attention like ``paged_attention.attend_cached``; None when this step is not for flash."""
     global _broken
     if not applicable(q, meta):
         return None

@@ -25,14 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.models.attention import (
-    AttentionMetadata,
-    attend_cached,
-    attend_cached_window,
-    rotary_and_store_kv,
-)
+from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention_torch import attend_cached_window
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
+from pdserve.models.kv_store import rotary_and_store_kv
 from pdserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RotaryEmbedding, row_parallel
+from pdserve.models.paged_attention import attend_cached
 
 
 class GemmaRMSNorm(nn.Module):

@@ -27,9 +27,11 @@ from torch import nn
 from pdserve.distributed.parallel_state import tp_size
 from pdserve.errors import ConfigError
 from pdserve.kernels.backend import small_to_device
-from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
+from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import IntermediateTensors, ModelArchConfig
+from pdserve.models.kv_store import rotary_and_store_kv
 from pdserve.models.llama import LlamaForCausalLM, RotaryEmbedding, VocabEmbedding
+from pdserve.models.paged_attention import attend_cached
 
 
 class Lfm2RMSNorm(nn.Module):

@@ -29,9 +29,11 @@ from pdserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pdserve.errors import ConfigError
 from pdserve.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin_cache, silu_and_mul
 from pdserve.models import cudnn_prefill
-from pdserve.models.attention import AttentionMetadata, attend_cached, rotary_and_store_kv
+from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import IntermediateTensors, ModelArchConfig, RopeConfig
+from pdserve.models.kv_store import rotary_and_store_kv
 from pdserve.models.linear import Linear
+from pdserve.models.paged_attention import attend_cached
 
 # HF weight name piece -> (our fused parameter piece, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str]] = {

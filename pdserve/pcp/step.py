@@ -106,7 +106,7 @@ class ContextParallel:
         out = forward(rows, local_meta)
         assert exchange.calls == num_layers, (
             f"{exchange.calls} of {num_layers} layers exchanged their K/V: the model's "
-            "attention must store K/V through attention.rotary_and_store_kv"
+            "attention must store K/V through kv_store.rotary_and_store_kv"
         )
         return gather_output(plan, self.rank, out, list(view.token_rows), needed), plan
 

@@ -39,7 +39,8 @@ from pdserve.engine.host_batch import HostBatch, PinnedStaging, batch_to_device,
 from pdserve.engine.model_runner import zeroed_kv_tensor
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from pdserve.models.attention import AttentionMetadata, select_attention_backend
+from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention_backend import select_attention_backend
 
 if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.models import cudnn_prefill, flash_prefill
-from pdserve.models.attention import attend_cached
+from pdserve.models.paged_attention import attend_cached
 from tests.gpu.test_flash_prefill import D, _batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -60,7 +60,7 @@ def test_fp32_greedy_matches_transformers(
 def _pdserve_logits(model_dir, dtype: torch.dtype, prompt: list[int], prefill_len: int) -> torch.Tensor:
     """Logits at every prompt position: one prefill of ``prefill_len`` tokens, then one token per
     step (the decode path, with KV splits) for the rest. [len(prompt), vocab] fp32."""
-    from pdserve.models.attention import select_attention_backend
+    from pdserve.models.attention_backend import select_attention_backend
     from pdserve.models.loader import load_model
 
     dev = torch.device("cuda")

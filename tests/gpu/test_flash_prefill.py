@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pdserve.models import cudnn_prefill, flash_prefill
-from pdserve.models.attention import AttentionMetadata, attend_cached
+from pdserve.models.attention import AttentionMetadata
+from pdserve.models.paged_attention import attend_cached
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

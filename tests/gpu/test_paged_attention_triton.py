@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.models.attention import AttentionMetadata, paged_attention
+from pdserve.models.attention import AttentionMetadata
+from pdserve.models.paged_attention import paged_attention
 from tests.models.helpers import build_metadata
 
 triton = pytest.importorskip("triton")
@@ -155,8 +156,9 @@ def test_rotary_and_store_kv_fused_equals_rotary_then_write(num_heads, num_kv_he
     and the two-kernel chain give: same rotated q, same cache bytes; padding rows (slot -1) store
     nothing. Then attention over that cache equals paged_attention on the unfused inputs."""
     from pdserve.kernels import apply_rotary_torch, rotary_cos_sin_cache
-    from pdserve.models.attention import attend_cached, rotary_and_store_kv
     from pdserve.models.config import RopeConfig
+    from pdserve.models.kv_store import rotary_and_store_kv
+    from pdserve.models.paged_attention import attend_cached
 
     case = _case([5, 1, 3, 1], [5, 9, 20, 2], num_heads, num_kv_heads, head_dim, 4)
     dev = case.q.device

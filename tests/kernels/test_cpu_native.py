@@ -19,7 +19,7 @@ from pdserve.kernels import cpu_native
 from pdserve.kernels.activation import silu_and_mul_torch
 from pdserve.kernels.rmsnorm import fused_add_rms_norm_torch, rms_norm_torch
 from pdserve.kernels.rotary import apply_rotary_torch, rotary_cos_sin_cache
-from pdserve.models.attention import write_kv_cache
+from pdserve.models.kv_store import write_kv_cache
 from tests.models.helpers import allocate_kv_cache, build_metadata
 
 BF16 = torch.bfloat16
@@ -188,7 +188,7 @@ def test_attention_matches_the_fp32_reference_and_the_twin(
     """Decode rows, a fresh prompt, a chunk after cached context and a decode beside them, over
     shuffled blocks of a layer view, grouped query heads, huge garbage in every slot no request
     owns: causal attention against a naive fp32 reference and the twin."""
-    from pdserve.models.attention import attend_cached
+    from pdserve.models.paged_attention import attend_cached
 
     gen = torch.Generator().manual_seed(7)
     nh, nkv = 8, 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models.attention import paged_attention
+from pdserve.models.paged_attention import paged_attention
 from tests.models.helpers import build_metadata
 
 BLOCK_SIZE = 4
@@ -93,9 +93,9 @@ def test_paged_attention_keeps_dtype() -> None:
 def test_cpu_bf16_decode_matches_reference(monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
     """The CPU bf16 decode path (transformers' eager attention when there are enough rows, else
     SDPA) against the fp32 reference, stale garbage in the unused slots."""
-    from pdserve.models import attention
+    from pdserve.models import attention_torch
 
-    monkeypatch.setattr(attention, "EAGER_BF16_MIN_ROWS", 1 if eager else 10**9)
+    monkeypatch.setattr(attention_torch, "EAGER_BF16_MIN_ROWS", 1 if eager else 10**9)
     gen = torch.Generator().manual_seed(1)
     seq_lens = [7, 1, 30, 12, 5, 9]
     num_heads, num_kv_heads = 4, 2
@@ -128,7 +128,7 @@ def test_the_step_shared_rotation_and_store_index_serve_every_layer_and_are_drop
     and reuses them in every layer; a padding slot (< 0) is skipped; refilled() or a new
     positions tensor makes them be computed again."""
     from pdserve.kernels import apply_rotary_torch, rotary_cos_sin_cache
-    from pdserve.models.attention import rotary_and_store_kv, write_kv_cache
+    from pdserve.models.kv_store import rotary_and_store_kv, write_kv_cache
 
     gen = torch.Generator().manual_seed(3)
     meta = build_metadata([2, 1], [6, 3], [[1, 0], [2]], BLOCK_SIZE)
@@ -169,7 +169,8 @@ def test_one_request_in_half_precision_takes_the_short_path_with_the_same_attent
     cached context and a decode of many KV heads (the eager form) do not. Same attention as the
     general path within bf16 rounding. The native kernels are kept out: a decode step would take
     cpu_native.decode_attention first (tests/kernels/test_cpu_native.py)."""
-    from pdserve.models import attention as at
+    from pdserve.models import attention_torch as at
+    from pdserve.models.paged_attention import attend_cached
 
     monkeypatch.setattr(at.kernels, "wants_native", lambda x: False)
 
@@ -187,10 +188,10 @@ def test_one_request_in_half_precision_takes_the_short_path_with_the_same_attent
         return out
 
     monkeypatch.setattr(at, "_one_request_attention", spy)
-    got = at.attend_cached(q, cache, build_metadata([query_len], [seq_len], [table], BLOCK_SIZE), 0.125)
+    got = attend_cached(q, cache, build_metadata([query_len], [seq_len], [table], BLOCK_SIZE), 0.125)
     assert calls == [taken and (query_len > 1 or num_kv_heads < at.EAGER_BF16_MIN_ROWS)]
     monkeypatch.setattr(at, "_one_request_attention", lambda *a: None)
-    want = at.attend_cached(q, cache, build_metadata([query_len], [seq_len], [table], BLOCK_SIZE), 0.125)
+    want = attend_cached(q, cache, build_metadata([query_len], [seq_len], [table], BLOCK_SIZE), 0.125)
     assert got.shape == want.shape == (query_len, num_heads, HEAD_DIM)
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
     ctx = cache[torch.tensor(table)].float()  # [nb, 2, block, Hkv, D], the request's blocks in order

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates a kernel (imported lazily)
 
 from pdserve import kernels
-from pdserve.models.attention import AttentionMetadata, attend_cached
+from pdserve.models.attention import AttentionMetadata
+from pdserve.models.paged_attention import attend_cached
 from pdserve.pcp.index_map import plan_step
 from pdserve.pcp.step import local_metadata
 
