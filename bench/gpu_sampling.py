@@ -64,7 +64,7 @@ def _params(mode: str, i: int, new_tokens: int) -> SamplingParams:
 
 
 def decode_tok_s(engine: LLMEngine, mode: str, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
-    engine.runner._counter_draws = mode != "seeded-gen" and engine.runner.device.type == "cuda"  # type: ignore[union-attr]
+    engine.runner.seeds.counter_draws = mode != "seeded-gen" and engine.runner.device.type == "cuda"  # type: ignore[union-attr]
     engine.runner.sampler.fused = not mode.endswith("-unfused")  # type: ignore[union-attr]
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
     for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):

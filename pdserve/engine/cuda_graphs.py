@@ -5,6 +5,9 @@
     every request computes 1 token, n <= max size    pad n up to the next captured size, replay
     anything else (prefill, mixed, n > max size)     the eager forward (ModelRunner)
 
+A runner captures no graphs where ``cuda_graphs_off_reason`` names why (CPU, enforce_eager, LoRA,
+the torch attention path, a pipeline stage, tensor parallelism): all its steps run eagerly.
+
 Static buffers, sized for the largest captured batch and shared by every graph; the first three
 are views of one device byte buffer, so a step's inputs arrive with a single host-to-device copy
 (of everything up to the last table row the step's padded size reads):
@@ -41,10 +44,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.distributed.parallel_state import tp_size
 from pdserve.engine.host_batch import PinnedStaging, apply_feed
 from pdserve.models.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
+    from pdserve.config.engine import EngineConfig
     from pdserve.engine.host_batch import HostBatch
     from pdserve.models.llama import LlamaForCausalLM
 
@@ -65,6 +70,26 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
         size *= 2
     sizes.append(max_num_seqs)
     return sizes
+
+
+def cuda_graphs_off_reason(
+    config: EngineConfig, device: torch.device, attn_backend: AttentionBackend, model: LlamaForCausalLM
+) -> str | None:
+    """Why a runner's steps all run eagerly (ModelRunner.init_kv_cache logs it); None: its
+    pure-decode steps replay graphs."""
+    if device.type != "cuda":
+        return f"device {device}"
+    if config.enforce_eager:
+        return "enforce_eager=True"
+    if config.lora is not None:
+        return "LoRA adapters run eagerly (a step's adapter rows vary)"
+    if attn_backend != "triton":
+        return f"attention backend {attn_backend!r} writes KV with data-dependent shapes"
+    if not (model.is_first_stage and model.is_last_stage):
+        return "pipeline stages run eagerly"
+    if tp_size() > 1:
+        return "tensor parallel all-reduces are not captured yet (untested on GPUs)"
+    return None
 
 
 class CudaGraphRunner:

@@ -41,11 +41,12 @@ from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.device import set_intra_op_threads
 from pdserve.engine.executor import ModelExecutor, make_executor
 from pdserve.engine.grammar_compile import GrammarCompileService
 from pdserve.engine.kv_cache_groups import DECLINE_OFFLOAD
 from pdserve.engine.kv_setup import build_kv_layout
-from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
+from pdserve.engine.model_runner import ModelRunner, PendingStep
 from pdserve.engine.output_processor import OutputProcessor, TrackedRequest
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.request import MultiModalItem, Request, RequestStatus

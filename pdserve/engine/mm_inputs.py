@@ -1,4 +1,6 @@
-"""Multimodal item embeddings into a step's input embeddings (first pipeline stage only).
+"""A step's input embeddings (first pipeline stage only): a request's ``prompt_embeds`` and its
+multimodal items' embeddings put into the rows the embedding table would fill. ModelRunner.launch
+calls ``prompt_embeds`` then ``substitute_mm_embeds``; the admission checks of items are here too.
 
 A request's ``mm_items`` name placeholder runs of its prompt; a chunk of the step covers
 positions [start_pos, start_pos + num_tokens) at rows [row, row + num_tokens) of the batch:
@@ -22,6 +24,33 @@ from torch import nn
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.errors import InvalidRequestError
+
+
+def prompt_embeds(
+    sched: SchedulerOutput,
+    input_ids: torch.Tensor,  # [num_tokens]
+    embed_tokens: nn.Module | None,
+) -> torch.Tensor | None:
+    """Input embeddings for a step that computes prompt positions given as embeddings.
+
+    Rows of other tokens come from the embedding table; a request's prompt rows from its
+    ``prompt_embeds`` ([num_prompt_tokens, hidden]). None when no chunk needs them.
+    """
+    if not any(
+        c.request.prompt_embeds is not None and c.start_pos < c.request.num_prompt_tokens
+        for c in sched.chunks
+    ):
+        return None
+    assert embed_tokens is not None, "prompt embeddings reach the first pipeline stage only"
+    out = embed_tokens(input_ids)  # [num_tokens, hidden]
+    row = 0
+    for c in sched.chunks:
+        req = c.request
+        if req.prompt_embeds is not None and c.start_pos < req.num_prompt_tokens:
+            k = min(c.num_tokens, req.num_prompt_tokens - c.start_pos)
+            out[row : row + k] = req.prompt_embeds[c.start_pos : c.start_pos + k].to(out.device, out.dtype)
+        row += c.num_tokens
+    return out
 
 
 def needs_mm_embeds(sched: SchedulerOutput) -> bool:

@@ -12,23 +12,25 @@ With tensor parallelism every TP rank runs one runner on its share of the heads 
 On CUDA, pure-decode steps replay captured CUDA graphs (``pdserve.engine.cuda_graphs``, off with
 ``enforce_eager``); other steps run eagerly. The attention path (torch or Triton) is chosen once
 here, by ``select_attention_backend``, and carried in every step's ``AttentionMetadata``.
+
+Next to it: engine/device.py (device, dtype), engine/kv_tensors.py (KV blocks from the budget,
+zeroed tensors), engine/host_batch.py (a step's inputs), engine/step_sampling.py (what a step
+does after the last stage's forward: logits, grammar masks, the sampler, seeded draws).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import logging
 import math
-import mmap
-from array import array
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve import kernels
 from pdserve.config.engine import CacheSizes, EngineConfig
-from pdserve.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
-from pdserve.engine.cuda_graphs import CudaGraphRunner
+from pdserve.distributed.parallel_state import tp_size
+from pdserve.engine.cuda_graphs import CudaGraphRunner, cuda_graphs_off_reason
+from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.grammar_masks import GrammarMasker
 from pdserve.engine.group_kv import GroupKV, group_block_shapes
 from pdserve.engine.host_batch import (
@@ -39,21 +41,14 @@ from pdserve.engine.host_batch import (
     build_host_batch,
 )
 from pdserve.engine.kv_cache_groups import KVCacheGroupSpec
-from pdserve.engine.kv_sizing import (
-    GpuMemory,
-    cpu_kv_budget_bytes,
-    gpu_kv_budget_bytes,
-    mem_available_bytes,
-)
-from pdserve.engine.mm_inputs import needs_mm_embeds, substitute_mm_embeds
-from pdserve.engine.pending_step import PendingStep, RunnerOutput, SampleJob
-from pdserve.engine.profile_memory import profile_activation_bytes
-from pdserve.engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampledTensors, Sampler, SamplerInput, argmax_only, draw_
-from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.kv_tensors import kv_cache_sizes, zeroed_kv_tensor
+from pdserve.engine.mm_inputs import needs_mm_embeds, prompt_embeds, substitute_mm_embeds
+from pdserve.engine.pending_step import PendingStep, RunnerOutput
+from pdserve.engine.profile_memory import gpu_memory
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.step_sampling import SeededStreams, launch_sampler, sample_step
 from pdserve.engine.structured import usable_cpus
-from pdserve.errors import ConfigError
 from pdserve.lora.manager import LoRAManager
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.attention_backend import select_attention_backend
@@ -65,41 +60,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def set_intra_op_threads(config: EngineConfig, processes: int = 1) -> None:
-    """Apply ``config.cpu_threads`` (auto: see ``EngineConfig.intra_op_threads``) to this
-    process, one of the engine's ``processes`` on the host."""
-    n = config.intra_op_threads(resolve_device(config.device).type == "cpu", processes)
-    if n is not None and n != torch.get_num_threads():
-        torch.set_num_threads(n)
-
-
-def resolve_device(device: str) -> torch.device:
-    """The device of this process; TP rank r on CUDA takes GPU r (``cuda:N``: GPU N + r)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
-    if dev.type == "cuda" and tp_size() > 1:
-        index = (dev.index or 0) + tp_rank()
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"TP rank {tp_rank()} needs GPU {index} but {torch.cuda.device_count()} are visible; "
-                "lower tensor_parallel_size or expose more GPUs"
-            )
-        dev = torch.device("cuda", index)
-        torch.cuda.set_device(dev)
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
 
 class _ZeroRows(dict[str, int]):
     """Row 0 for every request: the token ids of a non-first pipeline stage are not read."""
@@ -109,23 +69,6 @@ class _ZeroRows(dict[str, int]):
 
 
 _NO_FEED = _ZeroRows()
-
-
-def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on an anonymous memory mapping: the kernel hands out zero pages
-    on first touch, so a 4 GiB KV cache costs RAM only for the blocks requests use (torch.zeros
-    writes every page up front: ~4 GiB resident and seconds of start-up)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # the tensor keeps ``buf`` alive (frombuffer holds a reference to the buffer's owner)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-
-
-def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV cache tensor: lazily zeroed pages on the CPU, ``torch.zeros`` elsewhere."""
-    if device.type == "cpu":
-        return lazily_zeroed_cpu_tensor(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class ModelRunner:
@@ -142,14 +85,7 @@ class ModelRunner:
         # every host <-> device copy of a step
         self.staging = PinnedStaging(self.device, timeout_s=config.step_timeout_s)
         self.sampler = Sampler(self.staging)
-        self._generators: dict[str, torch.Generator] = {}
-        # Seeded rows on CUDA draw from a counter-based stream, all in one launch
-        # (kernels/triton_seeded_draw.py); on the CPU, or without Triton, a generator per request.
-        self._counter_draws = (
-            self.device.type == "cuda"
-            and kernels.get_backend() != "torch"
-            and importlib.util.find_spec("triton") is not None
-        )
+        self.seeds = SeededStreams(self.device)  # seeded rows' generators or counter-based draws
         # Structured outputs: matchers, bitmask fills (on a thread of their own on CUDA hosts
         # with cores to spare), the masks' host buffers.
         self.grammar = GrammarMasker(
@@ -189,42 +125,9 @@ class ModelRunner:
 
     def determine_cache_sizes(self) -> CacheSizes:
         """The KV budget (engine/kv_sizing.py) in blocks of this stage's layers."""
-        cc = self.config.cache
         # A drafter's KV (spec_decode/drafter.py) shares our block ids: a block holds both.
         per_block = self.bytes_per_block() + (self.drafter.bytes_per_block() if self.drafter else 0)
-        if cc.num_blocks_override is not None:
-            budget = cc.num_blocks_override * per_block
-        elif cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = gpu_kv_budget_bytes(self._gpu_memory(), cc.gpu_memory_utilization)
-        else:
-            budget = cpu_kv_budget_bytes(mem_available_bytes())
-        num_blocks = budget // per_block
-        # Every TP rank must schedule the same blocks: free memory may differ between GPUs.
-        num_blocks = min_over_ranks(num_blocks, self.device)
-        if num_blocks < 1:
-            raise ConfigError(
-                f"the KV cache budget ({budget} bytes) holds no block ({per_block} bytes each); "
-                "raise kv_cache_memory_bytes"
-            )
-        return CacheSizes(num_blocks, self.block_size, per_block, budget_bytes=budget)
-
-    def _gpu_memory(self) -> GpuMemory:
-        """The device's memory now (weights loaded), with one step's activations: measured by a
-        dummy step at the full token budget (engine/profile_memory.py), else estimated from the
-        residual stream, q/k/v, the MLP's gate/up and the fp32 logits of that budget."""
-        a, sc = self.arch, self.config.scheduler
-        measured = profile_activation_bytes(self)
-        free, total = torch.cuda.mem_get_info(self.device)
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        tokens = min(sc.max_num_batched_tokens, self.max_model_len)
-        qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-        per_token = (4 * a.hidden_size + qkv + 3 * a.intermediate_size) * elem
-        logits = min(sc.max_num_seqs, tokens) * a.vocab_size * 4 * 2  # logits + sampler's copy
-        estimate = tokens * per_token + logits
-        activation = estimate if measured is None else measured
-        return GpuMemory(total, free, torch.cuda.memory_reserved(self.device), activation)
+        return kv_cache_sizes(self.config.cache, per_block, self.device, lambda: gpu_memory(self))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
@@ -234,7 +137,7 @@ class ModelRunner:
         self.layer_caches = [self.kv_cache[:, i] for i in range(self.num_local_layers)]
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
-        reason = self._cuda_graphs_off_reason()
+        reason = cuda_graphs_off_reason(self.config, self.device, self.attn_backend, self.model)
         if reason is not None:
             logger.info("CUDA graphs off: %s", reason)
             return
@@ -260,96 +163,21 @@ class ModelRunner:
     def init_group_kv_cache(self, specs: list[KVCacheGroupSpec], num_blocks: tuple[int, ...]) -> None:
         """One KV tensor per KV cache group (``num_blocks[g]`` blocks of group g's layers), for
         groups with block tables of their own (engine/group_kv.py); steps run eagerly."""
-
-        def make(shape: tuple[int, ...]) -> torch.Tensor:
-            if self.device.type == "cpu":
-                return lazily_zeroed_cpu_tensor(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-
+        make = functools.partial(zeroed_kv_tensor, dtype=self.dtype, device=self.device)
         shapes = group_block_shapes(specs, self.num_kv_heads, self.arch.head_dim, self.arch.hidden_size)
         self.group_kv = GroupKV(self.model.layer_names, specs, num_blocks, shapes, make)
         self.kv_cache = self.group_kv.tensors[0]
         self.layer_caches = self.group_kv.layer_caches
         logger.info("CUDA graphs off: KV cache groups with block tables of their own")
 
-    def _cuda_graphs_off_reason(self) -> str | None:
-        if self.device.type != "cuda":
-            return f"device {self.device}"
-        if self.config.enforce_eager:
-            return "enforce_eager=True"
-        if self.config.lora is not None:
-            return "LoRA adapters run eagerly (a step's adapter rows vary)"
-        if self.attn_backend != "triton":
-            return f"attention backend {self.attn_backend!r} writes KV with data-dependent shapes"
-        if not (self.model.is_first_stage and self.model.is_last_stage):
-            return "pipeline stages run eagerly"
-        if tp_size() > 1:
-            return "tensor parallel all-reduces are not captured yet (untested on GPUs)"
-        return None
-
     # -- one step ----------------------------------------------------------------------------
     def _to_device(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return batch_to_device(batch, self.staging, self.block_size, self.attn_backend)
 
-    def _prompt_embeds(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Input embeddings for a step that computes prompt positions given as embeddings.
-
-        Rows of other tokens come from the embedding table; a request's prompt rows from its
-        ``prompt_embeds`` ([num_prompt_tokens, hidden]). None when no chunk needs them.
-        """
-        if not any(
-            c.request.prompt_embeds is not None and c.start_pos < c.request.num_prompt_tokens
-            for c in sched.chunks
-        ):
-            return None
-        embed = self.model.model.embed_tokens
-        assert embed is not None, "prompt embeddings reach the first pipeline stage only"
-        out = embed(input_ids)  # [num_tokens, hidden]
-        row = 0
-        for c in sched.chunks:
-            req = c.request
-            if req.prompt_embeds is not None and c.start_pos < req.num_prompt_tokens:
-                k = min(c.num_tokens, req.num_prompt_tokens - c.start_pos)
-                out[row : row + k] = req.prompt_embeds[c.start_pos : c.start_pos + k].to(
-                    out.device, out.dtype
-                )
-            row += c.num_tokens
-        return out
-
-    def _seed_draw(self, chunk: ScheduledChunk) -> tuple[int, int] | None:
-        """(seed, k) of a seeded chunk whose first sampled row draws its k-th output token (the
-        row after its last known token; drafts, when the chunk has them, come after it), where
-        seeded rows draw from the counter-based stream (CUDA with Triton); None elsewhere
-        (``_generator`` serves)."""
-        seed = chunk.request.sampling_params.seed
-        if seed is None or not self._counter_draws:
-            return None
-        last_known = chunk.start_pos + chunk.num_tokens - len(chunk.spec_token_ids)
-        return seed, last_known - chunk.request.num_prompt_tokens
-
-    def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
-        """The seeded request's generator (made on first use); None for unseeded requests, and on
-        the counter-based path (``_seed_draw`` serves)."""
-        seed = request.sampling_params.seed
-        if seed is None or self._counter_draws:
-            return None
-        g = self._generators.get(request.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            # Tokens it already has were sampled elsewhere from the same seed (prefill's first
-            # token on P/D, a recompute): skip their draws, one row of vocab_size per token as the
-            # sampler draws them, so the stream goes on where that node left it, not from its start.
-            skip = torch.empty(vocab_size, device=self.device)
-            for _ in range(len(request.output_token_ids)):
-                draw_(skip, g)
-            self._generators[request.request_id] = g
-        return g
-
     @property
     def num_generators(self) -> int:
         """Seeded requests' generators kept now (0 once every request finished)."""
-        return len(self._generators)
+        return self.seeds.num_generators
 
     def drop_finished(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, grammar matchers) of finished requests."""
@@ -357,7 +185,7 @@ class ModelRunner:
 
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._generators.pop(rid, None)
+            self.seeds.drop(rid)
             self.grammar.drop(rid)
         if self.drafter is not None:
             self.drafter.drop(request_ids)
@@ -413,8 +241,9 @@ class ModelRunner:
                 self.group_kv.attach(meta, sched, batch, self.staging)
             if intermediate is None:
                 apply_feed(input_ids, batch, self._prev_sampled, self.staging)
-            embeds = self._prompt_embeds(sched, input_ids) if intermediate is None else None
-            if intermediate is None:  # image embeddings enter the first stage only
+            embeds = None
+            if intermediate is None:  # prompt and image embeddings enter the first stage only
+                embeds = prompt_embeds(sched, input_ids, self.model.model.embed_tokens)
                 embeds = substitute_mm_embeds(sched, input_ids, embeds, self.model.model.embed_tokens)
             if self.lora is not None:
                 self.lora.begin_step([(c.request.lora_name, c.num_tokens) for c in sched.chunks], self.device)
@@ -437,48 +266,7 @@ class ModelRunner:
         assert isinstance(out, torch.Tensor)
         if self.drafter is not None:  # MTP reads the target's hidden states of the step
             self.drafter.keep_hidden(out)
-        spans = prompt_logprob_spans(sched)
-        prompt = (
-            compute_prompt_logprobs(out, spans, self.model.compute_logits, self.staging) if spans else None
-        )
-        if prompt is not None and self.staging.pinned:
-            prompt = prompt.copy_to_host(self.staging.host_like)  # read after the step's event
-        sample_idx = batch.sample_idx
-        if sample_idx and any(c.spec_token_ids for c in sched.chunks):
-            from pdserve.spec_decode.runner import launch_verify
-
-            return launch_verify(
-                self, sched, out[self.staging.to_device(array("q", sample_idx), torch.int64)], prompt
-            )
-        if not sample_idx:
-            self._prev_sampled, self._prev_rows = None, {}
-            return PendingStep(
-                [], None, self.staging.end_step(), timeout_s=self.config.step_timeout_s, prompt=prompt
-            )
-        if len(sample_idx) == batch.num_tokens:  # every token samples (decode): no gather
-            hidden = out
-        else:
-            hidden = out[self.staging.to_device(array("q", sample_idx), torch.int64)]
-        sampling_chunks = (
-            [c for c in sched.chunks if c.sample] if len(sample_idx) < batch.num_seqs else sched.chunks
-        )
-        reqs = [c.request for c in sampling_chunks]
-        argmax = all(argmax_only(r.sampling_params, len(r.output_token_ids)) for r in reqs)
-        # bf16 -> fp32 is exact: the argmax (first maximum on ties) and the one-pass race are the same without it
-        half = argmax or self.sampler.reads_half_logits(reqs, self._counter_draws)
-        logits = self.model.compute_logits(hidden, upcast=not half)  # [num_sampled, vocab]
-        grammar_rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured is not None]
-        pending = PendingStep(
-            [r.request_id for r in reqs],
-            None,
-            None,
-            timeout_s=self.config.step_timeout_s,
-            prompt=prompt,
-            deferred=SampleJob(logits, sampling_chunks, argmax, grammar_rows),
-        )
-        if not (defer_masks and grammar_rows):
-            self.sample_deferred(pending)
-        return pending
+        return sample_step(self, sched, batch, out, defer_masks)
 
     def prepare_deferred_sampled(self, pending: PendingStep, sampled: dict[str, int]) -> None:
         """``prepare_deferred`` as soon as the previous step's ``sampled`` tokens are on the host,
@@ -504,34 +292,7 @@ class ModelRunner:
         copy of the samples to the host and the step's event. Nothing waits for the device."""
         job = pending.deferred
         assert job is not None, "the step's sampler was already launched"
-        masks = None
-        if job.grammar_rows:
-            # If this raises (a fill failed or timed out), ``deferred`` stays set: the step's
-            # result() then waits for the fill and the device and raises (the fault path).
-            masks = job.masks or self.grammar.start(
-                job.chunks, job.grammar_rows, job.logits.shape[1], overlap=False
-            )
-        if job.argmax:
-            # no SamplerInput rows; grammar rows: the mask fused with the argmax on CUDA
-            token_ids = (
-                kernels.argmax_rows(job.logits) if masks is None else self.grammar.argmax(job.logits, masks)
-            )
-            samples = SampledTensors(token_ids, [], [])
-        else:
-            if masks is not None:
-                self.grammar.apply(job.logits, masks)
-            inputs = [
-                SamplerInput(
-                    params=c.request.sampling_params,
-                    prompt_token_ids=c.request.prompt_token_ids,
-                    output_token_ids=c.request.output_token_ids,
-                    generator=self._generator(c.request, job.logits.shape[1]),
-                    eos_token_ids=c.request.eos_token_ids,
-                    seed_draw=self._seed_draw(c),
-                )
-                for c in job.chunks
-            ]
-            samples = self.sampler.sample(job.logits, inputs)
+        samples = launch_sampler(job, self.grammar, self.sampler, self.seeds)
         pending.deferred = None  # launched
         # The next step may feed these tokens to its rows before the host has read them.
         self._prev_sampled = samples.token_ids

@@ -9,6 +9,9 @@ allocator's allocated bytes above what was allocated before is the step's activa
 the temporary cache's own bytes are taken out (the real cache is budgeted separately).
 
 Any device runs the same dummy forward (the CPU test runs it); only CUDA reports a peak.
+
+``gpu_memory`` is what the GPU budget starts from (``ModelRunner.determine_cache_sizes``): the
+device's memory now and that peak, or an estimate where the dummy step cannot measure one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.host_batch import HostBatch, batch_to_device
+from pdserve.engine.kv_sizing import GpuMemory
 from pdserve.models.config import IntermediateTensors
 
 if TYPE_CHECKING:
@@ -109,3 +113,20 @@ def profile_activation_bytes(runner: ModelRunner) -> int | None:
         peak / 2**20,
     )
     return max(0, peak)
+
+
+def gpu_memory(runner: ModelRunner) -> GpuMemory:
+    """The device's memory now (weights loaded), with one step's activations: measured by the
+    dummy step above, else estimated from the residual stream, q/k/v, the MLP's gate/up and the
+    fp32 logits of that budget."""
+    a, sc = runner.arch, runner.config.scheduler
+    measured = profile_activation_bytes(runner)
+    free, total = torch.cuda.mem_get_info(runner.device)
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    tokens = min(sc.max_num_batched_tokens, runner.max_model_len)
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+    per_token = (4 * a.hidden_size + qkv + 3 * a.intermediate_size) * elem
+    logits = min(sc.max_num_seqs, tokens) * a.vocab_size * 4 * 2  # logits + sampler's copy
+    estimate = tokens * per_token + logits
+    activation = estimate if measured is None else measured
+    return GpuMemory(total, free, torch.cuda.memory_reserved(runner.device), activation)

@@ -79,7 +79,7 @@ def draw_(q: torch.Tensor, generator: torch.Generator | None) -> None:
     cost of ``uniform_`` (16 x 4,096 draws: ~1.26 ms against ~0.2; docs/benchmarks.md,
     "The CPU decode step"). A seeded request's stream position is the number of draws, so a node that
     continues another's request (P/D, recompute) skips its earlier draws with this same call
-    (``ModelRunner._generator``)."""
+    (``SeededStreams.generator``)."""
     if q.device.type == "cpu":
         q.uniform_(generator=generator)
     else:

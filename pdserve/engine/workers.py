@@ -39,7 +39,8 @@ import torch.distributed as dist
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.parallel_state import destroy_tp, init_tp
 from pdserve.distributed.workers import Ack, Shutdown, WorkerFailed
-from pdserve.engine.model_runner import ModelRunner, PendingStep, set_intra_op_threads
+from pdserve.engine.device import set_intra_op_threads
+from pdserve.engine.model_runner import ModelRunner, PendingStep
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.kvoffload.copier import KVOffloadCopier

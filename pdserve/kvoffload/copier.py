@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.host_batch import wait_event
-from pdserve.engine.model_runner import lazily_zeroed_cpu_tensor
+from pdserve.engine.kv_tensors import lazily_zeroed_cpu_tensor
 from pdserve.kvoffload.spec import KVOffloadSpec
 
 

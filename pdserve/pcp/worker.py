@@ -18,7 +18,7 @@ import torch
 
 from pdserve.config.engine import EngineConfig
 from pdserve.distributed.workers import Ack, Shutdown, WorkerFailed
-from pdserve.engine.model_runner import set_intra_op_threads
+from pdserve.engine.device import set_intra_op_threads
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import DropFinished, ExecuteStep, InitKVCache, SizeKVCache
 from pdserve.pcp.exchange import destroy_pcp_group, init_pcp_group

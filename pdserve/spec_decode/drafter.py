@@ -36,7 +36,7 @@ import torch
 from pdserve import kernels
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.host_batch import HostBatch, PinnedStaging, batch_to_device, extend_slots
-from pdserve.engine.model_runner import zeroed_kv_tensor
+from pdserve.engine.kv_tensors import zeroed_kv_tensor
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.models.attention import AttentionMetadata

@@ -26,7 +26,7 @@ def launch_verify(
     runner: ModelRunner, sched: SchedulerOutput, hidden: torch.Tensor, prompt: PromptLogprobTensors | None
 ) -> PendingStep:
     """``hidden`` [num_sampled_rows, hidden]: every sampling chunk's rows, 1 + m per chunk."""
-    from pdserve.engine.model_runner import PendingStep, SampleJob
+    from pdserve.engine.pending_step import PendingStep, SampleJob
 
     logits = runner.model.compute_logits(hidden, upcast=True)  # [R, V] float32
     vocab_size = logits.shape[1]
@@ -47,9 +47,9 @@ def launch_verify(
                 req.sampling_params,
                 req.prompt_token_ids,
                 req.output_token_ids,
-                runner._generator(req, vocab_size),
+                runner.seeds.generator(req, vocab_size),
                 req.eos_token_ids,
-                runner._seed_draw(c),  # row 0's token index; row j draws at k + j (verify.py)
+                runner.seeds.seed_draw(c),  # row 0's token index; row j draws at k + j (verify.py)
             )
             groups.append(VerifyGroup(req.request_id, x, c.spec_token_ids))
         else:

@@ -50,7 +50,7 @@ class EncoderNode:
     ``max_image_bytes`` / ``max_image_pixels``."""
 
     def __init__(self, opts: NodeSpec) -> None:
-        from pdserve.engine.model_runner import resolve_device, resolve_dtype
+        from pdserve.engine.device import resolve_device, resolve_dtype
         from pdserve.models.llava import LlavaForConditionalGeneration
         from pdserve.models.loader import load_model
 

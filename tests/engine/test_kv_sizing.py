@@ -66,7 +66,7 @@ def test_an_explicit_max_model_len_that_does_not_fit_is_refused(make_llm, tiny_m
 
 def test_the_cpu_default_budget_sizes_the_cache(make_llm, tiny_models, monkeypatch) -> None:
     monkeypatch.setattr(kv_sizing, "mem_available_bytes", lambda: 2 * GiB)
-    monkeypatch.setattr("pdserve.engine.model_runner.mem_available_bytes", lambda: 2 * GiB)
+    monkeypatch.setattr("pdserve.engine.kv_tensors.mem_available_bytes", lambda: 2 * GiB)
     llm = make_llm(tiny_models["llama"], device="cpu")
     budget = int(2 * GiB * kv_sizing.CPU_FREE_RAM_FRACTION)
     assert llm.engine.cache_sizes.budget_bytes == budget

@@ -35,7 +35,7 @@ def test_seeded_rows_are_batch_independent_and_continue_on_another_engine(tiny_m
     cache = CacheConfig(kv_cache_memory_bytes=256 << 20)
     cfg = EngineConfig(model=str(tiny_models["llama"]), device="cuda", cache=cache)
     eng = LLMEngine(cfg)
-    assert isinstance(eng.runner, ModelRunner) and eng.runner._counter_draws
+    assert isinstance(eng.runner, ModelRunner) and eng.runner.seeds.counter_draws
     prompt = [5, 17, 29, 41, 53, 65]
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = _run(eng, {"r": prompt}, {"r": sp})["r"]

@@ -72,7 +72,7 @@ def test_seeded_requests_draw_what_the_engine_without_drafts_draws(tiny_models, 
     a seeded request's tokens do not depend on which steps carried drafts."""
     base = make_llm(tiny_models["llama"], **_kw("float32"))
     spec = make_llm(tiny_models["llama"], speculative=SPEC, **_kw("float32"))
-    assert spec.engine.runner._counter_draws
+    assert spec.engine.runner.seeds.counter_draws
     sp = SamplingParams(temperature=0.05, top_k=20, seed=5, max_tokens=64, ignore_eos=True)
     accepted = spec.engine.spec.stats.num_accepted_tokens
     first = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:4], sp)]

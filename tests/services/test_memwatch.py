@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.model_runner import lazily_zeroed_cpu_tensor
+from pdserve.engine.kv_tensors import lazily_zeroed_cpu_tensor
 from pdserve.errors import ConfigError
 from services.memwatch import ARENA_MAX_DEFAULT, configure_malloc, resident_bytes, tracemalloc_every_s
 
