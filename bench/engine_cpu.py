@@ -580,7 +580,7 @@ def profile_pdserve(engine, prompts, max_tokens: int, level: int, out: Path, dty
         "  torch linear (self time)": builtin("_nn.linear"),
         "compute_logits + sampler": logits_sampler,
         "scheduler.update_from_output": cum("engine/scheduler.py", "update_from_output"),
-        "engine._process (detok, deltas)": cum("engine/llm_engine.py", "_process"),
+        "OutputProcessor.process (detok, deltas)": cum("engine/output_processor.py", "process"),
     }
     parts["host-side Python outside the model (step - forward - logits/sampler)"] = (
         step_total - model_fwd - logits_sampler

@@ -64,7 +64,7 @@ def run_mode(
         for c in range(args.conversations):
             if turn:
                 histories[c] += [rng.randrange(vocab) for _ in range(args.turn_tokens)]
-            before = eng.num_prefill_tokens_total
+            before = eng.counters.num_prefill_tokens_total
             t0 = time.perf_counter()
             eng.add_request(list(histories[c]), params, f"c{c}t{turn}")
             first: float | None = None
@@ -77,13 +77,13 @@ def run_mode(
             assert first is not None and len(out) == args.output_tokens
             ttft["returning" if turn else "first"].append(first)
             if turn:
-                prefill_returning += eng.num_prefill_tokens_total - before
+                prefill_returning += eng.counters.num_prefill_tokens_total - before
             histories[c] += out
             answers.append(out)
     wall = time.perf_counter() - t_all
     res: dict[str, Any] = {
         "wall_s": round(wall, 2),
-        "prefill_tokens": eng.num_prefill_tokens_total,
+        "prefill_tokens": eng.counters.num_prefill_tokens_total,
         "prefill_tokens_returning": prefill_returning,
         "ttft_first_p50_ms": round(pct(ttft["first"], 0.5) * 1e3, 2),
         "ttft_returning_p50_ms": round(pct(ttft["returning"], 0.5) * 1e3, 2),

@@ -14,10 +14,10 @@ from bench._common import log
 def engine_counters(engine: Any) -> tuple[int, int, int, int]:
     """An in-process engine's (steps, sequences, decode sequences, tokens) so far."""
     return (
-        engine.num_steps_total,
-        engine.num_step_seqs_total,
-        engine.num_step_decode_seqs_total,
-        engine.num_step_tokens_total,
+        engine.counters.num_steps_total,
+        engine.counters.num_step_seqs_total,
+        engine.counters.num_step_decode_seqs_total,
+        engine.counters.num_step_tokens_total,
     )
 
 

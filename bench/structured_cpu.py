@@ -68,6 +68,7 @@ def run(
 def _phase_targets() -> list[tuple[Any, str, str]]:
     from pdserve import kernels
     from pdserve.engine import grammar_masks, llm_engine, model_runner, scheduler, structured
+    from pdserve.engine.output_processor import OutputProcessor
 
     return [
         (llm_engine.LLMEngine, "step", "whole step"),
@@ -81,7 +82,7 @@ def _phase_targets() -> list[tuple[Any, str, str]]:
         (grammar_masks, "_batch_accept", "  of it: accept inline (steady rows, no filler)"),
         (grammar_masks.GrammarMasker, "_host", "  of it: bitmask buffer"),
         (structured.BitmaskFiller, "submit", "  of it: submit to the filler"),
-        (llm_engine.LLMEngine, "_process", "detokenize, deltas (_process)"),
+        (OutputProcessor, "process", "detokenize, deltas (OutputProcessor.process)"),
         (grammar_masks.GrammarMasker, "wait", "grammar: wait for the fill (+accept)"),
         (grammar_masks.GrammarMasker, "_on_device", "grammar: bitmask to the kernel (in place / copy)"),
         (kernels, "apply_token_bitmask_", "grammar: mask kernel (sampled rows)"),

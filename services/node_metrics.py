@@ -88,17 +88,18 @@ class NodeCollector:
         yield counter("num_preemptions", "Preemptions by recompute", st.num_preemptions_total)
         # Batch shape: rate(engine_step_sequences) / rate(engine_steps) is the mean batch,
         # engine_step_decode_sequences the same for decodes, engine_step_tokens tokens per step.
-        yield counter("engine_steps", "Engine steps launched with something scheduled", eng.num_steps_total)
+        c = eng.counters  # StepCounters
+        yield counter("engine_steps", "Engine steps launched with something scheduled", c.num_steps_total)
         yield counter(
-            "engine_step_sequences", "Sequences scheduled, summed over engine steps", eng.num_step_seqs_total
+            "engine_step_sequences", "Sequences scheduled, summed over engine steps", c.num_step_seqs_total
         )
         yield counter(
-            "engine_step_tokens", "Tokens scheduled, summed over engine steps", eng.num_step_tokens_total
+            "engine_step_tokens", "Tokens scheduled, summed over engine steps", c.num_step_tokens_total
         )
         yield counter(
             "engine_step_decode_sequences",
             "Sequences computing a single token (decodes), summed over engine steps",
-            eng.num_step_decode_seqs_total,
+            c.num_step_decode_seqs_total,
         )
         yield counter(
             "requests_aborted",
@@ -112,7 +113,7 @@ class NodeCollector:
         yield counter(
             "engine_prefill_tokens",
             "Prompt positions computed by the model (cache and offload hits, pulled KV excluded)",
-            eng.num_prefill_tokens_total,
+            c.num_prefill_tokens_total,
         )
         declined = CounterMetricFamily(
             "pdserve:prefix_cache_declined_tokens",

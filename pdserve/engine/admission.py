@@ -1,16 +1,18 @@
 """Admission of a new request: every check it must pass, then its ``Request``.
 
 ``AdmissionController`` checks the sampling params, the prompt (token ids or ``prompt_embeds``),
-the images, the engine's queue limit (``max_queue_len``) and the request id, and builds the
-``Request``; it allocates nothing, so a request it rejects (a typed error naming the field)
-leaves no trace. ``LLMEngine.add_request`` calls ``make_request``, then tracks and schedules the
-request; ``LLMEngine.validate_prompt``, ``check_prompt_embeds`` (which services call before
-admission) and ``num_queued`` delegate here, and ``LLMEngine.expire_queued`` reads ``queued``.
+the images, the engine's queue limit (``max_queue_len``), the request id and the LoRA adapter,
+and builds the ``Request``; it allocates nothing, so a request it rejects (a typed error naming
+the field) leaves no trace. ``LLMEngine.add_request`` calls ``make_request``, then tracks and
+schedules the request; ``LLMEngine.validate_prompt``, ``check_prompt_embeds`` (which services
+call before admission) and ``num_queued`` delegate here, and ``LLMEngine.expire_queued`` aborts
+the requests ``expired`` names (``max_queue_wait_s``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Callable, Container, Sequence
 from typing import Any
@@ -23,6 +25,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured import check_size
 from pdserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from pdserve.kvtransfer.params import KVTransferParams, RemotePrefillParams
+from pdserve.lora.serving import LoRAServing
 from pdserve.models.config import ModelArchConfig
 
 
@@ -36,6 +39,7 @@ class AdmissionController:
         tokenize: Callable[[str], list[int]],
         scheduler: Scheduler,  # read only: its waiting queue
         running: Container[str],  # ids of requests admitted and not handed their final delta
+        lora: LoRAServing | None,  # the adapters a request may name; None: no lora settings
     ) -> None:
         self.config = config
         self.arch = arch
@@ -44,6 +48,7 @@ class AdmissionController:
         self.tokenize = tokenize
         self.scheduler = scheduler
         self.running = running
+        self.lora = lora
 
     def queued(self) -> list[Request]:
         """Admitted requests never scheduled yet (not preempted ones, not those pulling KV)."""
@@ -55,6 +60,22 @@ class AdmissionController:
 
     def num_queued(self) -> int:
         return len(self.queued())
+
+    def expired(self, now: float | None = None) -> dict[str, str]:
+        """Requests queued longer than ``max_queue_wait_s`` (none when unset) -> the error each
+        ends with."""
+        wait = self.config.scheduler.max_queue_wait_s
+        if wait is None or not self.scheduler.waiting:
+            return {}
+        t = time.monotonic() if now is None else now
+        return {
+            r.request_id: (
+                f"no room for the request: it waited {t - r.arrival_time:.1f} s in the "
+                f"queue (max_queue_wait_s {wait:g}); retry later"
+            )
+            for r in self.queued()
+            if t - r.arrival_time > wait
+        }
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise a typed error for a request the engine must not admit (nothing is allocated)."""
@@ -103,6 +124,7 @@ class AdmissionController:
         output_token_ids: list[int] | None,
         prompt_embeds: Any | None,
         mm_items: Sequence[MultiModalItem],
+        lora_name: str,
     ) -> Request:
         """The checked ``Request`` (its prompt ids resolved, its id drawn if not given), or a
         typed error; see ``LLMEngine.add_request`` for the arguments."""
@@ -149,4 +171,12 @@ class AdmissionController:
         )
         if output_token_ids:
             req.output_token_ids.extend(output_token_ids)
+        if lora_name:
+            if self.lora is None:
+                raise InvalidRequestError(
+                    f"model {lora_name!r}: this engine serves no LoRA adapters (no lora settings)",
+                    field="model",
+                )
+            req.cache_salt = self.lora.admit(lora_name) + req.cache_salt
+            req.lora_name = lora_name
         return req

@@ -63,7 +63,7 @@ class EngineLoop:
         self.loop = loop
         self._on_kv_loads = on_kv_loads
         # Pulls start from inside the step, as soon as their blocks are allocated (LLMEngine).
-        engine.kv_load_sink = on_kv_loads
+        engine.kv_loads.sink = on_kv_loads
         self._on_step = on_step  # runs on the engine thread after each step (metrics, leases)
         self._cmds: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         # request id -> where its deltas go, called on the event loop in step order: a queue's
@@ -88,7 +88,7 @@ class EngineLoop:
         # Set by the node's watchdog while the current step is past step_timeout_s: calls are
         # refused (EngineWedgedError) instead of queueing behind the stuck step.
         self.wedged: str | None = None
-        engine.grammar_wake = self._wake_engine  # a grammar compiled: admit its request now
+        engine.grammar_admission.wake = self._wake_engine  # a grammar compiled: admit its request now
 
     def start(self) -> None:
         self._thread.start()

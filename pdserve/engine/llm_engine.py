@@ -1,26 +1,11 @@
 """The engine: admit requests, and step() = schedule -> run the model -> post-process.
 
 Single-threaded; services drive it from one engine thread (see ``pdserve.engine.engine_loop``).
-
-With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on one CUDA device) a step
-launches its device work and then post-processes the *previous* step, whose samples are ready
-by then, so the host's work hides behind the GPU's:
-
-    host   | sched N+1 | launch N+1 | wait N, process N | sched N+2 | launch N+2 | wait N+1 ...
-    GPU    |  ... step N ............|.. step N+1 ...............................| step N+2
-
-A step with grammar-constrained rows is launched in two halves (as vLLM does): the forward
-first, then, once the previous step's tokens are on the host and have advanced the matchers,
-the bitmask fill and the sampler, while that forward runs on the device:
-
-    host   | sched N+1 | fwd N+1 | wait N, update N | fill masks N+1, sample N+1 | detok N | sched N+2
-    GPU    |  ... step N .........|.. fwd N+1 ......................| mask + sample N+1 |  fwd N+2
-
-``step()`` therefore returns the deltas of the step before the one it launched. When the next
-step cannot be scheduled ahead (``Scheduler.can_schedule_ahead``: penalties, min_tokens, memory
-short enough that a preemption may be needed), the in-flight step is completed first, which is
-the synchronous order. A request that stops (eos, stop string) is found one step late; the
-row computed for it meanwhile is dropped.
+``LLMEngine`` builds and wires the engine's parts and is the class callers use. Its parts:
+``AdmissionController`` (a new request's checks), ``GrammarAdmission`` (constrained requests wait
+for their grammar), ``Scheduler``, ``StepLauncher`` (a step launched and completed, at once or,
+under asynchronous scheduling, one step later: engine/step_launcher.py), ``OutputProcessor``
+(deltas) and ``KVLoadQueue`` (P/D's remote KV pulls).
 
 The engine runs its steps on a ``ModelExecutor`` (``engine.executor``): the model here, or, with
 ``tensor_parallel_size`` or ``pipeline_parallel_size`` N > 1, TP rank 0 / pipeline stage 0 here
@@ -30,11 +15,7 @@ sending each step to N-1 worker processes (``pdserve.engine.workers``); ``close(
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from pdserve.config.choices import KvLoadFailurePolicy
@@ -43,22 +24,24 @@ from pdserve.engine.admission import AdmissionController
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import set_intra_op_threads
 from pdserve.engine.executor import ModelExecutor, make_executor
+from pdserve.engine.grammar_admission import GrammarAdmission
 from pdserve.engine.grammar_compile import GrammarCompileService
 from pdserve.engine.kv_cache_groups import DECLINE_OFFLOAD
+from pdserve.engine.kv_loads import KVLoadQueue
 from pdserve.engine.kv_setup import build_kv_layout
-from pdserve.engine.model_runner import ModelRunner, PendingStep
-from pdserve.engine.output_processor import OutputProcessor, TrackedRequest
-from pdserve.engine.outputs import GenerationDelta, TokenLogprob
-from pdserve.engine.request import MultiModalItem, Request, RequestStatus
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.outputs import GenerationDelta
+from pdserve.engine.request import MultiModalItem, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.errors import InvalidRequestError
+from pdserve.engine.step_launcher import StepLauncher
 from pdserve.kvoffload.tier import KVOffloadTier
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 from pdserve.lora.serving import make_lora_serving
 from pdserve.models.loader import load_tokenizer
-from pdserve.spec_decode.engine import make_spec_scheduling, spec_async_scheduling
+from pdserve.spec_decode.engine import make_spec_scheduling
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +59,6 @@ class LLMEngine:
         table (its KV transfer settings; engine/kv_group_tables.py); None: the engine decides."""
         self.config = config
         self._shared_reason = shared_kv_table_reason
-        # Structured outputs: grammars compile off this thread (made by the first constrained request).
-        self.grammars: GrammarCompileService | None = None
-        self._grammar_pending: dict[str, Future[Any]] = {}  # request id -> its grammar's Future
-        self.grammar_wake: Callable[[], None] | None = None  # EngineLoop: wake the engine thread
-        self._grammar_lock = threading.Lock()
         tp = config.parallel.tensor_parallel_size
         set_intra_op_threads(config, tp * config.parallel.pipeline_parallel_size)  # workers set theirs
         try:
@@ -121,26 +99,18 @@ class LLMEngine:
             self.tokenize,
             self.scheduler,
             self.output_processor.tracked,
+            self.lora,
         )
-        self._kv_loads: list[KVLoadSpec] = []
-        # Where a step's remote KV pulls go as soon as the scheduler allocated their blocks (the
-        # node's connector, set by EngineLoop), before the step runs; None: take_kv_loads() after it.
-        self.kv_load_sink: Callable[[list[KVLoadSpec]], None] | None = None
-        self.async_scheduling = self._resolve_async(config)
-        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not processed
-        # Deltas a step built before it failed (requests it finished are already untracked):
-        # delivered by fail_all(), ahead of its error deltas.
-        self._undelivered: list[GenerationDelta] = []
-        self._failed_step_seq: int | None = None  # a step whose launch raised (see fail_all)
+        self.grammar_admission = GrammarAdmission(
+            config, arch, self.tokenizer, self.runner, self.scheduler, self.output_processor
+        )
+        self.kv_loads = KVLoadQueue(self.scheduler, self.output_processor)  # P/D's decode side
+        self.launcher = StepLauncher(
+            config, self.runner, self.scheduler, self.kv, self.fence, self.spec, self.output_processor
+        )
+        # The node's pdserve:engine_step_* counters (StepLauncher counts each launched step).
+        self.async_scheduling, self.counters = self.launcher.async_scheduling, self.launcher.counters
         self.num_aborted_total = 0
-        # Steps launched with something scheduled, and their sums of sequences, tokens and
-        # single-token chunks (decodes): ratios of their rates are the mean batch, the mean tokens
-        # per step and the mean decode batch (the node's pdserve:engine_step_* counters).
-        self.num_steps_total = 0
-        self.num_step_seqs_total = 0
-        self.num_step_tokens_total = 0
-        self.num_step_decode_seqs_total = 0
-        self.num_prefill_tokens_total = 0  # prompt positions computed (not hit in a cache or pulled)
         self.last_step_empty = False  # nothing could be scheduled (memory short): wait for an event
         logger.info(
             "engine ready: %s on %s/%s, KV cache %d MiB: %d blocks (%d tokens), max_model_len=%d, "
@@ -155,26 +125,11 @@ class LLMEngine:
             "on" if self.async_scheduling else "off",
         )
 
-    def _resolve_async(self, config: EngineConfig) -> bool:
-        """On by default on one CUDA device. With TP ranks (they launch each step as rank 0 did)
-        or pipeline stages (stage 0 waits for the previous step's samples; the engine processes
-        that step while the later stages compute the next) it is tested on CPU ranks (gloo) only,
-        so there it runs when set explicitly (``async_scheduling: true``)."""
-        if config.speculative is not None:
-            return spec_async_scheduling(config)
-        if config.async_scheduling is None:
-            p = config.parallel
-            single = (
-                p.tensor_parallel_size == p.pipeline_parallel_size == p.prefill_context_parallel_size == 1
-            )
-            return self.runner.device.type == "cuda" and single
-        return config.async_scheduling
-
     def close(self) -> None:
         """Stop the TP worker ranks or pipeline stages and the grammar compiler, if any (idempotent)."""
-        if self.grammars is not None:
-            self.grammars.close()
-            self.grammars = None
+        grammar_admission: GrammarAdmission | None = getattr(self, "grammar_admission", None)
+        if grammar_admission is not None:
+            grammar_admission.close()
         runner: ModelExecutor | None = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
@@ -220,105 +175,36 @@ class LLMEngine:
             output_token_ids=output_token_ids,
             prompt_embeds=prompt_embeds,
             mm_items=mm_items,
+            lora_name=lora_name,
         )
-        if lora_name:
-            if self.lora is None:
-                raise InvalidRequestError(
-                    f"model {lora_name!r}: this engine serves no LoRA adapters (no lora settings)",
-                    field="model",
-                )
-            req.cache_salt = self.lora.admit(lora_name) + req.cache_salt
-            req.lora_name = lora_name
-        grammar = None
-        if params.structured is not None:
-            grammar = self.grammar_service().submit(*params.structured)
+        grammar = self.grammar_admission.submit(params)
         self.output_processor.add_request(req, output_token_ids)
         waits = grammar is not None and not grammar.done()
         self.scheduler.add_request(req, wait_for_grammar=waits)
-        if waits:
-            assert grammar is not None
-            self._grammar_pending[req.request_id] = grammar
-        elif grammar is not None:
-            self._share_grammar_compiler()
+        if grammar is not None:
+            self.grammar_admission.admitted(req.request_id, grammar, waits)
         return req
-
-    def _share_grammar_compiler(self) -> None:
-        """The model runner's matchers use the compile service's compiler and its cache, so
-        their first sight of a request finds its grammar compiled (never compiled on this thread)."""
-        if (
-            isinstance(self.runner, ModelRunner)
-            and self.grammars is not None
-            and self.grammars.compiler is not None
-        ):
-            self.runner.grammar.compiler = self.grammars.compiler
 
     def grammar_service(self) -> GrammarCompileService:
         """The engine's grammar compiler (made on first use; any thread: EngineLoop.admit asks
         from the event loop)."""
-        with self._grammar_lock:
-            return self._make_grammar_service()
-
-    def _make_grammar_service(self) -> GrammarCompileService:
-        if self.grammars is None:
-            from pdserve.engine.structured import GrammarCompiler
-
-            cfg, vocab, eos = self.config, self.arch.vocab_size, sorted(self.eos_token_ids) or None
-            tok = self.tokenizer
-            self.grammars = GrammarCompileService(
-                lambda: GrammarCompiler(tok if tok is not None else load_tokenizer(cfg.model), vocab, eos),
-                cfg.grammar_compile_timeout_s,
-                cfg.grammar_worker_start_timeout_s,
-                on_done=lambda: self.grammar_wake() if self.grammar_wake is not None else None,
-            )
-        return self.grammars
+        return self.grammar_admission.compile_service()
 
     def wait_for_grammars(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until a pending grammar is settled (offline use: nothing else
-        to do meanwhile); False when none is pending. The compile thread settles each one within
-        grammar_compile_timeout_s of its turn."""
-        futs = list(self._grammar_pending.values())
-        if futs:
-            wait_futures(futs, timeout=timeout_s, return_when=FIRST_COMPLETED)
-        return bool(futs)
-
-    def _admit_compiled(self) -> list[GenerationDelta]:
-        """Requests whose grammar is ready join the queue; those whose compile failed or ran out
-        of time end here with an error (they hold no blocks)."""
-        out: list[GenerationDelta] = []
-        for rid, fut in list(self._grammar_pending.items()):
-            if not fut.done():
-                continue
-            del self._grammar_pending[rid]
-            if rid not in self.scheduler.waiting_for_grammar:  # aborted meanwhile
-                continue
-            err = fut.exception()
-            if err is None:
-                self._share_grammar_compiler()
-                self.scheduler.grammar_ready(rid)
-                continue
-            req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-            assert req is not None
-            d = self._final_delta(req)
-            d.finish_reason = "error"
-            d.error = str(err) if isinstance(err, InvalidRequestError) else f"grammar compile failed: {err}"
-            out.append(d)
-        return out
+        """Block up to ``timeout_s`` until a pending grammar is settled (offline use); False when
+        none is pending (``GrammarAdmission.wait``)."""
+        return self.grammar_admission.wait(timeout_s)
 
     def abort(self, request_ids: list[str]) -> list[GenerationDelta]:
         out = []
         for r in self.scheduler.abort_requests(request_ids):
             self.num_aborted_total += 1
-            out.append(self._final_delta(r))
+            out.append(self.output_processor.final_delta(r))
         self._drop_finished_if_idle()
         return out
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished()
-
-    @property
-    def _tracked(self) -> dict[str, TrackedRequest]:
-        """Requests admitted and not yet handed their final delta (``OutputProcessor.tracked``)."""
-        return self.output_processor.tracked
+        return self.launcher.inflight is not None or self.scheduler.has_unfinished()
 
     def num_queued(self) -> int:
         """Admitted requests never scheduled yet (``AdmissionController.queued``)."""
@@ -327,50 +213,59 @@ class LLMEngine:
     def expire_queued(self, now: float | None = None) -> list[GenerationDelta]:
         """Drop requests queued longer than ``max_queue_wait_s`` (a no-op when unset): each ends
         with an ``overloaded`` error delta and holds nothing."""
-        wait = self.config.scheduler.max_queue_wait_s
-        if wait is None or not self.scheduler.waiting:
-            return []
-        t = time.monotonic() if now is None else now
-        old = [r for r in self.admission.queued() if t - r.arrival_time > wait]
-        if not old:
-            return []
-        waited = {r.request_id: t - r.arrival_time for r in old}
-        out = self.abort([r.request_id for r in old])
+        errors = self.admission.expired(now)
+        out = self.abort(list(errors)) if errors else []
         for d in out:
-            d.finish_reason, d.overloaded = "error", True
-            d.error = (
-                f"no room for the request: it waited {waited.get(d.request_id, wait):.1f} s in the "
-                f"queue (max_queue_wait_s {wait:g}); retry later"
-            )
+            d.finish_reason, d.overloaded, d.error = "error", True, errors[d.request_id]
         return out
 
     def has_runnable(self) -> bool:
         """A step would make progress: work to schedule, a launched step to process, or a
         compiled grammar to admit."""
         return (
-            self._inflight is not None
+            self.launcher.inflight is not None
             or self.scheduler.has_runnable()
-            or any(fut.done() for fut in self._grammar_pending.values())
+            or self.grammar_admission.has_ready()
         )
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[GenerationDelta]:
         """Schedule and launch one step; returns the deltas of the step that completed (this one
         when synchronous, the previous one under asynchronous scheduling)."""
-        deltas = self._admit_compiled() if self._grammar_pending else []
-        if self._inflight is not None and not self.scheduler.can_schedule_ahead():
-            deltas += self._complete_inflight()
+        deltas, sched = self._schedule()
+        deltas += self.execute_scheduled(sched)  # the model runs; a completed step's deltas
+        self._after_step()
+        return deltas
+
+    def _schedule(self) -> tuple[list[GenerationDelta], SchedulerOutput]:
+        """Requests whose grammar is settled join the queue (or end: their deltas), the in-flight
+        step is completed first when the next cannot be scheduled ahead of it, then the schedule."""
+        deltas = self.grammar_admission.admit_compiled() if self.grammar_admission.pending else []
+        if self.launcher.inflight is not None and not self.scheduler.can_schedule_ahead():
+            deltas += self.launcher.complete_inflight()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if self.spec is not None:  # a drafter with weights drafts into the allocated slots
             self.spec.fill_drafts(sched)
-        self.last_step_empty = sched.is_empty and not sched.kv_loads and self._inflight is None
-        deltas += self.execute_scheduled(sched)
+        self.last_step_empty = sched.is_empty and not sched.kv_loads and self.launcher.inflight is None
+        return deltas, sched
+
+    def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
+        """Launch ``sched``; returns the deltas of whichever step completed meanwhile."""
+        if self.offload is not None:  # copies of evicted / offloaded blocks, ahead of any write
+            self.offload.execute(sched.kv_offload, before_remote_writes=bool(sched.kv_loads))
+        if sched.kv_loads:
+            # Their blocks are allocated and counted as written by a transfer (deferred frees), so
+            # the pulls start now rather than after this step: a decode step (a few ms under load)
+            # less between a P/D request's admission and its first token here.
+            self.kv_loads.put(sched.kv_loads)
+        return self.launcher.launch(sched)
+
+    def _after_step(self) -> None:
         if self.lora is not None:  # adapters unloaded while in use go once their last request ended
             self.lora.reap(self.scheduler.requests.values())
         self._drop_finished_if_idle()
-        return deltas
 
     def _drop_finished_if_idle(self) -> None:
         """Nothing left to run: drop the finished requests' runner state (seeded generators,
@@ -382,8 +277,7 @@ class LLMEngine:
 
     def take_kv_loads(self) -> list[KVLoadSpec]:
         """Remote KV pulls the last steps asked for (decode side); the connector starts them."""
-        out, self._kv_loads = self._kv_loads, []
-        return out
+        return self.kv_loads.take()
 
     def finish_kv_load(
         self,
@@ -393,153 +287,21 @@ class LLMEngine:
         error: str = "",
         first_tokens: Sequence[int] = (),
     ) -> list[GenerationDelta]:
-        """A remote KV pull ended (decode side). ``policy`` is kv_load_failure_policy: fail | recompute.
-        ``first_tokens``: what prefill sampled, for a request admitted without them (a decode leg
-        opened with the prefill leg): they join its history as if given at admission (counted as
-        emitted, fed to the detokenizer), before it can be scheduled."""
-        if ok and first_tokens:
-            self.output_processor.add_first_tokens(request_id, first_tokens)
-        req = self.scheduler.finish_kv_load(
-            request_id, ok, recompute_on_failure=policy is KvLoadFailurePolicy.RECOMPUTE
-        )
-        if req is None or not req.is_finished or request_id not in self.output_processor.tracked:
-            return []
-        d = self._final_delta(req)
-        if req.status == RequestStatus.FINISHED_ERROR:
-            d.finish_reason, d.error = "error", f"KV transfer failed: {error or 'unknown error'}"
-        return [d]
+        """A remote KV pull ended (decode side): ``KVLoadQueue.finish``."""
+        return self.kv_loads.finish(request_id, ok, policy, error, first_tokens)
 
     def fail_all(self, message: str) -> list[GenerationDelta]:
         """Tier-three handling of an engine fault: every request ends with an error, blocks freed."""
-        if self._inflight is not None:
-            sched, pending = self._inflight
-            self._inflight = None
-            try:  # let its device work end before its blocks are reused
-                pending.result()
-            except Exception as e:  # the fault may be this very step; this rank still cleans up
-                logger.error("in-flight step %d did not complete: %s", sched.step_seq, e)
-            self.fence.advance(sched.step_seq)
-        ids = list(self.scheduler.requests)
-        self._grammar_pending.clear()
-        out, self._undelivered = self._undelivered, []
-        aborted = self.scheduler.abort_requests(ids)
-        if self._failed_step_seq is not None:
-            self.fence.advance(self._failed_step_seq)
-            self._failed_step_seq = None
+        out = self.launcher.abandon()
+        self.grammar_admission.pending.clear()
+        aborted = self.scheduler.abort_requests(list(self.scheduler.requests))
+        self.launcher.pass_failed_step()
         self.kv.process_deferred_frees()
         for r in aborted:
-            d = self._final_delta(r)
+            d = self.output_processor.final_delta(r)
             d.finish_reason, d.error = "error", message
             out.append(d)
         return out
-
-    def execute_scheduled(self, sched: SchedulerOutput) -> list[GenerationDelta]:
-        """Launch ``sched``; returns the deltas of whichever step completed meanwhile."""
-        if self.offload is not None:  # copies of evicted / offloaded blocks, ahead of any write
-            self.offload.execute(sched.kv_offload, before_remote_writes=bool(sched.kv_loads))
-        if sched.kv_loads:
-            # Their blocks are allocated and counted as written by a transfer (deferred frees), so
-            # the pulls start now rather than after this step: a decode step (a few ms under load)
-            # less between a P/D request's admission and its first token here.
-            if self.kv_load_sink is not None:
-                self.kv_load_sink(sched.kv_loads)
-            else:
-                self._kv_loads.extend(sched.kv_loads)
-        if sched.is_empty:
-            deltas = self._complete_inflight()  # nothing to overlap it with
-            self.runner.drop_finished(sched.finished_req_ids)
-            self.fence.advance(sched.step_seq)
-            return deltas
-        runner = self.runner
-        try:
-            if self.async_scheduling:
-                pending = runner.launch(sched, defer_masks=True)
-            else:
-                pending = runner.launch(sched)
-        except BaseException:
-            # The step never completes (e.g. a pipeline stage died): fail_all() passes its fence
-            # so the blocks freed for its requests are not deferred forever.
-            self._failed_step_seq = sched.step_seq
-            raise
-        n, ntok = len(sched.chunks), sched.total_num_scheduled_tokens
-        self.num_steps_total += 1
-        self.num_step_seqs_total += n
-        self.num_step_tokens_total += ntok
-        # A decode chunk computes one token (so does a prompt's one-token remainder, rarely). Every
-        # chunk holds >= 1 token, so tokens == chunks means all of them: no loop in a decode step.
-        self.num_step_decode_seqs_total += (
-            n if ntok == n else sum(1 for c in sched.chunks if c.num_tokens == 1)
-        )
-        self.num_prefill_tokens_total += sum(
-            max(0, min(c.start_pos + c.num_tokens, c.request.num_prompt_tokens) - c.start_pos)
-            for c in sched.chunks
-        )
-        if not self.async_scheduling:
-            return self._complete(sched, pending)
-        prev, self._inflight = self._inflight, (sched, pending)
-        if prev is None:
-            if pending.deferred is not None:  # a pipeline's last stage samples in full: never deferred
-                assert isinstance(runner, ModelRunner)
-                runner.sample_deferred(pending)  # every token it depends on is on the host
-            return []
-        # A step with grammar rows came back with its sampler not launched: the previous step's
-        # tokens advance the matchers first, then the masks are filled (its forward runs meanwhile).
-        return self._complete(*prev, then=pending if pending.deferred is not None else None)
-
-    def _complete_inflight(self) -> list[GenerationDelta]:
-        if self._inflight is None:
-            return []
-        prev, self._inflight = self._inflight, None
-        return self._complete(*prev)
-
-    def _complete(
-        self, sched: SchedulerOutput, pending: PendingStep, then: PendingStep | None = None
-    ) -> list[GenerationDelta]:
-        """Wait for a launched step, then advance the fence and process its samples. ``then``: the
-        next step, launched with its sampler deferred; launched here once this step's tokens are
-        in the requests' histories and before detokenizing (the host's work that can wait)."""
-        out = pending.result()
-        if then is not None:  # steady grammar rows: their accept and fill start now, on the filler
-            runner = self.runner
-            assert isinstance(runner, ModelRunner)
-            runner.prepare_deferred_sampled(then, out.sampled)
-        if self.spec is not None:  # MTP: its KV from this step's hidden states
-            self.spec.after_step(sched, out.sampled, out.spec_sampled)
-        self.fence.advance(sched.step_seq)
-        self.kv.process_deferred_frees()  # e.g. an abort while this step was in flight
-        if out.prompt_logprobs:
-            self.output_processor.add_prompt_logprobs(out.prompt_logprobs)
-        touched = self.scheduler.update_from_output(sched, out.sampled, out.spec_sampled)
-        logprobs: dict[str, TokenLogprob | list[TokenLogprob]] = dict(out.logprobs)
-        if out.spec_logprobs:
-            logprobs.update(out.spec_logprobs)
-        if then is None:
-            return self._process(touched, logprobs)
-        runner = self.runner
-        assert isinstance(runner, ModelRunner)
-        # The matchers advance now; the masks' fill (on the runner's filler thread, if any)
-        # overlaps this step's processing, and the sampler is launched after it.
-        runner.prepare_deferred(then)
-        deltas: list[GenerationDelta] = []
-        try:
-            deltas = self._process(touched, logprobs)
-        finally:
-            try:
-                runner.sample_deferred(then)
-            except BaseException:
-                self._undelivered.extend(deltas)  # fail_all() sends them
-                raise
-        return deltas
-
-    def _process(
-        self, touched: list[Request], logprobs: dict[str, TokenLogprob | list[TokenLogprob]]
-    ) -> list[GenerationDelta]:
-        """Detokenize, check stop strings and build the step's deltas (``OutputProcessor.process``);
-        a method here so that the bench's phase timers and the tests can wrap it."""
-        return self.output_processor.process(touched, logprobs)
-
-    def _final_delta(self, req: Request) -> GenerationDelta:
-        return self.output_processor.final_delta(req)
 
     # -- introspection ----------------------------------------------------------------------------
     def declined_prefix_tokens(self) -> dict[str, int]:

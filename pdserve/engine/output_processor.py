@@ -3,10 +3,10 @@
 ``OutputProcessor`` holds the engine's per-request output state (``TrackedRequest``: the
 detokenizer state, whether logprobs were asked for, the tokens already emitted, the prompt
 logprobs) and does the host's work after a step: detokenization, stop strings, logprobs.
-``LLMEngine`` owns one: it registers each admitted request (``add_request``), calls ``process``
-once per completed step on the engine thread (through ``LLMEngine._process``, the name the
-bench's phase timers and the tests wrap), and ``final_delta`` for a request that ends outside a
-step (abort, a failed KV pull, ``fail_all``).
+``LLMEngine`` owns one: it registers each admitted request (``add_request``), ``StepLauncher``
+calls ``process`` once per completed step on the engine thread (the bench's phase timers and the
+tests wrap it), and ``final_delta`` ends a request outside a step (abort, a failed KV pull or
+grammar compile, ``fail_all``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a speculative node's engine decides at start (LLMEngine calls these).
+"""What a speculative node's engine decides at start (LLMEngine and its StepLauncher call these).
 
 - Speculative steps are synchronous: the drafts of step N+1 come from the tokens step N accepts,
   so nothing can be scheduled ahead. ``async_scheduling`` is off for a speculative node (a log

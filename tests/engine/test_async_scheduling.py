@@ -169,7 +169,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tiny_models, make_llm)
     for _ in range(5):
         for d in eng.step():
             seen[d.request_id] += d.token_ids
-    assert eng._inflight is not None  # a step was launched and not yet read
+    assert eng.launcher.inflight is not None  # a step was launched and not yet read
     finals = eng.abort(["r1", "r2"])
     assert {d.request_id for d in finals} == {"r1", "r2"}
     aborted_len = {rid: len(seen[rid]) for rid in ("r1", "r2")}

@@ -178,17 +178,17 @@ def test_step_counters_sum_sequences_tokens_and_decodes(async_scheduling, tiny_m
     """The engine's step counters (the nodes' pdserve:engine_step_* metrics): one step per launch
     with something scheduled, its chunks, tokens and one-token chunks (decodes) summed."""
     llm = make_llm(tiny_models["llama"], max_num_batched_tokens=16, async_scheduling=async_scheduling)
-    eng = llm.engine
-    assert (eng.num_steps_total, eng.num_step_seqs_total, eng.num_step_tokens_total) == (0, 0, 0)
+    c = llm.engine.counters
+    assert (c.num_steps_total, c.num_step_seqs_total, c.num_step_tokens_total) == (0, 0, 0)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate([list(range(3, 23)), list(range(100, 105))], sp)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
     # 1: A's first 16 prompt tokens (the budget); 2: A's last 4 + B's 5 (both sample); 3-5: two
     # decodes each. Under asynchronous scheduling the same chunks (no row past max_tokens).
-    assert eng.num_steps_total == 5
-    assert eng.num_step_seqs_total == 1 + 2 + 3 * 2
-    assert eng.num_step_tokens_total == 16 + (4 + 5) + 3 * 2
-    assert eng.num_step_decode_seqs_total == 3 * 2
+    assert c.num_steps_total == 5
+    assert c.num_step_seqs_total == 1 + 2 + 3 * 2
+    assert c.num_step_tokens_total == 16 + (4 + 5) + 3 * 2
+    assert c.num_step_decode_seqs_total == 3 * 2
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -212,7 +212,7 @@ def test_a_kv_load_sink_gets_the_pull_when_its_blocks_are_allocated(
 
     eng.runner.launch = spy_launch
     got: list = []
-    eng.kv_load_sink = got.extend
+    eng.kv_loads.sink = got.extend
     eng.add_request(
         list(range(10, 30)),
         SamplingParams(max_tokens=3, ignore_eos=True),

@@ -93,7 +93,8 @@ def test_a_slow_compile_is_cancelled_at_its_limit_while_other_requests_keep_step
     assert len(gaps) >= 20, len(gaps)  # the others stepped meanwhile
     gaps.sort()
     assert gaps[int(0.99 * (len(gaps) - 1))] < 1.0, gaps[-5:]
-    assert eng.grammars is not None and eng.grammars.num_timeouts_total == 1
+    service = eng.grammar_admission.service
+    assert service is not None and service.num_timeouts_total == 1
     eng.abort([f"free-{i}" for i in range(4)])
     # the worker was killed; the next grammar starts a new one and then admits from the cache
     out = llm.generate(
@@ -101,7 +102,7 @@ def test_a_slow_compile_is_cancelled_at_its_limit_while_other_requests_keep_step
     )
     text = out[0].outputs[0].text
     assert text in {a + b + c + d for a in "cd" for b in "cd" for c in "cd" for d in "cd"}, text
-    assert eng.grammars.submit("regex", "[cd]{4}").done()
+    assert service.submit("regex", "[cd]{4}").done()
     assert eng.kv.pool.num_used_blocks == 0
 
 
@@ -143,4 +144,4 @@ def test_a_cached_grammar_admits_at_once_and_the_matchers_use_the_service_cache(
         deltas += eng.step()
     text = "".join(d.text for d in deltas)
     assert len(text) == 5 and set(text) <= {"x", "y"}, text
-    assert eng.runner.grammar.compiler is eng.grammars.compiler
+    assert eng.runner.grammar.compiler is eng.grammar_admission.service.compiler

@@ -23,7 +23,7 @@ def test_queue_limit_refuses_and_frees_room_once_scheduled(tiny_models, make_llm
     eng.add_request([5, 6, 8], LONG, "b")
     with pytest.raises(CapacityError, match=r"queue is full .*max_queue_len 2"):
         eng.add_request([5, 6, 9], LONG, "c")
-    assert "c" not in eng._tracked  # refused before anything was admitted
+    assert "c" not in eng.output_processor.tracked  # refused before anything was admitted
     eng.step()  # "a" runs: one waiting now, room for one more
     eng.add_request([5, 6, 9], LONG, "c")
     with pytest.raises(CapacityError):

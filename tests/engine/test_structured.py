@@ -232,7 +232,7 @@ def test_finishing_and_aborted_constrained_rows_with_a_step_in_flight(device, ti
             text[d.request_id] += d.text
             if d.finish_reason is not None:
                 reasons[d.request_id] = d.finish_reason
-    assert eng._inflight is not None and "abort" not in reasons
+    assert eng.launcher.inflight is not None and "abort" not in reasons
     for d in eng.abort(["abort"]):
         reasons[d.request_id] = d.finish_reason
     aborted_text = text["abort"]
@@ -278,7 +278,7 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
     import sys
     import threading
 
-    from pdserve.engine import grammar_masks, llm_engine, structured
+    from pdserve.engine import grammar_masks, output_processor, structured
 
     rows = _mixed(16, temperature=1.0)
     params = [sp for _, sp in rows]
@@ -289,7 +289,7 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
         llm.engine.runner.grammar.use_filler = use
         order: list[str] = []
         fill = structured.fill_bitmask
-        process = llm_engine.LLMEngine._process
+        process = output_processor.OutputProcessor.process
         submit = structured.BitmaskFiller.submit
         wait = structured.BitmaskFill.wait
 
@@ -311,7 +311,7 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
 
         monkeypatch.setattr(structured, "fill_bitmask", spy_fill)  # the filler thread's
         monkeypatch.setattr(grammar_masks, "fill_bitmask", spy_fill)  # inline
-        monkeypatch.setattr(llm_engine.LLMEngine, "_process", spy_process)
+        monkeypatch.setattr(output_processor.OutputProcessor, "process", spy_process)
         monkeypatch.setattr(structured.BitmaskFiller, "submit", spy_submit)
         monkeypatch.setattr(structured.BitmaskFill, "wait", spy_wait)
         early: list[bool] = []

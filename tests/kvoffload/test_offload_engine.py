@@ -43,9 +43,9 @@ def _conversation(
             else:
                 f.write_bytes(bytes(data[: len(data) // 2]))
     turn2 = turn1 + list(out1) + [rng.randrange(vocab) for _ in range(30)]
-    before = eng.num_prefill_tokens_total
+    before = eng.counters.num_prefill_tokens_total
     out2 = llm.generate({"prompt_token_ids": turn2}, greedy)[0].outputs[0].token_ids
-    return turn2, list(out2), eng.num_prefill_tokens_total - before
+    return turn2, list(out2), eng.counters.num_prefill_tokens_total - before
 
 
 def _wait_for_disk_writes(disk: Any, timeout_s: float = 10.0) -> None:

@@ -85,7 +85,7 @@ def test_admit_checks_the_grammar_size_first_and_refuses_a_slow_compile(tiny_mod
         try:
             with pytest.raises(InvalidRequestError, match="max_grammar_bytes"):
                 await el.admit([1, 2], SamplingParams(structured=("json_schema", big)), "big", print)
-            assert llm.engine.grammars is None  # refused before any compile started
+            assert llm.engine.grammar_admission.service is None  # refused before any compile started
             with pytest.raises(InvalidRequestError, match=r"grammar_compile_timeout_s=0\.5"):
                 await el.admit([1, 2], SamplingParams(structured=("json_schema", slow)), "slow", print)
             assert not llm.engine.has_unfinished() and not el._streams

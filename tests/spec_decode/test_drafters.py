@@ -179,7 +179,7 @@ def test_mtp_kv_moves_from_prefill_to_decode(mtp_model: Any) -> None:
         prefill.step()
         ((first, src_blocks),) = held
         loads: list[Any] = []
-        decode.kv_load_sink = loads.extend
+        decode.kv_loads.sink = loads.extend
         decode.add_request(
             prompt,
             greedy,
