@@ -259,7 +259,7 @@ class LLMEngine:
 
     def _make_grammar_service(self) -> GrammarCompileService:
         if self.grammars is None:
-            from pdserve.engine.structured import GrammarCompiler
+            from pdserve.engine.grammar_compile import GrammarCompiler
 
             cfg, vocab, eos = self.config, self.arch.vocab_size, sorted(self.eos_token_ids) or None
             tok = self.tokenizer
