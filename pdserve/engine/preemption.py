@@ -8,14 +8,10 @@ computed again from its prompt and the tokens it has. No torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.waiting_queue import insert_waiting
-
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import Scheduler
 
 
 def pick_victim(running: list[Request], policy: str) -> Request:
@@ -24,18 +20,23 @@ def pick_victim(running: list[Request], policy: str) -> Request:
 
 
 def preempt(
-    sched: Scheduler, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput
+    victim: Request,
+    running: list[Request],
+    waiting: list[Request],
+    policy: str,
+    kv: KVCacheManager,
+    scheduled: dict[str, ScheduledChunk],
+    out: SchedulerOutput,
 ) -> None:
-    """Preempt ``victim``: its chunk leaves ``scheduled``, it leaves ``sched.running`` for the
-    waiting queue, and ``out.preempted_req_ids`` names it."""
+    """Preempt ``victim``: its chunk leaves ``scheduled``, its blocks are freed, it moves from
+    ``running`` to ``waiting`` (in ``policy`` order) and ``out.preempted_req_ids`` names it."""
     scheduled.pop(victim.request_id, None)
-    sched.running.remove(victim)
-    sched.kv.free(victim.request_id)
+    running.remove(victim)
+    kv.free(victim.request_id)
     # can_free_now() passed, so no step in flight computes for the victim.
     assert victim.num_output_placeholders == 0, victim.request_id
     victim.status = RequestStatus.PREEMPTED
     victim.num_computed_tokens = 0
     victim.num_preemptions += 1
-    sched.num_preemptions_total += 1
-    insert_waiting(sched.waiting, victim, sched.policy)
+    insert_waiting(waiting, victim, policy)
     out.preempted_req_ids.append(victim.request_id)

@@ -14,27 +14,28 @@ node's pull when ``hold_for_transfer`` says so (``Scheduler.held_for_transfer``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.kvtransfer.params import KVLoadSpec, RemoteDecodeParams, RemotePrefillParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import Scheduler
 
-
-def start_kv_load(sched: Scheduler, req: Request, params: RemotePrefillParams, out: SchedulerOutput) -> bool:
+def start_kv_load(
+    kv: KVCacheManager,
+    waiting_for_kv: dict[str, Request],
+    req: Request,
+    params: RemotePrefillParams,
+    out: SchedulerOutput,
+) -> bool:
     """Decode side: all prompt KV comes from the prefill node. Blocks for the whole prompt are
-    allocated now; the pull writes into them. False: no blocks for it (nothing changed)."""
-    kv = sched.kv
+    allocated now; the pull writes into them. True: ``req`` is in ``waiting_for_kv`` (the caller
+    takes it out of the waiting queue); False: no blocks for it (nothing changed)."""
     num_remote = req.num_prompt_tokens
     if kv.allocate_slots(req, num_remote, group_start=num_remote) is None:
         return False
-    sched.waiting.pop(0)
     req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-    sched.waiting_for_kv[req.request_id] = req
+    waiting_for_kv[req.request_id] = req
     kv.begin_inflight_write(req.request_id)
     groups = tuple(tuple(t) for t in kv.group_block_ids_views(req.request_id))
     out.kv_loads.append(KVLoadSpec(req.request_id, kv.block_ids(req.request_id), num_remote, params, groups))

@@ -137,7 +137,8 @@ class Scheduler:
                     stop_trying = True
                     break
                 victim_index = self.running.index(victim)
-                preempt(self, victim, scheduled, out)
+                preempt(victim, self.running, self.waiting, self.policy, self.kv, scheduled, out)
+                self.num_preemptions_total += 1
                 if victim_index < i:  # an already-scheduled request left the list before us
                     i -= 1
                 budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())

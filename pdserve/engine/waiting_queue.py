@@ -14,16 +14,15 @@ first request that does not fit ends admission for the step: nothing behind it j
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from pdserve.config.engine import SchedulerConfig
 from pdserve.engine.block_pool import KVCacheBlock
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.remote_kv import start_kv_load
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.kvtransfer.params import RemotePrefillParams
-
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import Scheduler
 
 
 def insert_waiting(waiting: list[Request], req: Request, policy: str) -> None:
@@ -33,16 +32,33 @@ def insert_waiting(waiting: list[Request], req: Request, policy: str) -> None:
     waiting.insert(bisect.bisect_right(keys, key), req)
 
 
-def admit_waiting(sched: Scheduler, budget: int, out: SchedulerOutput) -> list[tuple[Request, int]]:
-    """Admit waiting requests within ``budget`` tokens: each leaves ``sched.waiting`` for
-    ``sched.running`` (its blocks allocated, its prefix hit counted as computed) or, decode side,
-    for ``sched.waiting_for_kv`` (a ``KVLoadSpec`` appended to ``out``). Returns the running
-    admissions in order, each with its first chunk's token count."""
-    cfg, kv = sched.config, sched.kv
+class SchedulerQueues(Protocol):
+    """What admission reads of the scheduler (``Scheduler`` is one), and the queues it moves
+    requests between."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    max_loras: int | None
+    waiting: list[Request]
+    running: list[Request]
+    waiting_for_kv: dict[str, Request]
+
+
+def admit_waiting(q: SchedulerQueues, budget: int, out: SchedulerOutput) -> list[tuple[Request, int]]:
+    """Admit waiting requests within ``budget`` tokens: each leaves ``q.waiting`` for
+    ``q.running`` (its blocks allocated, its prefix hit counted as computed) or, decode side, for
+    ``q.waiting_for_kv`` (a ``KVLoadSpec`` appended to ``out``). Returns the admissions to
+    ``q.running`` in order, each with its first chunk's token count."""
+    cfg, kv, max_loras = q.config, q.kv, q.max_loras
+    waiting, running, waiting_for_kv = q.waiting, q.running, q.waiting_for_kv
     admitted: list[tuple[Request, int]] = []
-    while sched.waiting and budget > 0 and len(sched.running) < cfg.max_num_seqs:
-        req = sched.waiting[0]
-        if req.lora_name and sched.max_loras is not None and lora_slots_full(sched, req.lora_name):
+    while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+        req = waiting[0]
+        if (
+            req.lora_name
+            and max_loras is not None
+            and lora_slots_full(running, waiting_for_kv, max_loras, req.lora_name)
+        ):
             break  # its adapter needs a slot no running request's adapter gives up yet
         params = req.kv_transfer_params
         if (
@@ -50,8 +66,9 @@ def admit_waiting(sched: Scheduler, budget: int, out: SchedulerOutput) -> list[t
             and req.num_computed_tokens == 0
             and req.num_preemptions == 0
         ):
-            if not start_kv_load(sched, req, params, out):
+            if not start_kv_load(kv, waiting_for_kv, req, params, out):
                 break
+            waiting.pop(0)
             continue
         hit_blocks: list[KVCacheBlock] = []
         num_hit = 0
@@ -81,20 +98,21 @@ def admit_waiting(sched: Scheduler, budget: int, out: SchedulerOutput) -> list[t
             ids = kv.block_ids_view(req.request_id)[first : first + len(off.slots)]
             kv.offload.commit(off, ids, out.step_seq)  # type: ignore[union-attr]
             num_hit += num_off
-        sched.waiting.pop(0)
+        waiting.pop(0)
         if req.num_preemptions == 0 or req.num_cached_tokens == 0:
             req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
         req.num_computed_tokens += num_hit
         req.status = RequestStatus.RUNNING
-        sched.running.append(req)
+        running.append(req)
         admitted.append((req, num_new))
         budget -= num_new
     return admitted
 
 
-def lora_slots_full(sched: Scheduler, lora_name: str) -> bool:
+def lora_slots_full(
+    running: list[Request], waiting_for_kv: dict[str, Request], max_loras: int, lora_name: str
+) -> bool:
     """Whether admitting a request of ``lora_name`` would make the running adapters exceed max_loras."""
-    active = {r.lora_name for r in sched.running if r.lora_name}
-    active.update(r.lora_name for r in sched.waiting_for_kv.values() if r.lora_name)
-    assert sched.max_loras is not None
-    return lora_name not in active and len(active) >= sched.max_loras
+    active = {r.lora_name for r in running if r.lora_name}
+    active.update(r.lora_name for r in waiting_for_kv.values() if r.lora_name)
+    return lora_name not in active and len(active) >= max_loras
