@@ -67,7 +67,7 @@ def run(
 # "fill" runs on the filler thread when there is one (not on the step's critical path then).
 def _phase_targets() -> list[tuple[Any, str, str]]:
     from pdserve import kernels
-    from pdserve.engine import grammar_masks, llm_engine, model_runner, scheduler, structured
+    from pdserve.engine import bitmask_filler, grammar_masks, llm_engine, model_runner, scheduler, structured
     from pdserve.engine.output_processor import OutputProcessor
 
     return [
@@ -81,7 +81,7 @@ def _phase_targets() -> list[tuple[Any, str, str]]:
         (structured.SteadyRows, "take", "  of it: steady rows (bookkeeping)"),
         (grammar_masks, "_batch_accept", "  of it: accept inline (steady rows, no filler)"),
         (grammar_masks.GrammarMasker, "_host", "  of it: bitmask buffer"),
-        (structured.BitmaskFiller, "submit", "  of it: submit to the filler"),
+        (bitmask_filler.BitmaskFiller, "submit", "  of it: submit to the filler"),
         (OutputProcessor, "process", "detokenize, deltas (OutputProcessor.process)"),
         (grammar_masks.GrammarMasker, "wait", "grammar: wait for the fill (+accept)"),
         (grammar_masks.GrammarMasker, "_on_device", "grammar: bitmask to the kernel (in place / copy)"),
@@ -90,7 +90,9 @@ def _phase_targets() -> list[tuple[Any, str, str]]:
         (kernels, "argmax_rows", "argmax kernel (unconstrained greedy)"),
         (model_runner.ModelRunner, "sample_deferred", "sampler launch (sample_deferred)"),
         (structured, "_batch_accept", "accept (filler thread if on)"),
+        (bitmask_filler, "_batch_accept", "accept (filler thread if on)"),  # its own import
         (structured, "fill_bitmask", "fill (xgrammar; filler thread if on)"),
+        (bitmask_filler, "fill_bitmask", "fill (xgrammar; filler thread if on)"),  # its own import
         (grammar_masks, "fill_bitmask", "fill (xgrammar; filler thread if on)"),  # its own import
     ]
 

@@ -18,11 +18,11 @@ from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from pdserve.config.engine import EngineConfig
+from pdserve.engine.grammar_spec import check_size
 from pdserve.engine.mm_inputs import check_mm_items
 from pdserve.engine.request import MultiModalItem, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.structured import check_size
 from pdserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from pdserve.kvtransfer.params import KVTransferParams, RemotePrefillParams
 from pdserve.lora.serving import LoRAServing

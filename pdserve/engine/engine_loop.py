@@ -27,11 +27,11 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from pdserve.distributed.workers import WorkerError
+from pdserve.engine.grammar_spec import check_size
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import GenerationDelta, merge_deltas
 from pdserve.engine.request import MultiModalItem
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import check_size
 from pdserve.errors import EngineDeadError, EngineWedgedError
 from pdserve.kvtransfer.params import KVLoadSpec, KVTransferParams
 

@@ -67,7 +67,7 @@ class GrammarAdmission:
 
     def _make_service(self) -> GrammarCompileService:
         if self.service is None:
-            from pdserve.engine.structured import GrammarCompiler
+            from pdserve.engine.grammar_compile import GrammarCompiler
 
             cfg, vocab, eos = self.config, self.arch.vocab_size, sorted(set(self.arch.eos_token_ids)) or None
             tok = self.tokenizer

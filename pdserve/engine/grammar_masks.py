@@ -30,19 +30,11 @@ import torch
 
 from pdserve import kernels
 from pdserve.config.engine import EngineConfig
+from pdserve.engine.bitmask_filler import FILLER_SWITCH_INTERVAL_S, BitmaskFill, BitmaskFiller
+from pdserve.engine.grammar_compile import GrammarCompiler
 from pdserve.engine.host_batch import PinnedStaging
 from pdserve.engine.request import Request
-from pdserve.engine.structured import (
-    FILLER_SWITCH_INTERVAL_S,
-    BitmaskFill,
-    BitmaskFiller,
-    GrammarCompiler,
-    GrammarState,
-    SteadyRows,
-    _batch_accept,
-    advance,
-    fill_bitmask,
-)
+from pdserve.engine.structured import GrammarState, SteadyRows, _batch_accept, advance, fill_bitmask
 
 
 @dataclass

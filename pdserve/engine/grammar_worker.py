@@ -44,7 +44,7 @@ def _reply(out: TextIO, msg: dict[str, Any]) -> None:
 def serve(inp: TextIO, out: TextIO) -> None:
     import xgrammar as xgr
 
-    from pdserve.engine.structured import _grammar
+    from pdserve.engine.grammar_spec import _grammar
 
     first = inp.readline()
     if not first:

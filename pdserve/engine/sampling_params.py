@@ -45,7 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Structured outputs: (kind, spec), kind one of structured.KINDS (json_schema: the schema as
+    # Structured outputs: (kind, spec), kind one of grammar_spec.KINDS (json_schema: the schema as
     # JSON text; choice: a JSON list of strings). None: unconstrained.
     structured: tuple[str, str] | None = None
     # False: deltas carry token ids and no text (as vLLM's ``detokenize``). The router sets it
@@ -111,10 +111,10 @@ class SamplingParams:
             "must be non-negative token ids",
         )
         if self.structured is not None:
-            from pdserve.engine import structured  # lazy: xgrammar only for constrained requests
+            from pdserve.engine import grammar_spec  # lazy: xgrammar only for constrained requests
 
             kind, spec = self.structured
-            structured.check(kind, spec)
+            grammar_spec.check(kind, spec)
         if self.seed is not None:
             _check(
                 isinstance(self.seed, int) and 0 <= self.seed < _SEED_MOD,

@@ -3,53 +3,32 @@
 One step:  schedule() -> SchedulerOutput -> (model runner) -> update_from_output().
 
 Running requests are served first (each gets up to its gap ``num_tokens - num_computed``
-within the token budget), then waiting ones are admitted in policy order. When a running
-request cannot get a block, the lowest-ranked running request is preempted (its blocks freed,
-its counter reset to 0) — unless its blocks cannot be freed *now* (an in-flight step or
-transfer may still write them): then scheduling stops for this step before touching any
-state (docs/design.md §4: zero progress, zero side effects).
+within the token budget), then waiting ones are admitted in policy order (``waiting_queue``).
+When a running request cannot get a block, the lowest-ranked running request is preempted
+(``preemption``: its blocks freed, its counter reset to 0) — unless its blocks cannot be
+freed *now* (an in-flight step or transfer may still write them): then scheduling stops for
+this step before touching any state (docs/design.md §4: zero progress, zero side effects).
 
 ``schedule()`` advances each scheduled request's ``num_computed_tokens`` at once, and counts
 a token it will sample as a placeholder, so the next step can be scheduled while this one
-still runs on the GPU (asynchronous scheduling, ``LLMEngine``):
-
-    step N   scheduled, launched            request r: num_computed = p, placeholders = 1
-    step N+1 scheduled before N's tokens     r's chunk: position p, input token = N's sample,
-             are known on the host           fed on the device (the runner)
-    N's output processed                     r: token appended, placeholders = 0; a stop found
-                                             now wastes r's row in N+1 (its token is dropped)
-
-A request whose in-flight token is its last by length (max_tokens, max_model_len) is not
-scheduled ahead. ``can_schedule_ahead()`` says when looking ahead is safe: no request with a
-token in flight needs its token history for sampling (penalties, min_tokens), and the free
-blocks cover every running request's next chunk, so no preemption can be needed.
+still runs on the GPU (asynchronous scheduling, ``LLMEngine``; ``schedule_ahead``).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from pdserve.config.engine import SchedulerConfig
-from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.preemption import pick_victim, preempt
+from pdserve.engine.remote_kv import hold_for_transfer
 from pdserve.engine.request import Request, RequestStatus, next_arrival_seq
+from pdserve.engine.schedule_ahead import can_schedule_ahead, check_stop, finishes_by_length
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from pdserve.kvtransfer.params import KVLoadSpec, RemoteDecodeParams, RemotePrefillParams
+from pdserve.engine.scheduler_stats import SchedulerStats
+from pdserve.engine.waiting_queue import admit_waiting, insert_waiting
 from pdserve.spec_decode.scheduling import SpecScheduling
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_for_remote_kv: int
-    num_held_for_transfer: int
-    kv_usage: float
-    prefix_hit_rate: float
-    num_preemptions_total: int
 
 
 class Scheduler:
@@ -91,7 +70,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar[req.request_id] = req
         else:
-            self._insert_waiting(req)
+            insert_waiting(self.waiting, req, self.policy)
 
     def grammar_ready(self, request_id: str) -> Request | None:
         """The request's grammar compiled: it joins the waiting queue (None: it is gone), as if it
@@ -101,13 +80,8 @@ class Scheduler:
         if req is not None:
             req.arrival_time, req.arrival_seq = time.monotonic(), next_arrival_seq()
             req.status = RequestStatus.WAITING
-            self._insert_waiting(req)
+            insert_waiting(self.waiting, req, self.policy)
         return req
-
-    def _insert_waiting(self, req: Request) -> None:
-        key = req.sort_key(self.policy)
-        keys = [r.sort_key(self.policy) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, key), req)
 
     def finished_pending(self) -> list[str]:
         """Requests finished since the last schedule (the next SchedulerOutput's finished ids)."""
@@ -126,10 +100,6 @@ class Scheduler:
             len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.waiting_for_grammar)
         )
 
-    def _pick_victim(self) -> Request:
-        # The lowest-ranked running request: the last by policy order.
-        return max(self.running, key=lambda r: r.sort_key(self.policy))
-
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._step_seq += 1
@@ -147,7 +117,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             ph = req.num_output_placeholders
-            if ph and self._finishes_by_length(req):
+            if ph and finishes_by_length(req, self.max_model_len):
                 i += 1  # its token in flight is its last: nothing to compute ahead
                 continue
             gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
@@ -160,14 +130,15 @@ class Scheduler:
             while True:
                 if self.kv.allocate_slots(req, num_new) is not None:
                     break
-                victim = self._pick_victim()
+                victim = pick_victim(self.running, self.policy)
                 if not self.kv.can_free_now(victim.request_id):
                     # Zero progress must have zero side effects: nothing has been changed for
                     # this attempt; stop scheduling for this step.
                     stop_trying = True
                     break
                 victim_index = self.running.index(victim)
-                self._preempt(victim, scheduled, out)
+                preempt(victim, self.running, self.waiting, self.policy, self.kv, scheduled, out)
+                self.num_preemptions_total += 1
                 if victim_index < i:  # an already-scheduled request left the list before us
                     i -= 1
                 budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in scheduled.values())
@@ -183,7 +154,8 @@ class Scheduler:
 
         # 2. Waiting requests (not after a preemption or a stop: memory is short).
         if not stop_trying and not out.preempted_req_ids:
-            self._admit_waiting(budget, scheduled, out)
+            for req, num_new in admit_waiting(self, budget, out):
+                scheduled[req.request_id] = self._chunk(req, num_new)
 
         out.chunks = list(scheduled.values())
         out.total_num_scheduled_tokens = sum(c.num_tokens for c in out.chunks)
@@ -212,126 +184,10 @@ class Scheduler:
             self.kv.group_block_ids_views(req.request_id),
         )
 
-    def _finishes_by_length(self, req: Request) -> bool:
-        """Whether the tokens sampled so far (in flight included) already end the request."""
-        max_tokens = req.sampling_params.max_tokens
-        num_out = len(req.output_token_ids) + req.num_output_placeholders
-        return (max_tokens is not None and num_out >= max_tokens) or (
-            len(req.prompt_token_ids) + num_out >= self.max_model_len
-        )
-
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled while the last one's tokens are still in flight.
-
-        No: a request with a token in flight samples from its token history (penalties, or
-        min_tokens not yet reached: the host's history lacks the in-flight token), or the free
-        blocks might not cover every running request's next chunk (a preemption would have to
-        wait for the in-flight step). The engine then completes the in-flight step first.
-        A grammar does not need this: its mask is filled after the in-flight step's tokens
-        reached the host, while the next step's forward already runs (``LLMEngine``).
-        """
-        bound = 0  # an upper bound of the blocks needed: 1 per decode, ceil(gap / bs) + 1 else
-        bs = self.kv.block_size
-        gaps: list[tuple[Request, int]] = []
-        for req in self.running:
-            ph = req.num_output_placeholders
-            if ph:
-                sp = req.sampling_params
-                if sp.has_penalties or len(req.output_token_ids) < sp.min_tokens:
-                    return False
-            gap = len(req.prompt_token_ids) + len(req.output_token_ids) + ph - req.num_computed_tokens
-            if gap > 0:
-                bound += 1 if gap == 1 else 1 + -(-gap // bs)
-                gaps.append((req, gap))
-        free = self.kv.pool.num_free_blocks
-        if bound <= free:
-            return True
-        return sum(self.kv.num_new_blocks(req, gap) for req, gap in gaps) <= free
-
-    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
-        scheduled.pop(victim.request_id, None)
-        self.running.remove(victim)
-        self.kv.free(victim.request_id)
-        # can_free_now() passed, so no step in flight computes for the victim.
-        assert victim.num_output_placeholders == 0, victim.request_id
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self._insert_waiting(victim)
-        out.preempted_req_ids.append(victim.request_id)
-
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
-        cfg = self.config
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
-            if req.lora_name and self.max_loras is not None and self._lora_slots_full(req.lora_name):
-                break  # its adapter needs a slot no running request's adapter gives up yet
-            params = req.kv_transfer_params
-            if (
-                isinstance(params, RemotePrefillParams)
-                and req.num_computed_tokens == 0
-                and req.num_preemptions == 0
-            ):
-                # Decode side: all prompt KV comes from the prefill node. Blocks for the whole
-                # prompt are allocated now; the pull writes into them.
-                num_remote = req.num_prompt_tokens
-                if self.kv.allocate_slots(req, num_remote, group_start=num_remote) is None:
-                    break
-                self.waiting.pop(0)
-                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                self.waiting_for_kv[req.request_id] = req
-                self.kv.begin_inflight_write(req.request_id)
-                groups = tuple(tuple(t) for t in self.kv.group_block_ids_views(req.request_id))
-                out.kv_loads.append(
-                    KVLoadSpec(req.request_id, self.kv.block_ids(req.request_id), num_remote, params, groups)
-                )
-                continue
-            hit_blocks: list[KVCacheBlock] = []
-            num_hit = 0
-            off = None
-            # A prefix hit has no logits: prompt logprobs need every prompt position computed.
-            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                # Blocks past the device hit that the offload tier holds: loaded into new blocks
-                # (looked up only when the rest of the prompt fits: a request that waits for
-                # memory would read and pin them again every step).
-                if self.kv.pool.num_free_blocks >= self.kv.num_blocks_needed(req.num_tokens) - len(
-                    hit_blocks
-                ):
-                    off = self.kv.get_offloaded_blocks(req, len(hit_blocks))
-            num_off = off.num_tokens if off is not None else 0
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_off
-            if num_new > budget:
-                if not cfg.enable_chunked_prefill:
-                    if off is not None:
-                        self.kv.offload.cancel(off)  # type: ignore[union-attr]
-                    break
-                num_new = budget
-            if self.kv.allocate_slots(req, num_off + num_new, hit_blocks, num_hit) is None:
-                if off is not None:
-                    self.kv.offload.cancel(off)  # type: ignore[union-attr]
-                break
-            if off is not None:
-                first = len(hit_blocks)
-                ids = self.kv.block_ids_view(req.request_id)[first : first + len(off.slots)]
-                self.kv.offload.commit(off, ids, out.step_seq)  # type: ignore[union-attr]
-                num_hit += num_off
-            self.waiting.pop(0)
-            if req.num_preemptions == 0 or req.num_cached_tokens == 0:
-                req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
-            req.num_computed_tokens += num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled[req.request_id] = self._chunk(req, num_new)
-            budget -= num_new
-
-    def _lora_slots_full(self, lora_name: str) -> bool:
-        """Whether admitting a request of ``lora_name`` would make the running adapters exceed max_loras."""
-        active = {r.lora_name for r in self.running if r.lora_name}
-        active.update(r.lora_name for r in self.waiting_for_kv.values() if r.lora_name)
-        assert self.max_loras is not None
-        return lora_name not in active and len(active) >= self.max_loras
+        """Whether the next step may be scheduled while the last one's tokens are still in
+        flight (``schedule_ahead.can_schedule_ahead``)."""
+        return can_schedule_ahead(self.running, self.kv)
 
     # -- after the step --------------------------------------------------------------------
     def update_from_output(
@@ -365,25 +221,10 @@ class Scheduler:
             token = sampled[req.request_id]
             req.output_token_ids.append(token)
             touched.append(req)
-            status = self._check_stop(req, token)
+            status = check_stop(req, token, self.max_model_len)
             if status is not None:
                 self.finish_request(req.request_id, status)
         return touched
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if num_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and num_out >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if len(req.prompt_token_ids) + num_out >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request wherever it is; frees or hands over its blocks."""
@@ -408,13 +249,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self._finished_since_last_step.append(req.request_id)
-        if (
-            isinstance(req.kv_transfer_params, RemoteDecodeParams)
-            and req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
-            and self._on_hold is not None
-            and self.kv.holds(req.request_id)
-            and self._on_hold(req, self.kv.block_ids(req.request_id))
-        ):
+        if hold_for_transfer(self.kv, req, self._on_hold):
             self.held_for_transfer[req.request_id] = req
             return
         self.kv.free(req.request_id)
@@ -451,7 +286,7 @@ class Scheduler:
             self.kv.free(request_id)
             req.kv_transfer_params = None
             req.status = RequestStatus.WAITING
-            self._insert_waiting(req)
+            insert_waiting(self.waiting, req, self.policy)
             return req
         self.requests.pop(request_id, None)
         req.status = RequestStatus.FINISHED_ERROR

@@ -1,8 +1,10 @@
-"""Structured outputs: grammar-constrained sampling with xgrammar.
-
-A request's constraint is a ``(kind, spec)`` pair on its SamplingParams (kinds below). The
-grammar is checked where the params are built (the router, or a node reading the proto), so a
-bad schema or regex is a 400 / INVALID_ARGUMENT naming the problem before anything runs.
+"""Structured outputs: grammar-constrained sampling with xgrammar; here, the per-step matcher
+state. ``GrammarState`` is a request's matcher, ``advance`` catches matchers up with their
+requests' new tokens (one batched accept in the steady state), ``SteadyRows`` the same for a
+step whose rows are those of the step before, ``fill_bitmask`` writes the live rows' allowed
+next tokens. The rest: a constraint's kinds and check, before anything runs (``grammar_spec``);
+its compile and cache (``grammar_compile``); the fill thread (``bitmask_filler``); a step's
+masks, owned by the model runner (``grammar_masks.GrammarMasker``).
 
 The model runner masks each constrained row's logits in place with its matcher's token bitmask
 before the argmax or the sampler (``kernels.apply_token_bitmask_``). Under asynchronous
@@ -17,135 +19,12 @@ engine thread under a size and a time limit (``pdserve.engine.grammar_compile``)
 
 from __future__ import annotations
 
-import collections
 import functools
-import hashlib
-import json
-import queue
-import sys
-import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config.engine import usable_cpus
-from pdserve.errors import InvalidRequestError
-
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-# OpenAI's ``json_object``: any JSON *object* (xgrammar's builtin JSON grammar also takes arrays
-# and scalars at the top); strict_mode off so the object may hold any keys.
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# The longest constraint spec (a JSON schema's text, a regex, an EBNF grammar) accepted by
-# default: router.max_grammar_bytes at the router, max_grammar_bytes on a node. A 1 MB schema of
-# 20,000 string properties took 2.1 s only to parse and did not compile in 9.5 minutes.
-DEFAULT_MAX_GRAMMAR_BYTES = 65536
-# Compiled grammars kept per tokenizer (GrammarCompiler's cache).
-GRAMMAR_CACHE_ENTRIES = 256
-
-
-def grammar_key(kind: str, spec: str) -> str:
-    """The cache key of a constraint: SHA-256 of its kind and spec."""
-    return hashlib.sha256(f"{kind}\0{spec}".encode()).hexdigest()
-
-
-def _grammar(kind: str, spec: str) -> Any:  # -> xgrammar.Grammar
-    import xgrammar as xgr  # lazy: the scheduler's import path stays free of torch
-
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
-    if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(spec)
-    if kind == "grammar":
-        return xgr.Grammar.from_ebnf(spec)
-    if kind == "choice":
-        choices = json.loads(spec)
-        # EBNF string literals take JSON's escapes.
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
-    raise AssertionError(kind)
-
-
-def check_size(spec: str, max_bytes: int, setting: str, field: str = "response_format") -> None:
-    """Raise InvalidRequestError naming ``setting`` when ``spec`` is longer than ``max_bytes``
-    (UTF-8): checked before anything parses or compiles it."""
-    num_bytes = len(spec.encode())
-    if num_bytes > max_bytes:
-        raise InvalidRequestError(
-            f"the structured-output constraint (schema, regex or grammar) is {num_bytes} bytes; at "
-            f"most {max_bytes} are accepted ({setting}): send a smaller one",
-            field=field,
-        )
-
-
-@functools.lru_cache(maxsize=256)
-def check(kind: str, spec: str) -> None:
-    """Raise InvalidRequestError naming the problem when the constraint does not parse."""
-    if kind not in KINDS:
-        raise InvalidRequestError(f"structured_outputs: unknown kind {kind!r}; one of {KINDS}", field=kind)
-    if kind == "choice":
-        try:
-            choices = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"choice: not a JSON list: {e}", field="choice") from e
-        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
-            raise InvalidRequestError("choice: must be a non-empty list of non-empty strings", field="choice")
-    try:
-        _grammar(kind, spec)
-    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise InvalidRequestError(f"invalid {kind}: {msg}", field=kind) from e
-
-
-class GrammarCompiler:
-    """One per engine: compiles constraints for a tokenizer, cached by ``grammar_key``. The
-    engine's compile thread fills the cache (GrammarCompileService); the engine thread's
-    matchers read it, so the cache is guarded by a lock."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
-        import xgrammar as xgr
-
-        # The grammar covers the tokenizer's ids only, not the model's padded vocabulary: ids past
-        # the tokenizer are no token at all, the mask kernel bans every column past the bitmask,
-        # and xgrammar's accept_token costs grow with the padding (36 µs instead of 1.7 per token
-        # for a 616-token tokenizer in a 128,256-row LM head: the grammar bench's Llama-1B shape).
-        mask_vocab = min(vocab_size, max(len(tokenizer), max(stop_token_ids or [0]) + 1))
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=mask_vocab, stop_token_ids=stop_token_ids
-        )
-        self.vocab_size = vocab_size
-        self.stop_ids = frozenset(info.stop_token_ids)  # what advance() checks for the end
-        self.mask_vocab = mask_vocab  # ids the bitmask covers; every id from here on is banned
-        self.mask_words = (mask_vocab + 31) // 32  # int32 words per bitmask row
-        self.info = info  # what a compile worker process rebuilds (TokenizerInfo.serialize_json)
-        # xgrammar's own cache is keyed by the grammar and unbounded: ours replaces it.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def cached(self, kind: str, spec: str) -> Any | None:  # -> xgrammar.CompiledGrammar | None
-        key = grammar_key(kind, spec)
-        with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
-            return compiled
-
-    def compile(self, kind: str, spec: str) -> Any:  # -> xgrammar.CompiledGrammar
-        """The cached grammar, else compiled here (xgrammar lets go of the GIL meanwhile)."""
-        compiled = self.cached(kind, spec)
-        if compiled is None:
-            compiled = self._compiler.compile_grammar(_grammar(kind, spec))
-            with self._lock:
-                self._cache[grammar_key(kind, spec)] = compiled
-                while len(self._cache) > GRAMMAR_CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-        return compiled
-
-    def matcher(self, kind: str, spec: str) -> GrammarState:
-        import xgrammar as xgr
-
-        return GrammarState(xgr.GrammarMatcher(self.compile(kind, spec)))
 
 
 @dataclass
@@ -372,94 +251,3 @@ def fill_bitmask(states: list[GrammarState], bitmask: Any) -> None:
     """Row i of ``bitmask`` ([len(states), GrammarCompiler.mask_words] int32, host) := state i's
     allowed next tokens; one call."""
     _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
-
-
-# The switch interval while a fill is under way (BitmaskFiller): 50 us, against CPython's 5 ms.
-FILLER_SWITCH_INTERVAL_S = 5e-5
-
-
-class BitmaskFill:
-    """One fill handed to a BitmaskFiller; ``wait()`` returns once the bitmask is written."""
-
-    def __init__(self, restore_switch_interval: float | None) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        # Set when the accept handed with the fill rejected a token (one bool per row): the
-        # bitmask was not filled then, the submitter redoes the rows (GrammarMasker.wait).
-        self.rejected: list[bool] | None = None
-        self._restore = restore_switch_interval
-        self._restore_lock = threading.Lock()
-
-    def restore_switch_interval(self) -> None:
-        """Put the interpreter's switch interval back (once, from whichever thread comes first)."""
-        with self._restore_lock:
-            restore, self._restore = self._restore, None
-        if restore is not None:
-            sys.setswitchinterval(restore)
-
-    def wait(self, timeout_s: float) -> None:
-        try:
-            if not self._done.wait(timeout_s):
-                raise TimeoutError(f"grammar bitmask fill not done within {timeout_s:g} s")
-        finally:
-            self.restore_switch_interval()  # the filler did already, unless the fill never ended
-        if self._error is not None:
-            raise self._error
-
-
-class BitmaskFiller:
-    """Fills grammar bitmasks on a thread of its own (``pdserve-grammar``), so a step's fill
-    overlaps the engine thread's host work on the step before (detokenizing, building deltas).
-
-    xgrammar's batched fill lets go of the GIL. The hand-offs still need it: the woken thread
-    must take the GIL to start the fill and to report it done, while the engine thread runs
-    plain Python that keeps it for the interpreter's switch interval (5 ms). From the submit to
-    the fill's end the interval is lowered to ``switch_interval_s`` (the filler thread puts it
-    back as soon as the fill is written), so each hand-off waits tens of microseconds, not
-    milliseconds. Worth it with cores to spare: the model runner uses one on CUDA hosts of 4
-    usable cores or more, under asynchronous scheduling (docs/benchmarks.md).
-    """
-
-    def __init__(self, switch_interval_s: float = FILLER_SWITCH_INTERVAL_S) -> None:
-        self._jobs: queue.SimpleQueue[
-            tuple[list[GrammarState], Any, tuple[list[Any], list[int]] | None, BitmaskFill] | None
-        ] = queue.SimpleQueue()
-        self._switch_interval_s = switch_interval_s
-        self._thread = threading.Thread(target=self._run, name="pdserve-grammar", daemon=True)
-        self._thread.start()
-
-    def submit(
-        self, states: list[GrammarState], bitmask: Any, accept: tuple[list[Any], list[int]] | None = None
-    ) -> BitmaskFill:
-        """Start filling ``bitmask`` for ``states`` (``fill_bitmask``), after the batched accept
-        of ``accept`` (matchers, one token each: ``SteadyRows.take``'s) when given; xgrammar
-        lets go of the GIL in both. Nothing may touch those matchers or that buffer until the
-        returned fill's ``wait()`` returned."""
-        old = sys.getswitchinterval()
-        restore = None
-        if old > self._switch_interval_s:
-            sys.setswitchinterval(self._switch_interval_s)
-            restore = old
-        fill = BitmaskFill(restore)
-        self._jobs.put((states, bitmask, accept, fill))
-        return fill
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            states, bitmask, accept, fill = job
-            del job
-            try:
-                rejected = _batch_accept(*accept) if accept is not None else None
-                if rejected is None:
-                    fill_bitmask(states, bitmask)
-                else:
-                    fill.rejected = rejected
-            except BaseException as e:  # handed to the engine thread by wait()
-                fill._error = e
-            fill.restore_switch_interval()
-            fill._done.set()
-            del states, bitmask, accept, fill  # hold no buffer or matcher while idle
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.engine.request import Request
+from pdserve.engine.schedule_ahead import check_stop
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.stats import SpecDecodeStats
@@ -153,7 +154,7 @@ class SpecScheduling:
         status = None
         for token in tokens:
             req.output_token_ids.append(token)
-            status = sched._check_stop(req, token)
+            status = check_stop(req, token, sched.max_model_len)
             if status is not None:
                 break
         # Positions p .. p + a hold verified KV; a stop may have cut the tokens before that.

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 
 import pdserve
-from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
+from pdserve.engine.grammar_spec import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError
 from services.router.backend import GenerateBackend
 from services.router.bodies import CheckedJSONRoute

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, cast
 from starlette.types import Receive
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.grammar_spec import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.engine.outputs import GenerationDelta, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
 from pdserve.errors import CapacityError, PdserveError, PromptTooLongError
 from services.router.backend import BackendRequest, GenerateBackend
 from services.router.errors import APIError, bad_request, to_api_error

@@ -3,7 +3,7 @@
 
 At most one constraint per request; one longer than router.max_grammar_bytes is a 400 naming the
 limit and its size before anything parses it (parsing alone took 2.1 s for a 1 MB schema); the
-grammar itself is checked when SamplingParams is built (pdserve.engine.structured.check), which
+grammar itself is checked when SamplingParams is built (pdserve.engine.grammar_spec.check), which
 turns a bad schema or regex into a 400 naming it.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.engine.structured import DEFAULT_MAX_GRAMMAR_BYTES
+from pdserve.engine.grammar_spec import DEFAULT_MAX_GRAMMAR_BYTES
 from services.router.errors import APIError
 
 _EXTRA_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}

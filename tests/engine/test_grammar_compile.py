@@ -41,7 +41,7 @@ def test_json_object_is_an_object_for_20_seeded_samples(tiny_models, make_llm) -
 def test_json_object_grammar_takes_objects_only(tiny_models) -> None:
     import xgrammar as xgr
 
-    from pdserve.engine.structured import GrammarCompiler
+    from pdserve.engine.grammar_compile import GrammarCompiler
     from pdserve.models.loader import load_tokenizer
 
     tok = load_tokenizer(str(tiny_models["llama"]))
@@ -122,7 +122,7 @@ def test_a_cached_grammar_admits_at_once_and_the_matchers_use_the_service_cache(
     cache; nothing compiles on the engine thread."""
     import threading
 
-    from pdserve.engine.structured import GrammarCompiler
+    from pdserve.engine.grammar_compile import GrammarCompiler
 
     llm = make_llm(tiny_models["llama"], max_model_len=256)
     eng = llm.engine

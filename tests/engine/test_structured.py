@@ -278,7 +278,7 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
     import sys
     import threading
 
-    from pdserve.engine import grammar_masks, output_processor, structured
+    from pdserve.engine import bitmask_filler, grammar_masks, output_processor, structured
 
     rows = _mixed(16, temperature=1.0)
     params = [sp for _, sp in rows]
@@ -288,10 +288,10 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
         llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
         llm.engine.runner.grammar.use_filler = use
         order: list[str] = []
-        fill = structured.fill_bitmask
+        fill = bitmask_filler.fill_bitmask
         process = output_processor.OutputProcessor.process
-        submit = structured.BitmaskFiller.submit
-        wait = structured.BitmaskFill.wait
+        submit = bitmask_filler.BitmaskFiller.submit
+        wait = bitmask_filler.BitmaskFill.wait
 
         def spy_fill(states, bitmask, _fill=fill, _order=order):
             _order.append(f"fill:{threading.current_thread().name}")
@@ -309,11 +309,11 @@ def test_the_bitmask_filler_thread_gives_the_same_tokens_and_runs_while_the_step
             _order.append("wait")
             return _wait(self, *a)
 
-        monkeypatch.setattr(structured, "fill_bitmask", spy_fill)  # the filler thread's
+        monkeypatch.setattr(bitmask_filler, "fill_bitmask", spy_fill)  # the filler thread's
         monkeypatch.setattr(grammar_masks, "fill_bitmask", spy_fill)  # inline
         monkeypatch.setattr(output_processor.OutputProcessor, "process", spy_process)
-        monkeypatch.setattr(structured.BitmaskFiller, "submit", spy_submit)
-        monkeypatch.setattr(structured.BitmaskFill, "wait", spy_wait)
+        monkeypatch.setattr(bitmask_filler.BitmaskFiller, "submit", spy_submit)
+        monkeypatch.setattr(bitmask_filler.BitmaskFill, "wait", spy_wait)
         early: list[bool] = []
         take_sampled = structured.SteadyRows.take_sampled
 
@@ -359,14 +359,14 @@ def test_a_fill_that_fails_mid_run_ends_every_request_once_and_holds_nothing(
     interval back."""
     import sys
 
-    from pdserve.engine import structured
+    from pdserve.engine import bitmask_filler
 
     llm = make_llm(tiny_models["llama"], max_model_len=512, async_scheduling=True)
     eng = llm.engine
     eng.runner.grammar.use_filler = True
     interval = sys.getswitchinterval()
     calls = {"n": 0}
-    fill = structured.fill_bitmask
+    fill = bitmask_filler.fill_bitmask
 
     def failing(states, bitmask):
         calls["n"] += 1
@@ -374,7 +374,7 @@ def test_a_fill_that_fails_mid_run_ends_every_request_once_and_holds_nothing(
             raise RuntimeError("fill failed")
         fill(states, bitmask)
 
-    monkeypatch.setattr(structured, "fill_bitmask", failing)
+    monkeypatch.setattr(bitmask_filler, "fill_bitmask", failing)
     # compiled ahead (cached): "g" joins the first step's batch instead of waiting for its compile
     eng.grammar_service().submit("regex", "[a-c]{40,60}").result(timeout=60)
     for i in range(7):  # one of them finishes at each of the first steps
@@ -417,7 +417,8 @@ def test_a_failed_fill_on_the_filler_thread_is_raised_by_wait_and_restores_the_i
 
     import torch
 
-    from pdserve.engine.structured import BitmaskFiller, GrammarState
+    from pdserve.engine.bitmask_filler import BitmaskFiller
+    from pdserve.engine.structured import GrammarState
 
     interval = sys.getswitchinterval()
     filler = BitmaskFiller()
@@ -438,7 +439,8 @@ def test_advance_ends_a_matcher_on_its_stop_token_or_a_rejected_token_and_keeps_
 ) -> None:
     """advance() in its batched path: a row that accepted a stop token at the grammar's end is
     done, one whose token was rejected has failed, the others stay live (rows in input order)."""
-    from pdserve.engine.structured import GrammarCompiler, advance
+    from pdserve.engine.grammar_compile import GrammarCompiler
+    from pdserve.engine.structured import advance
     from pdserve.models.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_models["llama"])
@@ -477,6 +479,7 @@ def test_the_batched_accept_reports_rejections_with_and_without_xgrammar_interna
     """_batch_accept: None when all were accepted, else one flag per row; the same through
     xgrammar's native module and through its public API (the fallback)."""
     from pdserve.engine import structured
+    from pdserve.engine.grammar_compile import GrammarCompiler
     from pdserve.models.loader import load_tokenizer
 
     if native:
@@ -484,7 +487,7 @@ def test_the_batched_accept_reports_rejections_with_and_without_xgrammar_interna
     else:
         monkeypatch.setattr(structured, "_xgrammar_core", lambda: None)
     tok = load_tokenizer(tiny_models["llama"])
-    compiler = structured.GrammarCompiler(tok, len(tok))
+    compiler = GrammarCompiler(tok, len(tok))
     a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
     ms = [compiler.matcher("regex", "a+b").matcher for _ in range(3)]
     assert structured._batch_accept(ms, [a, a, a]) is None
@@ -500,7 +503,8 @@ def test_steady_rows_advance_only_the_same_rows_one_token_each_and_leave_the_res
     """SteadyRows: the kept rows move by one batched accept when the step's rows are the same
     requests with one new token each; any other step (a row joined or fell behind, a stop
     token) is handed back untouched (None); a rejected token fails its row and drops the rows."""
-    from pdserve.engine.structured import GrammarCompiler, SteadyRows, advance
+    from pdserve.engine.grammar_compile import GrammarCompiler
+    from pdserve.engine.structured import SteadyRows, advance
     from pdserve.models.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_models["llama"])
@@ -577,9 +581,10 @@ def test_the_steady_accept_runs_with_the_fill_and_a_rejection_is_redone_without_
     import torch
 
     from pdserve.config.engine import EngineConfig
+    from pdserve.engine.grammar_compile import GrammarCompiler
     from pdserve.engine.grammar_masks import GrammarMasker
     from pdserve.engine.host_batch import PinnedStaging
-    from pdserve.engine.structured import GrammarCompiler, advance, fill_bitmask
+    from pdserve.engine.structured import advance, fill_bitmask
     from pdserve.models.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_models["llama"])
