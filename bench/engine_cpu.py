@@ -570,7 +570,8 @@ def profile_pdserve(engine, prompts, max_tokens: int, level: int, out: Path, dty
     parts = {
         "engine.step (all)": step_total,
         "scheduler.schedule": cum("engine/scheduler.py", "schedule"),
-        "runner._prepare (inputs, metadata)": cum("engine/model_runner.py", "_prepare"),
+        "host batch (inputs, metadata)": cum("engine/host_batch.py", "build_host_batch")
+        + cum("engine/host_batch.py", "batch_to_device"),
         "model forward (all layers)": model_fwd,
         "  paged_attention (write KV + attn)": cum("models/paged_attention.py", "paged_attention"),
         "    _gather_context (KV gather+mask)": cum("models/attention_torch.py", "_gather_context"),
