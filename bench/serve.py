@@ -9,8 +9,8 @@ What it does, in order:
 
 1. Installs guidellm into its own venv (``.bench-venvs/guidellm``) unless it is already there
    (``pip install torch==2.13.0 guidellm`` in one command, so torch stays the CPU build).
-2. Builds (or reuses) ``pdserve up``'s demo model (``.models/tiny-llama``: Llama, hidden 128,
-   2 heads x head_dim 64) and starts the same local cluster ``pdserve up`` does (router +
+2. Builds (or reuses) a tiny random Llama (``--model-dir``, default ``.models/tiny-llama``: hidden
+   128, 2 heads x head_dim 64) and starts the same local cluster ``pdserve up`` does (router +
    prefill-0 + decode-0, with ``services.launcher``), logs under ``bench/results/serve-logs/``.
    A few warm-up requests take both paths once; a warm-up that fails right after the router
    reports ready is retried for up to 15 s and recorded (``warmup_failures`` in the JSON).
@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 from bench._common import loadavg, log, pct, run_logged, scan_logs  # noqa: E402
 
 DEFAULT_VENV = ROOT / ".bench-venvs" / "guidellm"
-DEFAULT_MODEL_DIR = ROOT / ".models" / "tiny-llama"  # what `pdserve up` uses
+DEFAULT_MODEL_DIR = ROOT / ".models" / "tiny-llama"
 DEFAULT_OUT = ROOT / "bench" / "results" / "serve.json"
 DEFAULT_BASE_PORT = 23500
 # < 32 tokens (the router's local_prefill_max_tokens): prefilled on the decode node.
@@ -479,9 +479,11 @@ def main() -> None:
         log(f"guidellm {version} in {args.venv}")
     t_bench = time.monotonic()
 
-    from services.launcher import ensure_demo_model
+    model_dir = args.model_dir.resolve()
+    if not (model_dir / "config.json").exists():  # built once, then reused
+        from pdserve.models.make_model import make_tiny_model
 
-    model_dir = ensure_demo_model(args.model_dir.resolve()).resolve()
+        make_tiny_model("llama", model_dir, hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64)
     log(f"model: {model_dir}")
 
     cluster = Cluster(model_dir, run_dir, args.base_port)
