@@ -11,20 +11,18 @@ announces. Services translate gRPC to these calls; no gRPC here.
 
 An early pull (decode opened with the prefill leg) may come before its prefill is admitted:
 ``wait_held`` waits for the hold on the event loop (no thread), and fails as soon as the prefill
-ends without holding (``forget`` / ``refuse``). Every push answers with the first tokens that
+ends without holding (``forget`` / ``refuse``); the ids and their waiters are kept in a
+``TransferTable`` (kvtransfer/transfer_table.py). Every push answers with the first tokens that
 ``on_hold`` stored (``first_token_ids``), dropped with the transfer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import InvalidRequestError
@@ -35,40 +33,9 @@ from pdserve.kvtransfer.head_slices import GatherPlan, GatherWriter, HeadLayout,
 from pdserve.kvtransfer.producer_transfer import ProducerTransfer
 from pdserve.kvtransfer.regions import DescriptorPlan, Region, align_regions, layout_key
 from pdserve.kvtransfer.send_tracker import KVSendTracker, UnknownTransferError
+from pdserve.kvtransfer.transfer_table import TransferTable
 
 logger = logging.getLogger(__name__)
-
-
-class DuplicateTransferError(InvalidRequestError):
-    """A prefill for a transfer_id this node already prefills or holds; maps to ALREADY_EXISTS."""
-
-
-ENDED_KEEP = 65536  # transfer ids KVProducer remembers as ended (an id is 32 hex characters)
-ADMIT_GRACE_S = 5.0  # an early pull whose Prefill was not admitted within this fails (NOT_FOUND)
-
-
-@dataclass
-class _Transfer:
-    """One transfer_id's state on a producer, from its admission (or its first early pull) until
-    it is forgotten (freed, failed, aborted)."""
-
-    admitted: bool  # a Prefill admitted it (expect/admit/on_hold); False: only early pulls wait
-    held: threading.Event = field(default_factory=threading.Event)  # its KV is held (on_hold)
-    first_token_ids: list[int] = field(default_factory=list)  # the request's tokens when held
-    # early pulls waiting for the hold: resolved True (held) or False (ended without holding)
-    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = field(default_factory=list)
-
-
-def _resolve(fut: asyncio.Future[bool], held: bool) -> None:
-    if not fut.done():  # a waiter that timed out or was cancelled meanwhile
-        fut.set_result(held)
-
-
-def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]], held: bool) -> None:
-    """Any thread: resolve early pulls' futures on their loops."""
-    for loop, fut in waiters:
-        with contextlib.suppress(RuntimeError):  # loop closed: the node is shutting down
-            loop.call_soon_threadsafe(_resolve, fut, held)
 
 
 @dataclass
@@ -110,15 +77,11 @@ class KVProducer:
         self.regions = list(regions)
         self.block_size = block_size
         self._release = release  # frees the request's blocks (posted to the engine thread)
-        self._transfers: dict[str, _Transfer] = {}  # admitted / held / early-awaited transfers
-        # transfer_id -> when it ended here (forgotten, or refused before admission): an early
-        # pull that comes after its prefill ended fails at once instead of waiting out its
-        # timeout with decode's blocks allocated for nothing. Bounded, oldest dropped first.
-        self._ended: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the plans and the group tables below
         self.stage = stage
         self.num_stages = num_stages
         self.tracker = tracker if tracker is not None else KVSendTracker(self._free_transfer, lease_s)
+        self._table = TransferTable(self.tracker)  # admitted / held / early-awaited / ended ids
         # receiver regions -> aligned + fused plan: a decode's layout is the same on every push,
         # and aligning 16 layers cost more host time than a 2k-token prompt's device copy
         self._plans: dict[
@@ -144,17 +107,7 @@ class KVProducer:
         first one's hold (refused here, before the engine thread, where a refused hold would fail
         every request on the node). Early pulls waiting for a
         transfer_id no prefill admitted yet (``wait_held``) do not make it a duplicate."""
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            if (t is not None and t.admitted) or transfer_id in self.tracker:
-                raise DuplicateTransferError(
-                    f"transfer_id {transfer_id!r} is already in use on this node; mint a new one",
-                    field="transfer_id",
-                )
-            if t is None:
-                self._transfers[transfer_id] = _Transfer(admitted=True)
-            else:
-                t.admitted = True  # early pulls wait for it already
+        self._table.admit(transfer_id)
 
     def track(self, transfer_id: str) -> ProducerTransfer:
         """One Prefill call's handle on ``transfer_id`` (admit, then one end state)."""
@@ -164,44 +117,24 @@ class KVProducer:
         """A prefill for ``transfer_id`` was refused before its admission (or its RPC ended):
         early pulls waiting for it fail now, and so does one that comes later (an admitted
         transfer, another request's, is left alone)."""
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            if t is not None and t.admitted:
-                return
-            self._note_ended(transfer_id)
-            if t is None:
-                return
-            del self._transfers[transfer_id]
-        _wake(t.waiters, False)
+        self._table.refuse(transfer_id)
 
     def forget(self, transfer_id: str) -> None:
         """Drop the transfer's state (freed, failed, aborted); early pulls still waiting for its
         hold fail now, and so does one that comes later."""
         with self._lock:
-            t = self._transfers.pop(transfer_id, None)
             self._group_ids.pop(transfer_id, None)
-            self._note_ended(transfer_id)
-        if t is not None:
-            _wake(t.waiters, False)
+        self._table.forget(transfer_id)
 
     @property
     def num_transfers(self) -> int:
         """Transfers admitted, held or awaited by an early pull now (0 once none is in flight;
         the bounded record of ended ids is not counted)."""
-        with self._lock:
-            return len(self._transfers)
-
-    def _note_ended(self, transfer_id: str) -> None:
-        """Under the lock: remember that ``transfer_id`` ended here (ENDED_KEEP ids at most)."""
-        self._ended[transfer_id] = time.monotonic()
-        self._ended.move_to_end(transfer_id)
-        while len(self._ended) > ENDED_KEEP:
-            self._ended.popitem(last=False)
+        return len(self._table)
 
     def ended(self, transfer_id: str) -> bool:
         """Whether ``transfer_id`` ended here (among the last ENDED_KEEP that did)."""
-        with self._lock:
-            return transfer_id in self._ended
+        return self._table.ended(transfer_id)
 
     def on_hold(
         self,
@@ -214,33 +147,25 @@ class KVProducer:
         """Engine thread: the request's KV is complete; hold its blocks under a lease.
         ``first_token_ids``: the request's tokens now (what every push answers with);
         ``group_block_ids``: the held tables of the KV groups after the first."""
-        with self._lock:
-            t = self._transfers.setdefault(transfer_id, _Transfer(admitted=True))
-            if group_block_ids:
+        if group_block_ids:
+            with self._lock:
                 self._group_ids[transfer_id] = tuple(tuple(g) for g in group_block_ids)
-        self.tracker.add(transfer_id, block_ids, need_send, self.num_stages)
-        with self._lock:
-            t.first_token_ids = list(first_token_ids)
-            t.held.set()
-            waiters, t.waiters = t.waiters, []
-        _wake(waiters, True)
+        self._table.hold(
+            transfer_id,
+            lambda: self.tracker.add(transfer_id, block_ids, need_send, self.num_stages),
+            first_token_ids,
+        )
 
     def first_token_ids(self, transfer_id: str) -> list[int]:
         """The tokens the transfer's request had when its KV was held ([] if not held or freed)."""
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            return list(t.first_token_ids) if t is not None else []
+        return self._table.first_token_ids(transfer_id)
 
     def _free_transfer(self, transfer_id: str, _block_ids: Sequence[int]) -> None:
         self.forget(transfer_id)
         self._release(transfer_id)
 
     def _expected(self, transfer_id: str) -> threading.Event:
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-        if t is None or not t.admitted:
-            raise KeyError(transfer_id)
-        return t.held
+        return self._table.expected(transfer_id)
 
     def is_ready(self, transfer_id: str) -> bool:
         """Whether the transfer's KV is held now (no wait); KeyError if never expected."""
@@ -251,68 +176,10 @@ class KVProducer:
         return self._expected(transfer_id).wait(timeout_s)
 
     async def wait_held(self, transfer_id: str, timeout_s: float) -> bool:
-        """An early pull (asked while the prompt may still be prefilled, maybe before its prefill
-        was admitted here): wait on the running loop, holding no thread, until the transfer's KV
-        is held. True: held (at once if already); False: nothing held within ``timeout_s``, and
-        nothing is left behind for a transfer that never came. Raises UnknownTransferError when
-        its prefill ended (failed, aborted, refused) without holding the KV.
-
-        Races: the waiter registers under the lock that ``on_hold`` / ``forget`` take to hand
-        over the waiters, so it either sees the hold / the missing state, or is woken by them
-        (``loop.call_soon_threadsafe`` from whatever thread they run on)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bool] = loop.create_future()
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            if t is None and transfer_id in self.tracker:
-                # Held, its state dropped (aborted while a push was in flight): the push answers.
-                return True
-            if t is None and transfer_id in self._ended:  # its prefill came and went first
-                raise UnknownTransferError(transfer_id, "its prefill ended without holding its KV")
-            if t is None:
-                t = self._transfers[transfer_id] = _Transfer(admitted=False)
-            if t.held.is_set():
-                return True
-            t.waiters.append((loop, fut))
-        held: bool | None = None
-        never_admitted = False
-        deadline = loop.time() + timeout_s
-        try:
-            # Its Prefill is sent together with the decode leg: one not admitted here within
-            # ADMIT_GRACE_S is not coming (cancelled before it was sent, or its Abort was lost),
-            # and decode's blocks would wait the whole timeout for it.
-            try:
-                held = await asyncio.wait_for(asyncio.shield(fut), min(timeout_s, ADMIT_GRACE_S))
-            except TimeoutError:
-                with self._lock:
-                    t = self._transfers.get(transfer_id)
-                    admitted = t is not None and t.admitted
-                if not admitted and timeout_s > ADMIT_GRACE_S:
-                    never_admitted = True
-                    held = False
-                elif timeout_s > ADMIT_GRACE_S:
-                    held = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            pass
-        finally:
-            with self._lock:
-                t = self._transfers.get(transfer_id)
-                if t is not None:
-                    with contextlib.suppress(ValueError):
-                        t.waiters.remove((loop, fut))
-                    if held is None and t.held.is_set():
-                        held = True  # held just as the timeout fired
-                    if not t.admitted and not t.waiters and not t.held.is_set():
-                        del self._transfers[transfer_id]  # no prefill came, nobody else waits
-        if held is None:
-            return False
-        if never_admitted:
-            raise UnknownTransferError(
-                transfer_id, f"no prefill of it was admitted within {ADMIT_GRACE_S:g} s"
-            )
-        if not held:
-            raise UnknownTransferError(transfer_id, "its prefill ended without holding its KV")
-        return True
+        """An early pull: wait on the running loop, holding no thread, until the transfer's KV is
+        held (``TransferTable.wait_held``: True held, False timed out, UnknownTransferError when
+        its prefill ended without holding or was not admitted within ADMIT_GRACE_S)."""
+        return await self._table.wait_held(transfer_id, timeout_s)
 
     def push(
         self,

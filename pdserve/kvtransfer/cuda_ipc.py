@@ -1,19 +1,17 @@
 """Same-host GPU KV transport: CUDA IPC handles of the peer's KV tensor, device-to-device copies.
 
-``kv_transport: cuda_ipc``. Each backend runs a tiny JSON-over-TCP directory on ``host`` that
-answers one question, "which ranges are registered here and under which CUDA IPC handle", plus
-this process's epoch. ``session_id`` is ``"host:port/epoch"``: a peer that restarted on the same
-port has a new epoch and every write addressed to the old session is refused (the bytes it held
-for earlier transfers are gone), exactly as the KV handshake refuses it one level up.
+``kv_transport: cuda_ipc``. Each backend serves its registered ranges, their CUDA IPC handles
+and this process's epoch in a tiny JSON-over-TCP directory on ``host`` (kvtransfer/ipc_directory.py:
+the server, the client call, ``session_id`` = ``"host:port/epoch"``; a peer that restarted has a
+new epoch and writes to its old session are refused).
 
 A write looks the target up in the peer's directory reply, cached per session: the first write
 to a session asks (and checks the epoch), a target outside the cached ranges or a failed copy
 asks again; a write ``refresh_s`` after the last answer uses it and has a background thread ask
 again (a loopback round trip costs ~100 us of Python and more, over the copy of a 2k-token
 prompt's KV), which retires the peer if its epoch changed or it stopped answering. It opens the peer's
-allocation once per (session, handle) with
-``cudaIpcOpenMemHandle`` and copies the descriptors (an int64 table, shifted to the mapping
-with numpy) on a private stream, then waits for it: when ``write`` returns the bytes are in the
+allocation once per (session, handle) with ``cudaIpcOpenMemHandle`` (kvtransfer/ipc_mappings.py)
+and copies the descriptors (an int64 table, shifted to the mapping with numpy) on a private stream, then waits for it: when ``write`` returns the bytes are in the
 peer's tensor. The descriptors are already merged block runs (``regions.DescriptorPlan``'s int64
 table, taken as it is; a list of tuples is converted), so a fresh 2k-token prompt is a handful
 of ``cudaMemcpyAsync``; from ``BATCHED_COPY_MIN`` descriptors
@@ -22,36 +20,33 @@ over the table by default). Between GPUs of one host the same copy goes over NVL
 peer access (``cudaIpcMemLazyEnablePeerAccess``). Writes into our own process (one process
 holding both ends, tests) skip the IPC open: the peer's address is ours ("our own" is a pid plus
 a random token, so containers with their own pid namespaces are told apart). A mapping of a peer
-that restarted (same address, new epoch) or stopped answering is closed once no write uses it:
-an open mapping would keep a dead decode's whole KV cache allocated.
+that restarted (same address, new epoch) or stopped answering is closed once no write uses it.
 
 The CUDA runtime is reached through ctypes (``cuda_runtime.CudaRuntime``); unit tests on hosts
-without CUDA pass a fake runtime with the same calls. Nothing from the network is unpickled: the
-directory speaks JSON, and handles travel as hex.
+without CUDA pass a fake runtime with the same calls.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
-import socket
-import socketserver
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from pdserve.kvtransfer import ipc_directory
 from pdserve.kvtransfer.backend import TransferBackend, TransferError, _RangeSet
 from pdserve.kvtransfer.cuda_runtime import BATCHED_COPY_MIN, CudaApi, CudaRuntime, copy_table
+from pdserve.kvtransfer.ipc_directory import DirectoryServer, find_range, parse_session
+from pdserve.kvtransfer.ipc_mappings import PeerMappings
 from pdserve.kvtransfer.regions import Descriptors, Spans
 
-__all__ = ["BATCHED_COPY_MIN", "CudaApi", "CudaIpcBackend", "parse_session"]
+__all__ = ["BATCHED_COPY_MIN", "CudaApi", "CudaIpcBackend"]
 
 logger = logging.getLogger(__name__)
-_MAX_REPLY_BYTES = 1 << 20
 # Who "this process" is in a directory reply. A pid alone is not enough: two containers on one
 # host (separate pid namespaces, both pid 1) would each take the other's addresses for their own.
 _PROCESS_ID = f"{os.getpid()}-{secrets.token_hex(8)}"
@@ -65,37 +60,6 @@ def _spans(table: np.ndarray) -> tuple[int, int, int, int]:
         return src, src + n, dst, dst + n
     src, dst, n = table.T
     return int(src.min()), int((src + n).max()), int(dst.min()), int((dst + n).max())
-
-
-class _Directory(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-def _ask(host: str, port: int, timeout_s: float) -> dict[str, Any]:
-    with socket.create_connection((host, port), timeout=timeout_s) as s:
-        s.sendall(b'{"op": "ranges"}\n')
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > _MAX_REPLY_BYTES:
-                raise ValueError("directory reply too large")
-    reply = json.loads(buf)
-    if not isinstance(reply, dict):
-        raise ValueError("directory reply is not an object")
-    return reply
-
-
-def parse_session(session: str) -> tuple[str, int, str]:
-    """``"host:port/epoch"`` -> (host, port, epoch); ValueError names the bad value."""
-    addr, sep, epoch = session.partition("/")
-    host, _, port = addr.rpartition(":")
-    if not sep or not epoch or not host or not port.isdigit():
-        raise ValueError(f"not a cuda_ipc session {session!r}: expected 'host:port/epoch'")
-    return host, int(port), epoch
 
 
 class CudaIpcBackend(TransferBackend):
@@ -123,32 +87,11 @@ class CudaIpcBackend(TransferBackend):
         self._lock = threading.Lock()
         self._ranges = _RangeSet()
         self._handles: dict[int, dict[str, Any]] = {}  # registered addr -> advertised entry
-        # (session, handle hex) -> [mapped base here, writes using it now, retired]; a retired
-        # mapping (its peer restarted or vanished) is closed once no write uses it, so a restarted
-        # decode's old KV cache is not kept alive by our mapping.
-        self._opened: dict[tuple[str, str], list[Any]] = {}
+        self._mappings = PeerMappings(self._cuda, self._device)  # peers' allocations opened here
         self._closed = False
         self._rechecking: set[str] = set()  # sessions whose directory is being asked in the background
-        backend = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                line = self.rfile.readline(4096)
-                try:
-                    op = json.loads(line).get("op")
-                except (ValueError, AttributeError):
-                    op = None
-                reply = (
-                    backend._directory() if op == "ranges" else {"error": f"unknown request {line[:64]!r}"}
-                )
-                self.wfile.write(json.dumps(reply).encode() + b"\n")
-
-        self._server = _Directory((host, 0), Handler)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="cuda-ipc-directory", daemon=True
-        )
-        self._thread.start()
-        self._session_id = f"{host}:{self._server.server_address[1]}/{self._epoch}"
+        self._server = DirectoryServer(host, self._directory)
+        self._session_id = f"{host}:{self._server.port}/{self._epoch}"
 
     @property
     def session_id(self) -> str:
@@ -216,7 +159,7 @@ class CudaIpcBackend(TransferBackend):
             return cached[1], cached[2]
         try:
             host, port, epoch = parse_session(peer_session)
-            reply = _ask(host, port, self._timeout_s)
+            reply = ipc_directory.ask_ranges(host, port, self._timeout_s)
         except (OSError, ValueError) as e:
             self._retire(peer_session)
             raise TransferError(
@@ -236,11 +179,11 @@ class CudaIpcBackend(TransferBackend):
             raise TransferError(peer_session, transfer_id, "write", None, "malformed directory reply")
         with self._lock:
             self._peers[peer_session] = (now, reply, ranges)
-            # the same address under another epoch is that peer before a restart: gone for good
-            address = peer_session.rpartition("/")[0]
-            older = {
-                k[0] for k in self._opened if k[0] != peer_session and k[0].rpartition("/")[0] == address
-            }
+        # the same address under another epoch is that peer before a restart: gone for good
+        address = peer_session.rpartition("/")[0]
+        older = {
+            k for k in self._mappings.sessions() if k != peer_session and k.rpartition("/")[0] == address
+        }
         for old in older:
             self._retire(old)
         return reply, ranges
@@ -273,60 +216,18 @@ class CudaIpcBackend(TransferBackend):
     def _retire(self, peer_session: str) -> None:
         """The peer restarted or is unreachable: forget its answer, close its mappings (now, or
         when the last write still using one ends)."""
-        to_close: list[int] = []
         with self._lock:
             self._peers.pop(peer_session, None)
-            for key in [k for k in self._opened if k[0] == peer_session]:
-                m = self._opened[key]
-                m[2] = True
-                if m[1] == 0:
-                    to_close.append(self._opened.pop(key)[0])
-        self._close_mappings(to_close)
-
-    def _close_mappings(self, bases: list[int]) -> None:
-        for base in bases:
-            try:
-                self._cuda.close_handle(base, self._device)
-            except OSError:  # the peer may be gone first; the driver reclaims the mapping at exit
-                continue
-
-    @staticmethod
-    def _find(ranges: list[dict[str, Any]], dst: int, n: int) -> dict[str, Any] | None:
-        for r in ranges:
-            if int(r["addr"]) <= dst and dst + n <= int(r["addr"]) + int(r["length"]):
-                return r
-        return None
+        self._mappings.retire(peer_session)
 
     def _acquire(
         self, peer_session: str, reply: dict[str, Any], entry: dict[str, Any], held: list[tuple[str, str]]
     ) -> int:
         """This process's address of the peer range's allocation base; a mapping it uses is
-        appended to ``held`` (``_release`` it after the copy)."""
+        appended to ``held`` (``self._mappings.release`` it after the copy)."""
         if reply.get("process") == self._process:  # our own memory: no IPC (CUDA refuses it anyway)
             return int(entry["addr"]) - int(entry["offset"])
-        key = (peer_session, str(entry["handle"]))
-        with self._lock:  # one open per (session, handle), also with concurrent first writes
-            m = self._opened.get(key)
-            if m is None or m[2]:
-                if m is not None:  # retired, still in use by another write: not ours to reuse
-                    raise OSError(f"peer session {peer_session} was retired (restarted or unreachable)")
-                base = self._cuda.open_handle(bytes.fromhex(str(entry["handle"])), self._device)
-                m = self._opened[key] = [base, 0, False]
-            m[1] += 1
-            held.append(key)
-            return int(m[0])
-
-    def _release(self, held: list[tuple[str, str]]) -> None:
-        to_close: list[int] = []
-        with self._lock:
-            for key in held:
-                m = self._opened.get(key)
-                if m is None:
-                    continue
-                m[1] -= 1
-                if m[2] and m[1] == 0:
-                    to_close.append(self._opened.pop(key)[0])
-        self._close_mappings(to_close)
+        return self._mappings.acquire(peer_session, str(entry["handle"]), held)
 
     def write(self, peer_session: str, descs: Descriptors, *, transfer_id: str) -> None:
         self.write_spanned(peer_session, descs, None, transfer_id=transfer_id)
@@ -357,10 +258,10 @@ class CudaIpcBackend(TransferBackend):
                 f"source {bad[0]:#x}+{bad[1]} is not registered memory",
             )
         reply, ranges = self._peer_ranges(peer_session, transfer_id)
-        whole = self._find(ranges, d_lo, d_hi - d_lo)  # one peer range holds every target
-        if whole is None and any(self._find(ranges, d, n) is None for _, d, n in table.tolist()):
+        whole = find_range(ranges, d_lo, d_hi - d_lo)  # one peer range holds every target
+        if whole is None and any(find_range(ranges, d, n) is None for _, d, n in table.tolist()):
             reply, ranges = self._peer_ranges(peer_session, transfer_id, fresh=True)  # registered since?
-            whole = self._find(ranges, d_lo, d_hi - d_lo)
+            whole = find_range(ranges, d_lo, d_hi - d_lo)
         held: list[tuple[str, str]] = []
         try:
             # each target moved from the peer's address to our mapping of it: one shift per
@@ -373,7 +274,7 @@ class CudaIpcBackend(TransferBackend):
                 moved = np.empty(len(table), dtype=np.int64)
                 shift: dict[int, int] = {}  # id(entry) -> (our address - peer's address) in that range
                 for i, (_, dst, n) in enumerate(table.tolist()):
-                    entry = self._find(ranges, dst, n)
+                    entry = find_range(ranges, dst, n)
                     if entry is None:
                         raise TransferError(
                             peer_session,
@@ -393,16 +294,14 @@ class CudaIpcBackend(TransferBackend):
             self._forget_peer(peer_session)  # the next write asks the peer again
             raise TransferError(peer_session, transfer_id, "write", -1, f"device copy failed: {e}") from e
         finally:
-            self._release(held)
+            self._mappings.release(held)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            opened, self._opened = self._opened, {}
             self._ranges = _RangeSet()
             self._handles.clear()
-        self._server.shutdown()
-        self._server.server_close()
-        self._close_mappings([m[0] for m in opened.values()])
+        self._server.close()
+        self._mappings.close_all()

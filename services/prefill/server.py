@@ -18,13 +18,14 @@ from pdserve.engine.request import Request
 from pdserve.errors import CapacityError, ConfigError, InvalidRequestError, PdserveError
 from pdserve.kvtransfer.backend import TransferBackend
 from pdserve.kvtransfer.checksum import kv_blocks_digest
-from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
+from pdserve.kvtransfer.connector import KVProducer
 from pdserve.kvtransfer.handshake import HandshakeError, check_compat
 from pdserve.kvtransfer.head_slices import GatherWriter, HeadLayout
 from pdserve.kvtransfer.params import RemoteDecodeParams
 from pdserve.kvtransfer.producer_group import KVProducerGroup, PullRefusal, PullRefusedError
 from pdserve.kvtransfer.staging import Stager
 from pdserve.kvtransfer.topology import kv_head_range
+from pdserve.kvtransfer.transfer_table import DuplicateTransferError
 from pdserve.rpc import channel, convert, kv_convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc

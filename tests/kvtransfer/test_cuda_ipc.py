@@ -14,8 +14,9 @@ import pytest
 from pdserve.errors import ConfigError
 from pdserve.kvtransfer.backend import TransferError
 from pdserve.kvtransfer.connector import KVProducer
-from pdserve.kvtransfer.cuda_ipc import CudaIpcBackend, parse_session
+from pdserve.kvtransfer.cuda_ipc import CudaIpcBackend
 from pdserve.kvtransfer.factory import make_backend
+from pdserve.kvtransfer.ipc_directory import parse_session
 from pdserve.kvtransfer.regions import align_regions, build_descriptors, regions_for_kv_cache
 
 SIZE = 4096
@@ -233,12 +234,12 @@ def test_factory_refuses_cuda_ipc_on_cpu_and_unknown_transports():
 
 
 def test_directory_is_cached_and_asked_again_for_a_new_range(cuda, monkeypatch):
-    import pdserve.kvtransfer.cuda_ipc as mod
+    import pdserve.kvtransfer.ipc_directory as mod
 
     p, d = CudaIpcBackend(cuda=cuda), CudaIpcBackend(cuda=cuda)
     asks: list[int] = []
-    real_ask = mod._ask
-    monkeypatch.setattr(mod, "_ask", lambda h, port, t: asks.append(port) or real_ask(h, port, t))
+    real_ask = mod.ask_ranges
+    monkeypatch.setattr(mod, "ask_ranges", lambda h, port, t: asks.append(port) or real_ask(h, port, t))
     try:
         src_buf, src = cuda.alloc(9)
         dst_buf, dst = cuda.alloc(0)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pdserve.kvtransfer.backend import LoopbackBackend
-from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
+from pdserve.kvtransfer.connector import KVProducer
 from pdserve.kvtransfer.regions import regions_for_kv_cache
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
+from pdserve.kvtransfer.transfer_table import DuplicateTransferError
 
 GEOM = dict(block_size=4, num_kv_heads=2, head_dim=8, elem_bytes=4)
 NAMES = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
@@ -69,7 +70,7 @@ async def test_early_waiter_before_admit_is_woken_by_the_hold(env):
     assert res.ok and res.bytes > 0
     assert torch.all(dst.cache[3:5] == 1.0)
     # need_send = 1 reached: freed, and its first tokens with it
-    assert released == ["t"] and prod.first_token_ids("t") == [] and not prod._transfers
+    assert released == ["t"] and prod.first_token_ids("t") == [] and not prod._table._transfers
 
 
 async def test_hold_before_the_early_pull_answers_at_once(env):
@@ -120,13 +121,13 @@ async def test_a_prefill_that_ends_without_holding_wakes_the_pull(env, end):
     with pytest.raises(UnknownTransferError, match="ended without holding its KV"):
         await waiter
     assert time.monotonic() - t0 < 2.0
-    assert not prod._transfers and released == []
+    assert not prod._table._transfers and released == []
     # An early pull that comes after that prefill ended fails at once (its blocks on decode are
     # freed now, not after kv_ready_timeout_s), and leaves nothing behind.
     t0 = time.monotonic()
     with pytest.raises(UnknownTransferError, match="ended without holding its KV"):
         await prod.wait_held("t", 30.0)
-    assert time.monotonic() - t0 < 0.5 and not prod._transfers and prod.ended("t")
+    assert time.monotonic() - t0 < 0.5 and not prod._table._transfers and prod.ended("t")
     prod.admit("t")  # nothing of it is left: a new prefill may use the id
 
 
@@ -146,7 +147,7 @@ async def test_an_early_pull_after_its_prefill_ended_fails_at_once(env, end):
     t0 = time.monotonic()
     with pytest.raises(UnknownTransferError, match="ended without holding its KV"):
         await prod.wait_held("t", 30.0)
-    assert time.monotonic() - t0 < 0.5 and not prod._transfers
+    assert time.monotonic() - t0 < 0.5 and not prod._table._transfers
     assert await prod.wait_held("other", 0.05) is False  # not ended here: waits (and times out)
 
 
@@ -167,7 +168,7 @@ async def test_expired_lease_of_a_held_transfer_frees_its_first_tokens(env):
     prod.admit("t")
     prod.on_hold("t", [0, 1], 1, [3])
     assert prod.tracker.expire(now=time.monotonic() + 120) == ["t"]
-    assert released == ["t"] and prod.first_token_ids("t") == [] and not prod._transfers
+    assert released == ["t"] and prod.first_token_ids("t") == [] and not prod._table._transfers
 
 
 async def test_timeout_leaves_nothing_behind(env):
@@ -175,20 +176,20 @@ async def test_timeout_leaves_nothing_behind(env):
     t0 = time.monotonic()
     assert await prod.wait_held("never", 0.1) is False
     assert time.monotonic() - t0 < 1.0
-    assert not prod._transfers
+    assert not prod._table._transfers
     with pytest.raises(KeyError):
         prod.is_ready("never")
     # An admitted transfer that is not held in time stays (its Prefill is still running).
     prod.admit("slow")
     assert await prod.wait_held("slow", 0.05) is False
-    assert list(prod._transfers) == ["slow"]
+    assert list(prod._table._transfers) == ["slow"]
 
 
 async def test_timeout_of_one_pull_keeps_the_others_waiting(env):
     prod, *_ = env
     long = asyncio.create_task(prod.wait_held("t", 10.0))
     assert await prod.wait_held("t", 0.05) is False
-    assert not long.done() and "t" in prod._transfers
+    assert not long.done() and "t" in prod._table._transfers
     prod.admit("t")
     prod.on_hold("t", [0], 1, [9])
     assert await long is True
@@ -201,7 +202,7 @@ async def test_a_cancelled_pull_leaves_nothing_behind(env):
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    assert not prod._transfers
+    assert not prod._table._transfers
 
 
 async def test_non_early_lookups_do_not_see_a_transfer_only_early_pulls_wait_for(env):
@@ -237,14 +238,14 @@ async def test_an_early_pull_whose_prefill_never_comes_fails_after_the_grace(env
     """A Prefill never admitted here (cancelled before it was sent, its Abort lost) does not keep
     decode's blocks for the whole timeout: past ADMIT_GRACE_S the pull fails; an admitted one
     whose KV comes later keeps waiting past the grace and gets it."""
-    from pdserve.kvtransfer import connector
+    from pdserve.kvtransfer import transfer_table
 
-    monkeypatch.setattr(connector, "ADMIT_GRACE_S", 0.2)
+    monkeypatch.setattr(transfer_table, "ADMIT_GRACE_S", 0.2)
     prod, *_ = env
     t0 = time.monotonic()
     with pytest.raises(UnknownTransferError, match=r"no prefill of it was admitted within 0\.2 s"):
         await prod.wait_held("lost", 30.0)
-    assert 0.15 < time.monotonic() - t0 < 2.0 and not prod._transfers
+    assert 0.15 < time.monotonic() - t0 < 2.0 and not prod._table._transfers
     waiter = asyncio.create_task(prod.wait_held("slow", 30.0))
     await asyncio.sleep(0.05)
     prod.admit("slow")

@@ -8,9 +8,10 @@ import asyncio
 import pytest
 
 from pdserve.kvtransfer.backend import LoopbackBackend
-from pdserve.kvtransfer.connector import DuplicateTransferError, KVProducer
+from pdserve.kvtransfer.connector import KVProducer
 from pdserve.kvtransfer.producer_transfer import ProducerTransferState as S
 from pdserve.kvtransfer.send_tracker import UnknownTransferError
+from pdserve.kvtransfer.transfer_table import DuplicateTransferError
 
 
 @pytest.fixture
