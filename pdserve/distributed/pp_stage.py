@@ -15,7 +15,7 @@ blocks (one block table per node: block ids mean the same on every stage).
 Hidden states and the residual pass with ``torch.distributed`` point-to-point send/recv (gloo on
 CPU, NCCL on CUDA), shape first so a stage need not re-derive token counts. A stage that dies or
 fails raises ``PipelineStageError`` at the next call: the engine fails its requests and the node
-turns NOT_SERVING (``services.node``).
+turns NOT_SERVING (``services.stage_watchdog``).
 
 KV transfer (prefill / decode nodes): ``start_kv_endpoints`` makes every stage process open its
 own transfer engine (Mooncake) and register its own KV cache there; it answers with its session
