@@ -11,7 +11,7 @@ ends with an error delta at once, every later call raises ``EngineDeadError``, a
 tells the node (which turns NOT_SERVING and exits non-zero).
 
 The thread must not hang silently either: ``busy_s()`` says how long its current step or
-command has run, and the node's watchdog (services/node.py) takes the node out of service while
+command has run, and the node's watchdog (services/engine_watchdog.py) takes the node out of service while
 that exceeds ``step_timeout_s`` (``fail_streams`` ends the streams from the event loop).
 """
 

@@ -17,7 +17,7 @@ def test_every_metric_of_the_dashboard_exists() -> None:
 
     def defined(name: str) -> bool:
         # A counter's series end in _total, a histogram's in _bucket; node metrics are named without
-        # the prefix (services/node.py adds "pdserve:"), the router's with it.
+        # the prefix (services/node_metrics.py adds "pdserve:"), the router's with it.
         bases = {name, re.sub(r"_(total|bucket)$", "", name)}
         return any(f'"{b}"' in source or f'"{b.removeprefix("pdserve:")}"' in source for b in bases)
 
