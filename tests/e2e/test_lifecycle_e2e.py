@@ -80,7 +80,7 @@ def test_clients_hanging_up_at_once_kill_no_engine(cluster) -> None:
 
 def test_disconnect_during_prefill_releases_the_hold_at_once(cluster) -> None:
     """The router's cancel of a prefill leg (call cancelled, then Abort(transfer_id), as
-    pd_backend does) releases prefill's blocks at once, whichever phase the cancel hits."""
+    pd_prefill_leg does) releases prefill's blocks at once, whichever phase the cancel hits."""
     p = cluster.node("prefill-0")
     sampling = convert.sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     before = cluster.load("prefill-0").num_aborted_total
