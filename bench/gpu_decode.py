@@ -102,19 +102,23 @@ def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
 
 
 class _Unfused:
-    """Run llama.py's rotary and SiLU*up through their torch twins (the code path before the
-    fused kernels: ~7 small kernels per rotary call, 2 for SiLU*up) for one block; bench only."""
+    """Rotary + KV store and SiLU*up through their torch twins (the code path before the fused
+    kernels: ~7 small kernels per rotary call and a separate KV write, 2 for SiLU*up) for one
+    block; bench only. ``kv_store.rotary_and_store_kv`` reads ``kernels.rotary_can_run`` and
+    ``kernels.apply_rotary`` at call time, llama.py its own ``silu_and_mul``."""
 
     def __enter__(self) -> None:
         from pdserve.models import llama
 
-        self._saved = (llama.apply_rotary, llama.silu_and_mul)
-        llama.apply_rotary, llama.silu_and_mul = kernels.apply_rotary_torch, kernels.silu_and_mul_torch
+        self._saved = (kernels.rotary_can_run, kernels.apply_rotary, llama.silu_and_mul)
+        kernels.rotary_can_run = lambda *_a, **_k: False
+        kernels.apply_rotary = kernels.apply_rotary_torch
+        llama.silu_and_mul = kernels.silu_and_mul_torch
 
     def __exit__(self, *exc: object) -> None:
         from pdserve.models import llama
 
-        llama.apply_rotary, llama.silu_and_mul = self._saved
+        kernels.rotary_can_run, kernels.apply_rotary, llama.silu_and_mul = self._saved
 
 
 # ----------------------------------------------------------------------------- pdserve

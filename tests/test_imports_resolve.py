@@ -1,12 +1,15 @@
 """Every ``from pdserve|services|bench|tests... import name`` in the repository resolves, at module
 level or inside a function. The GPU tests, the GPU benches and lazily imported paths do not run in
-CI (no GPU): a name moved to another module would otherwise surface only on the lent GPU."""
+CI (no GPU): a name moved to another module would otherwise surface only on the lent GPU. Only
+from-imports are checked (not attribute reads on an imported module, nor dotted strings)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pdserve", "services", "bench", "tests")
@@ -31,9 +34,13 @@ def _from_imports() -> list[tuple[str, int, str, str]]:
 def test_every_from_import_of_the_repository_resolves() -> None:
     imports = _from_imports()
     assert len(imports) > 1000  # the walk found the tree
-    missing = []
+    missing, unchecked = [], set()
     for rel, line, module, name in imports:
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except pytest.skip.Exception:  # a test module that skips where a package is missing
+            unchecked.add(module)
+            continue
         if hasattr(mod, name):
             continue
         try:  # a submodule: from pdserve.engine import scheduler
@@ -41,3 +48,4 @@ def test_every_from_import_of_the_repository_resolves() -> None:
         except ModuleNotFoundError:
             missing.append(f"{rel}:{line}: from {module} import {name}")
     assert not missing, "\n".join(missing)
+    assert len(unchecked) < 5, f"modules that skipped at import, their imports unchecked: {unchecked}"

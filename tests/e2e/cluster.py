@@ -89,7 +89,7 @@ def running_cluster(
         wait_ready(cluster, children, timeout_s=180, router=router)
         if router:  # the router's /ready needs a decode node only: a test's first request may
             # need the prefill nodes too (the router otherwise sends it to decode alone)
-            _wait_in_rotation(rc, [n.name for n in cluster.nodes if n.role != "encoder"], timeout_s=30)
+            _wait_in_rotation(rc, _rotated(cluster), timeout_s=30)
         yield rc
     except BaseException:
         print(rc.logs())
@@ -127,7 +127,7 @@ def revive(rc: RunningCluster) -> None:
         router = any(c.role == "router" for c in rc.children)
         wait_ready(rc.cluster, rc.children, timeout_s=180, router=router)
         if router:  # the router's /ready needs a decode node only: wait for every node's rotation
-            _wait_in_rotation(rc, [c.name for c in rc.children if c.role != "router"], timeout_s=30)
+            _wait_in_rotation(rc, _rotated(rc.cluster), timeout_s=30)
 
 
 def in_rotation(rc: RunningCluster, node: str) -> float | None:
@@ -135,6 +135,12 @@ def in_rotation(rc: RunningCluster, node: str) -> float | None:
     text = httpx.get(rc.cluster.router_url + "/metrics", timeout=5).text
     m = re.search(r'^pdserve:router_node_in_rotation\{node="' + node + r'"\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else None
+
+
+def _rotated(cluster: ClusterConfig) -> list[str]:
+    """The nodes the router routes to and reports in rotation: prefill, decode and colocated ones
+    (encoders are reached through the prefill nodes)."""
+    return [n.name for n in cluster.nodes if n.role != "encoder"]
 
 
 def _wait_in_rotation(rc: RunningCluster, names: list[str], timeout_s: float) -> None:
