@@ -77,7 +77,7 @@ class KVProducer:
         self.regions = list(regions)
         self.block_size = block_size
         self._release = release  # frees the request's blocks (posted to the engine thread)
-        self._lock = threading.Lock()  # guards the plans and the group tables below
+        self._lock = threading.Lock()  # guards the plan cache
         self.stage = stage
         self.num_stages = num_stages
         self.tracker = tracker if tracker is not None else KVSendTracker(self._free_transfer, lease_s)
@@ -91,8 +91,6 @@ class KVProducer:
         self.layout = layout
         self.gatherer = gatherer  # packs a puller's heads next to the KV tensor (GatherPlan)
         self.layer_groups = list(layer_groups)
-        # transfer_id -> the held tables of the KV groups after the first (with layer_groups)
-        self._group_ids: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._group_plans = GroupPlans(self.regions, self.layer_groups)
         # Counters for metrics.
         self.bytes_total = 0
@@ -122,8 +120,6 @@ class KVProducer:
     def forget(self, transfer_id: str) -> None:
         """Drop the transfer's state (freed, failed, aborted); early pulls still waiting for its
         hold fail now, and so does one that comes later."""
-        with self._lock:
-            self._group_ids.pop(transfer_id, None)
         self._table.forget(transfer_id)
 
     @property
@@ -147,13 +143,11 @@ class KVProducer:
         """Engine thread: the request's KV is complete; hold its blocks under a lease.
         ``first_token_ids``: the request's tokens now (what every push answers with);
         ``group_block_ids``: the held tables of the KV groups after the first."""
-        if group_block_ids:
-            with self._lock:
-                self._group_ids[transfer_id] = tuple(tuple(g) for g in group_block_ids)
         self._table.hold(
             transfer_id,
             lambda: self.tracker.add(transfer_id, block_ids, need_send, self.num_stages),
             first_token_ids,
+            group_block_ids,
         )
 
     def first_token_ids(self, transfer_id: str) -> list[int]:
@@ -221,8 +215,7 @@ class KVProducer:
                     "KV groups with tables of their own move between equal TP sizes only"
                 )
             plan = self._group_plans.get(dst_regions)
-            with self._lock:
-                held = self._group_ids.get(transfer_id, ())
+            held = self._table.group_block_ids(transfer_id)
             descs = plan.descriptors(src_ids, dst_block_ids, held, dst_group_block_ids)
         else:
             plan = self._plan(dst_regions, dst_heads)

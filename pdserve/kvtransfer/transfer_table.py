@@ -39,6 +39,8 @@ class _Transfer:
     admitted: bool  # a Prefill admitted it (expect/admit/on_hold); False: only early pulls wait
     held: threading.Event = field(default_factory=threading.Event)  # its KV is held (on_hold)
     first_token_ids: list[int] = field(default_factory=list)  # the request's tokens when held
+    # the held tables of the KV groups after the first (a model with per-group tables)
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
     # early pulls waiting for the hold: resolved True (held) or False (ended without holding)
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = field(default_factory=list)
 
@@ -128,18 +130,33 @@ class TransferTable:
         with self._lock:
             return transfer_id in self._ended
 
-    def hold(self, transfer_id: str, add: Callable[[], None], first_token_ids: Sequence[int]) -> None:
+    def hold(
+        self,
+        transfer_id: str,
+        add: Callable[[], None],
+        first_token_ids: Sequence[int],
+        group_block_ids: Sequence[Sequence[int]] = (),
+    ) -> None:
         """Engine thread: ``add()`` holds the request's blocks (in the send tracker); then the
         transfer is held with ``first_token_ids`` (what every push answers with), and early pulls
-        waiting for it are woken."""
+        waiting for it are woken. ``group_block_ids``: the held tables of the KV groups after the
+        first, recorded with the transfer (``forget`` drops both at once)."""
         with self._lock:
             t = self._transfers.setdefault(transfer_id, _Transfer(admitted=True))
+            if group_block_ids:
+                t.group_block_ids = tuple(tuple(g) for g in group_block_ids)
         add()
         with self._lock:
             t.first_token_ids = list(first_token_ids)
             t.held.set()
             waiters, t.waiters = t.waiters, []
         _wake(waiters, True)
+
+    def group_block_ids(self, transfer_id: str) -> tuple[tuple[int, ...], ...]:
+        """The held group tables of ``transfer_id`` (() if none or not held)."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            return t.group_block_ids if t is not None else ()
 
     def first_token_ids(self, transfer_id: str) -> list[int]:
         """The tokens the transfer's request had when its KV was held ([] if not held or freed)."""
