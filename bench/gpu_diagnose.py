@@ -56,6 +56,7 @@ def attention_sweep(batches: list[int], ctx: int, copy_gbps: float) -> list[dict
 
 def _sweep_batch(b: int, ctx: int, copy_gbps: float) -> list[dict]:
     from pdserve.kernels import triton_attention as ta
+    from pdserve.kernels import triton_kv_splits, triton_kv_write
 
     layers = MODEL_SHAPE["num_layers"]
     heads, kv_heads, dim = MODEL_SHAPE["num_heads"], MODEL_SHAPE["num_kv_heads"], MODEL_SHAPE["head_dim"]
@@ -76,7 +77,7 @@ def _sweep_batch(b: int, ctx: int, copy_gbps: float) -> list[dict]:
     k = torch.randn((b, kv_heads, dim), dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     kv_bytes = b * ctx * 2 * kv_heads * dim * 2
-    default = ta.num_kv_splits(b, kv_heads, sms)
+    default = triton_kv_splits.num_kv_splits(b, kv_heads, sms)
     rows = []
     splits_pair = sorted({default, min(16, default * 2)})
     # (splits, block_n, warps, stages)
@@ -102,7 +103,7 @@ def _sweep_batch(b: int, ctx: int, copy_gbps: float) -> list[dict]:
             stages: int = stages,
         ) -> None:
             cache = stage[:, i % layers]
-            ta.write_kv_cache(k, v, cache, slots)
+            triton_kv_write.write_kv_cache(k, v, cache, slots)
             ta.paged_attention(
                 q, cache, table, seq_lens, qsl, 1, dim**-0.5, splits,
                 block_n=block_n, num_warps=warps, num_stages=stages,
@@ -138,7 +139,7 @@ def rotary_store_timing(batches: list[int], ctx: int) -> list[dict]:
 
 
 def _rotary_store_at(b: int, ctx: int, cos_sin: torch.Tensor) -> dict:
-    from pdserve.kernels import triton_attention as ta
+    from pdserve.kernels import triton_kv_write
     from pdserve.kernels import triton_rotary as tr
 
     layers = MODEL_SHAPE["num_layers"]
@@ -156,7 +157,7 @@ def _rotary_store_at(b: int, ctx: int, cos_sin: torch.Tensor) -> dict:
 
     def two(i: int = 0) -> None:
         _, k_rot = tr.rotary_fwd(q, k, pos, cos_sin)
-        ta.write_kv_cache(k_rot, v, stage[:, i % layers], slots)
+        triton_kv_write.write_kv_cache(k_rot, v, stage[:, i % layers], slots)
 
     def one(i: int = 0) -> None:
         tr.rotary_store_kv_fwd(q, k, v, pos, cos_sin, stage[:, i % layers], slots)

@@ -1,8 +1,10 @@
-"""Triton paged attention: KV write and one attention kernel for any mix of query lengths.
+"""Triton paged attention: one attention kernel for any mix of query lengths, and its launch.
 
 Imported only by ``pdserve.models.attention_backend`` when the Triton path is taken (it imports
-triton). The torch path (``pdserve.models.attention_torch``) is the CPU path and the reference
-these kernels are tested against.
+triton), and by cudnn_prefill.py for the requests cuDNN leaves. The torch path
+(``pdserve.models.attention_torch``) is the CPU path and the reference these kernels are tested
+against. The KV write is triton_kv_write.py; the split count and the merge of split partials
+are triton_kv_splits.py.
 
 Attention grid (one program per query tile x KV head x KV split)::
 
@@ -15,7 +17,7 @@ Attention grid (one program per query tile x KV head x KV split)::
             row m of the [BLOCK_M, D] query tile is (token q0 + m // G_PAD, head kv_head*G + m % G_PAD).
     axis 2  KV splits (flash-decoding). Keys [0, kv_end) of a tile are cut into NUM_SPLITS runs of
             ceil(kv_end / NUM_SPLITS) rounded up to BLOCK_N; each program writes an unnormalised
-            partial (acc, running max, running sum) and ``_merge_splits_kernel`` combines them.
+            partial (acc, running max, running sum) and ``merge_kv_splits`` combines them.
             The cut depends only on kv_end and NUM_SPLITS, so a request's result does not depend
             on the grid size (a CUDA graph captured for a padded batch computes what eager does).
 
@@ -30,46 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from pdserve.kernels.triton_kv_splits import merge_kv_splits
+from pdserve.kernels.triton_kv_write import check_kv_cache
+
 MAX_HEAD_DIM = 256
 MAX_QUERIES_PER_KV = 64
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    kv_ptr,
-    slot_ptr,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_kv_block,
-    stride_kv_kv,
-    stride_kv_pos,
-    stride_kv_head,
-    NUM_KV_HEADS: tl.constexpr,
-    H_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:  # padding row of a captured batch: nothing to store
-        return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    h = tl.arange(0, H_PAD)
-    d = tl.arange(0, D_PAD)
-    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    k = tl.load(k_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
-    v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
-    dst = kv_ptr + blk * stride_kv_block + off * stride_kv_pos + h[:, None] * stride_kv_head + d[None, :]
-    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -203,105 +171,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + idx * 2 + 1, l_i, mask=row_valid)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    part_acc_ptr,
-    part_ml_ptr,
-    out_ptr,
-    num_heads,
-    stride_o_tok,
-    stride_o_head,
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D_PAD)
-    idx = (tok * num_heads + head) * NUM_SPLITS + s  # [NUM_SPLITS]
-    m = tl.load(part_ml_ptr + idx * 2)
-    l_s = tl.load(part_ml_ptr + idx * 2 + 1)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)  # empty splits (max -inf) weigh 0
-    acc = tl.load(part_acc_ptr + idx[:, None] * D_PAD + d[None, :])  # [NUM_SPLITS, D_PAD]
-    num = tl.sum(w[:, None] * acc, 0)  # [D_PAD]
-    den = tl.sum(w * l_s, 0)
-    out = num / tl.where(den == 0.0, 1.0, den)
-    tl.store(
-        out_ptr + tok * stride_o_tok + head * stride_o_head + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
-    )
-
-
 # ----------------------------------------------------------------------------- wrappers
-
-
-def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    """Assert a layer's cache view is what the kernels index: [blocks, 2, block_size, Hkv, D]."""
-    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, f"kv_cache shape {tuple(kv_cache.shape)}"
-    assert kv_cache.shape[3:] == (num_kv_heads, head_dim), f"kv_cache shape {tuple(kv_cache.shape)}"
-    assert kv_cache.stride(-1) == 1, f"kv_cache: head_dim must be unit-stride, strides {kv_cache.stride()}"
-    assert kv_cache.dtype in TRITON_DTYPES, f"kv_cache dtype {kv_cache.dtype}"
-
-
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """kv_cache[slot] = (k, v) per token; slots < 0 are skipped. Mutates ``kv_cache`` in place.
-
-    k, v: [num_tokens, Hkv, D] (rows may be strided); kv_cache: one layer's view
-    [num_blocks, 2, block_size, Hkv, D]; slot_mapping: [num_tokens] int64.
-    """
-    num_tokens, num_kv_heads, head_dim = k.shape
-    check_kv_cache(kv_cache, num_kv_heads, head_dim)
-    assert v.shape == k.shape, f"v {tuple(v.shape)} vs k {tuple(k.shape)}"
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, f"k/v strides {k.stride()} {v.stride()}"
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64, (
-        f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
-    )
-    assert k.device == kv_cache.device == slot_mapping.device, "k, kv_cache, slot_mapping devices differ"
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        kv_cache,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        NUM_KV_HEADS=num_kv_heads,
-        H_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2],
-        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4,
-    )
-
-
-def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """KV splits for a decode launch: enough programs for ~4 per SM, a power of two.
-
-    Measured on the H200 (132 SMs; Llama-1B shape, context 576; per layer, KV write included):
-    batch 16 takes 14.0 us with 4 splits vs 16.5 us with 2; batch 64 is best unsplit (27.9 us)
-    and batch 1 with 16 splits (7.5 us).
-
-    Decided on next_power_of_2(num_seqs), so a batch padded up to a power-of-two capture size
-    uses the same split count as the same batch run eagerly.
-    """
-    programs = triton.next_power_of_2(num_seqs) * num_kv_heads
-    splits = 1
-    while splits < max_splits and programs * (2 * splits) <= 4 * num_sms:
-        splits *= 2
-    return splits
 
 
 def paged_attention(
@@ -400,35 +270,8 @@ def paged_attention(
         num_stages=num_stages or (3 if max_query_len == 1 else 2),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc,
-            part_ml,
-            out,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=num_splits,
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            num_warps=1 if d_pad <= 64 else 2,
-        )
+        merge_kv_splits(part_acc, part_ml, out)
     return out
 
 
-def device_sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; a nominal 16 elsewhere (the interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 16
-
-
-__all__ = [
-    "MAX_HEAD_DIM",
-    "MAX_QUERIES_PER_KV",
-    "TRITON_DTYPES",
-    "check_kv_cache",
-    "device_sm_count",
-    "num_kv_splits",
-    "paged_attention",
-    "write_kv_cache",
-]
+__all__ = ["MAX_HEAD_DIM", "MAX_QUERIES_PER_KV", "paged_attention"]

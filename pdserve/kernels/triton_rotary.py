@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pdserve.kernels.backend import TRITON_DTYPES
 from pdserve.kernels.rotary import MAX_ROTARY_HEAD_DIM, POSITION_DTYPES
-from pdserve.kernels.triton_attention import check_kv_cache
+from pdserve.kernels.triton_kv_write import check_kv_cache
 
 # Lanes (heads x D/2) per block per half: 4096 fp32 = 16 values per thread per half at 8 warps.
 _TILE = 4096

@@ -13,8 +13,9 @@ Two implementations, picked once per runner by ``select_attention_backend`` (the
     triton            any             Triton (CPU needs TRITON_INTERPRET=1); unsupported: raise
     torch             any             torch
 
-Called by the model runner and the drafters (``select_attention_backend``); ``triton_impl`` by
-kv_store.py and paged_attention.py, which take the Triton path.
+Called by the model runner and the drafters (``select_attention_backend``); the ``triton_*impl``
+getters by kv_store.py (the KV write) and paged_attention.py (the attention launch and its
+split count), which take the Triton path.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pdserve.models.attention import AttentionBackend
 
 TRITON_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _triton_impl: ModuleType | None = None
+_triton_kv_write_impl: ModuleType | None = None
+_triton_kv_splits_impl: ModuleType | None = None
 
 
 def triton_attention_unsupported_reason(
@@ -74,3 +77,23 @@ def triton_impl() -> ModuleType:
 
         _triton_impl = triton_attention
     return _triton_impl
+
+
+def triton_kv_write_impl() -> ModuleType:
+    """``pdserve.kernels.triton_kv_write``, imported on first use (it imports triton)."""
+    global _triton_kv_write_impl
+    if _triton_kv_write_impl is None:
+        from pdserve.kernels import triton_kv_write
+
+        _triton_kv_write_impl = triton_kv_write
+    return _triton_kv_write_impl
+
+
+def triton_kv_splits_impl() -> ModuleType:
+    """``pdserve.kernels.triton_kv_splits``, imported on first use (it imports triton)."""
+    global _triton_kv_splits_impl
+    if _triton_kv_splits_impl is None:
+        from pdserve.kernels import triton_kv_splits
+
+        _triton_kv_splits_impl = triton_kv_splits
+    return _triton_kv_splits_impl

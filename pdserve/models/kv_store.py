@@ -15,7 +15,7 @@ import torch
 from pdserve import kernels
 from pdserve.kernels import cpu_native
 from pdserve.models.attention import AttentionMetadata
-from pdserve.models.attention_backend import triton_impl
+from pdserve.models.attention_backend import triton_kv_write_impl
 
 
 def write_kv_cache(
@@ -55,7 +55,7 @@ def _write_kv(
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """The new tokens' K/V into their slots, by the metadata's attention path."""
     if meta.backend == "triton":
-        triton_impl().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        triton_kv_write_impl().write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return
     if meta._store_index is None:  # once per step: every layer stores to the same slots
         meta._store_index = _slot_index(meta.slot_mapping, kv_cache.shape[2])

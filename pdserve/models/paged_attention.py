@@ -15,7 +15,7 @@ import torch
 
 from pdserve.models import cudnn_prefill, flash_prefill
 from pdserve.models.attention import AttentionMetadata
-from pdserve.models.attention_backend import triton_impl
+from pdserve.models.attention_backend import triton_impl, triton_kv_splits_impl
 from pdserve.models.attention_torch import attend_cached_torch
 from pdserve.models.kv_store import store_kv
 
@@ -82,7 +82,7 @@ def _attend_triton(
     batch = meta.batch_size
     splits = 1
     if meta.max_query_len == 1:  # tile shape only; the kernel is the same for every query length
-        splits = impl.num_kv_splits(batch, num_kv_heads, _sm_count(q.device))
+        splits = triton_kv_splits_impl().num_kv_splits(batch, num_kv_heads, _sm_count(q.device))
     return impl.paged_attention(
         q,
         kv_cache,
@@ -97,5 +97,5 @@ def _attend_triton(
 
 def _sm_count(device: torch.device) -> int:
     if device not in _sm_counts:
-        _sm_counts[device] = triton_impl().device_sm_count(device)
+        _sm_counts[device] = triton_kv_splits_impl().device_sm_count(device)
     return _sm_counts[device]

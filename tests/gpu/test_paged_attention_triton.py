@@ -111,12 +111,12 @@ def test_triton_matches_torch_fp32(
 
 @pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
 def test_decode_splits_match(num_splits: int) -> None:
-    from pdserve.kernels import triton_attention
+    from pdserve.kernels import triton_attention, triton_kv_write
 
     case = _case([1, 1, 1, 1], [70, 1, 130, 16], 4, 2, 16, 8, seed=num_splits)
     ref, _ = _run(case, "torch")
     cache = case.cache.clone()
-    triton_attention.write_kv_cache(case.k, case.v, cache[:, 1], case.meta.slot_mapping)
+    triton_kv_write.write_kv_cache(case.k, case.v, cache[:, 1], case.meta.slot_mapping)
     m = case.meta
     out = triton_attention.paged_attention(
         case.q, cache[:, 1], m.block_tables, m.seq_lens, m.query_start_loc, 1, 16**-0.5, num_splits
