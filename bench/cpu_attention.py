@@ -1,4 +1,4 @@
-"""The native CPU decode attention (``kernels.cpu_native.attention``) alone, at SmolLM2-135M's shape
+"""The native CPU decode attention (``kernels.cpu_native_attention.attention``) alone, at SmolLM2-135M's shape
 (9 query heads, 3 KV heads, head_dim 64, block size 16): the AVX2 kernel (``new``,
 ``cpu_attention.c``) against the scalar loop (``old``, ``cpu_native.c``) in one process, paired.
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import loadavg, log  # noqa: E402
-from pdserve.kernels import cpu_native  # noqa: E402
+from pdserve.kernels import cpu_native_attention  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -51,13 +51,13 @@ def make_case(batch: int, keys: int, nh: int, nkv: int, d: int, cache_bytes: int
         "lens": torch.full((batch,), keys, dtype=torch.int32),
         "layers": layers,
         "scale": d**-0.5,
-        "scores": cpu_native.attention_scores([1] * batch, [keys] * batch, nh),
+        "scores": cpu_native_attention.attention_scores([1] * batch, [keys] * batch, nh),
     }
 
 
 def call(case: dict, layer: int) -> torch.Tensor:
     c = case
-    out = cpu_native.attention(
+    out = cpu_native_attention.attention(
         c["q"], c["cache"][:, layer], c["tables"], c["starts"], c["lens"], int(c["lens"].max()), c["scale"],
         c["scores"],
     )  # fmt: skip
@@ -67,7 +67,7 @@ def call(case: dict, layer: int) -> torch.Tensor:
 
 def sweep_us(case: dict, simd: bool) -> tuple[float, float]:
     """(CPU µs, wall µs) per call over one call per layer."""
-    cpu_native.attention_simd(simd)
+    cpu_native_attention.attention_simd(simd)
     c0, w0 = time.thread_time(), time.perf_counter()
     for layer in range(case["layers"]):
         call(case, layer)
@@ -91,8 +91,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_attention.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if not cpu_native.attention_simd(True):
-        raise SystemExit("no AVX2 + FMA attention here (cpu_native.attention_simd(True) is False)")
+    if not cpu_native_attention.attention_simd(True):
+        raise SystemExit("no AVX2 + FMA attention here (cpu_native_attention.attention_simd(True) is False)")
     log(f"load {loadavg()}")
     rows = []
     for b in args.batches:
@@ -100,9 +100,9 @@ def main() -> None:
             case = make_case(
                 b, k, args.heads, args.kv_heads, args.head_dim, args.cache_mib << 20, seed=b * 1000 + k
             )
-            cpu_native.attention_simd(False)
+            cpu_native_attention.attention_simd(False)
             old = call(case, 0)
-            cpu_native.attention_simd(True)
+            cpu_native_attention.attention_simd(True)
             diff = max_diff(call(case, 0), old)
             times: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
             sweep_us(case, True)  # warm-up: page the cache in
@@ -130,7 +130,7 @@ def main() -> None:
     args.out.write_text(
         json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1)
     )
-    cpu_native.attention_simd(True)
+    cpu_native_attention.attention_simd(True)
 
 
 if __name__ == "__main__":

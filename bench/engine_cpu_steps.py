@@ -16,7 +16,7 @@ long prefill, an operator profile of each, and this CPU's roofline, in one run.
   and on the current ones (``new``), alternating per repetition (the decode cases' prefills run
   ``new``); the table gives the median of the per-repetition ratios. ``--ab-attention``: the
   same pairing with ``old`` = the current routes but the native attention's scalar loop
-  (``cpu_native.attention_simd(False)``) instead of its AVX2 kernel.
+  (``cpu_native_attention.attention_simd(False)``) instead of its AVX2 kernel.
 - ``--profile``: ``torch.profiler`` over a few steps of each case; the top operators by self
   CPU time go to the JSON and the log, first the share outside torch operators (the native
   kernels, which the profiler does not see, and Python).
@@ -74,21 +74,21 @@ class Routes:
 
         self.layers = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
         self.packed = [m.weight_packed for m in self.layers]
-        from pdserve.kernels import cpu_native
+        from pdserve.kernels import cpu_native_attention
 
-        self.decode_cap = cpu_native.MAX_DECODE_SCORES_NO_BF16_HW
+        self.decode_cap = cpu_native_attention.MAX_DECODE_SCORES_NO_BF16_HW
 
     def set(self, name: str) -> None:
-        from pdserve.kernels import cpu_native
+        from pdserve.kernels import cpu_native_attention
 
         if self.attention_only:
-            cpu_native.attention_simd(name == "new")
+            cpu_native_attention.attention_simd(name == "new")
             return
         for m, p in zip(self.layers, self.packed, strict=True):
             m.weight_packed = p if name == "new" else None
         # the native decode attention's cap on such a host (score_cap): the old one for "old"
-        cpu_native.MAX_DECODE_SCORES_NO_BF16_HW = (
-            self.decode_cap if name == "new" else cpu_native.MAX_ATTENTION_SCORES
+        cpu_native_attention.MAX_DECODE_SCORES_NO_BF16_HW = (
+            self.decode_cap if name == "new" else cpu_native_attention.MAX_ATTENTION_SCORES
         )
 
 

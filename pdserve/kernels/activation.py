@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native_rowwise
 from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_native, wants_triton
 
 _triton_impl: ModuleType | None = None
@@ -59,7 +59,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2*I] -> silu(gate) * up, a new contiguous [..., I] tensor; one launch on CUDA."""
     if not wants_triton(gate_up):
         if wants_native(gate_up):
-            out = cpu_native.silu_and_mul(gate_up)
+            out = cpu_native_rowwise.silu_and_mul(gate_up)
             if out is not None:
                 return out
         return silu_and_mul_torch(gate_up)

@@ -84,8 +84,9 @@ def wants_triton(x: torch.Tensor) -> bool:
 
 
 def wants_native(x: torch.Tensor) -> bool:
-    """Whether a call on ``x`` may take a native CPU kernel (``kernels.cpu_native``, which then
-    checks the rest and answers None when the case is not for it): backend auto, a CPU bf16 tensor."""
+    """Whether a call on ``x`` may take a native CPU kernel (``kernels.cpu_native_rowwise`` or
+    ``kernels.cpu_native_attention``, which then checks the rest and answers None when the case is
+    not for it): backend auto, a CPU bf16 tensor."""
     return _backend == "auto" and x.dtype is torch.bfloat16 and x.device.type == "cpu"
 
 

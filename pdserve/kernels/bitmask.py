@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native_rowwise
 from pdserve.kernels.backend import (
     NEG_INF_BITS,
     TRITON_DTYPES,
@@ -177,7 +177,11 @@ def apply_token_bitmask_(
     _check(logits, bitmask, rows)
     if not wants_triton(logits):
         # CPU, backend auto: the native kernel (~10 us for 16 x 4,096) where it takes the case
-        if get_backend() == "auto" and logits.is_cpu and cpu_native.apply_bitmask_(logits, bitmask, rows):
+        if (
+            get_backend() == "auto"
+            and logits.is_cpu
+            and cpu_native_rowwise.apply_bitmask_(logits, bitmask, rows)
+        ):
             return
         apply_token_bitmask_torch(logits, bitmask, rows)
         return

@@ -1,4 +1,5 @@
-"""Building, caching and loading ``cpu_native.c`` (the wrappers are in ``cpu_native``).
+"""Building, caching and loading ``cpu_native.c`` (``cpu_native`` holds the one load; the
+wrappers are in ``cpu_native_rowwise`` and ``cpu_native_attention``).
 
 The library is cached under ``$PDSERVE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pdserve`` or
 ``~/.cache/pdserve``), named by a hash of the source, the flags, Python's headers and (for

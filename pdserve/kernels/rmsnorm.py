@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.errors import UnsupportedError
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native_rowwise
 from pdserve.kernels.backend import TRITON_DTYPES, device_unsupported_reason, wants_native, wants_triton
 
 Activation = Literal["silu", "sigmoid"]
@@ -162,7 +162,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * weight, computed in fp32, returned in x.dtype. x: [..., hidden]."""
     if not _use_triton(x, weight):
         if wants_native(x):
-            y = cpu_native.rms_norm(x, weight, eps)
+            y = cpu_native_rowwise.rms_norm(x, weight, eps)
             if y is not None:
                 return y
         return rms_norm_torch(x, weight, eps)
@@ -177,7 +177,7 @@ def fused_add_rms_norm(
     """residual' = x + residual; returns (rms_norm(residual'), residual'). Inputs are not mutated."""
     if not _use_triton(x, residual, weight):
         if wants_native(x):
-            pair = cpu_native.fused_add_rms_norm(x, residual, weight, eps)
+            pair = cpu_native_rowwise.fused_add_rms_norm(x, residual, weight, eps)
             if pair is not None:
                 return pair
         return fused_add_rms_norm_torch(x, residual, weight, eps)

@@ -69,7 +69,7 @@ class AttentionMetadata:
     _rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False
     )
-    # Native CPU kernels (kernels.cpu_native), per step: whether the step's slots, lengths and
+    # Native CPU kernels (kernels.cpu_native_attention), per step: whether the step's slots, lengths and
     # block ids passed the bounds check those kernels rely on (for a cache of that many blocks),
     # and whether its positions did (for those positions and that cos/sin cache).
     _native_kv_ok: tuple[int, bool] | None = field(default=None, repr=False)

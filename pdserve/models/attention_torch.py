@@ -2,7 +2,7 @@
 ``select_attention_backend`` picks on the CPU (attention_backend.py).
 
 ``attend_cached_torch`` is ``attend_cached``'s torch branch (paged_attention.py): the native CPU
-kernel (``kernels.cpu_native``) where it takes the step, else each request's context blocks
+kernel (``kernels.cpu_native_attention``) where it takes the step, else each request's context blocks
 gathered with one ``index_select`` per layer (an index built once per step) and SDPA over them,
 decode rows as one grouped call and only prefill rows padded. ``attend_cached_window`` is the
 sliding-window form (gemma3.py), torch only.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import UnsupportedError
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native_attention
 from pdserve.kernels.backend import HALF_DTYPES
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.kv_store import native_kv_ok
@@ -76,8 +76,8 @@ def attend_cached_torch(
         if meta.max_query_len == 1:
             scores = num_heads * batch * meta.max_seq_len  # a bound, cheaper than the sum
         else:
-            scores = cpu_native.attention_scores(meta.query_lens_cpu, meta.seq_lens_cpu, num_heads)
-        out = cpu_native.attention(
+            scores = cpu_native_attention.attention_scores(meta.query_lens_cpu, meta.seq_lens_cpu, num_heads)
+        out = cpu_native_attention.attention(
             q,
             kv_cache,
             meta.block_tables,

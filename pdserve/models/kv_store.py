@@ -2,7 +2,7 @@
 the rotation of q and k that precedes it in every attention layer.
 
 ``rotary_and_store_kv`` is what a layer calls (llama.py, lfm2.py, gemma3.py): one Triton launch
-on the Triton path, one native CPU call where ``kernels.cpu_native`` takes the step, else the
+on the Triton path, one native CPU call where ``kernels.cpu_native_attention`` takes the step, else the
 torch twins. ``store_kv`` stores without rotating (``paged_attention``); ``write_kv_cache`` is
 the torch store alone. ``native_kv_ok`` is the once-per-step bounds check the native CPU
 kernels rely on, for the store here and the attention (attention_torch.py).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve import kernels
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native_attention
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.attention_backend import triton_kv_write_impl
 
@@ -63,11 +63,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Att
 
 
 def native_kv_ok(meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
-    """``cpu_native.kv_indices_ok`` for this step: computed by its first layer, kept for the rest."""
+    """``cpu_native_attention.kv_indices_ok`` for this step: computed by its first layer, kept for
+    the rest."""
     ok = meta._native_kv_ok
     num_blocks = kv_cache.shape[0]
     if ok is None or ok[0] != num_blocks:
-        passed = cpu_native.kv_indices_ok(
+        passed = cpu_native_attention.kv_indices_ok(
             meta.slot_mapping,
             meta.seq_lens,
             meta.block_tables,
@@ -83,13 +84,13 @@ def native_kv_ok(meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
 def _native_positions_ok(
     meta: AttentionMetadata, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> bool:
-    """``cpu_native.positions_ok`` for this step's positions, likewise once per step."""
+    """``cpu_native_attention.positions_ok`` for this step's positions, likewise once per step."""
     ok = meta._native_pos_ok
     if ok is None or ok[0] is not positions or ok[1] is not cos_sin_cache:
         ok = meta._native_pos_ok = (
             positions,
             cos_sin_cache,
-            cpu_native.positions_ok(positions, cos_sin_cache.shape[0]),
+            cpu_native_attention.positions_ok(positions, cos_sin_cache.shape[0]),
         )
     return ok[2]
 
@@ -127,7 +128,9 @@ def rotary_and_store_kv(
         and _native_positions_ok(meta, positions, cos_sin_cache)
         and native_kv_ok(meta, kv_cache)
     ):
-        q_rot = cpu_native.rotary_store_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping)
+        q_rot = cpu_native_attention.rotary_store_kv(
+            q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping
+        )
         if q_rot is not None:
             return _exchanged(q_rot, kv_cache, meta)
     if kernels.wants_triton(q):

@@ -17,7 +17,7 @@ from it and round once to the input's dtype. Larger layers, larger calls, fp32 m
 other device keep the plain path: there the fp32 route is slower (at one row 128 x 384 takes
 20 -> 9 us, 1,024 x 3,072 330 -> 407 us: memory-bound; at 64 rows 128 x 384 48 -> 79 us) and
 its copy costs memory (docs/benchmarks.md, "The CPU decode step"). A bf16 call of up to
-``cpu_native.MAX_LINEAR_ROWS`` rows goes one step further: one native call reads the transposed
+``cpu_native_rowwise.MAX_LINEAR_ROWS`` rows goes one step further: one native call reads the transposed
 fp32 copy and rounds once (~4 against ~10 us for 1 x 128 x 384).
 
 Numerics: the products of bf16 values are exact in fp32 and the sum is fp32, as in oneDNN's
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import cpu_gemm, cpu_native
+from pdserve.kernels import cpu_gemm, cpu_native_rowwise
 from pdserve.kernels.backend import HALF_DTYPES, wants_native
 
 SMALL_GEMM_MAX_WEIGHT = 65_536  # elements (fp32 copy <= 256 KiB)
@@ -74,9 +74,9 @@ class Linear(nn.Linear):
                 return y
         w = self.weight_fp32
         if w is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
-            if wants_native(x):  # a few bf16 rows: one native call (kernels.cpu_native.linear)
+            if wants_native(x):  # a few bf16 rows: one native call (kernels.cpu_native_rowwise.linear)
                 assert self.weight_fp32_t is not None
-                y = cpu_native.linear(x, self.weight_fp32_t, self.bias_fp32)
+                y = cpu_native_rowwise.linear(x, self.weight_fp32_t, self.bias_fp32)
                 if y is not None:
                     return y
             return F.linear(x.float(), w, self.bias_fp32).to(x.dtype)

@@ -1,6 +1,6 @@
 """The native CPU attention's AVX2 + FMA kernel (pdserve/kernels/cpu_attention.c) against a naive
 fp32 reference and the portable scalar loop (cpu_native.c), both run in one process through
-``cpu_native.attention_simd``: grouped query heads, head_dim 64 and 128, lengths across block
+``cpu_native_attention.attention_simd``: grouped query heads, head_dim 64 and 128, lengths across block
 boundaries, many requests of different lengths, prefill chunks beside decode rows, NaN rows."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native, cpu_native_attention
 from pdserve.models.attention import AttentionMetadata
 from tests.models.helpers import allocate_kv_cache, build_metadata
 
@@ -31,10 +31,10 @@ def simd() -> Iterator[None]:
     """The native library with its AVX2 attention on; on again after the test."""
     if not cpu_native.available():
         pytest.skip(f"native CPU kernels unavailable here: {cpu_native.unavailable_reason()}")
-    if not cpu_native.attention_simd(True):
+    if not cpu_native_attention.attention_simd(True):
         pytest.skip("this CPU has no AVX2 + FMA: the attention takes the scalar loop only")
     yield
-    cpu_native.attention_simd(True)
+    cpu_native_attention.attention_simd(True)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -76,14 +76,14 @@ def _case(
             want.append(_reference(q[row].float(), kv[0, :keys].float(), kv[1, :keys].float(), d**-0.5))
             row += 1
     meta = build_metadata(query_lens, seq_lens, tables, block)
-    return q, layer, meta, cpu_native.attention_scores(query_lens, seq_lens, nh), torch.stack(want)
+    return q, layer, meta, cpu_native_attention.attention_scores(query_lens, seq_lens, nh), torch.stack(want)
 
 
 def _run(
     q: torch.Tensor, layer: torch.Tensor, meta: AttentionMetadata, scores: int, on: bool
 ) -> torch.Tensor:
-    assert cpu_native.attention_simd(on) is on
-    got = cpu_native.attention(
+    assert cpu_native_attention.attention_simd(on) is on
+    got = cpu_native_attention.attention(
         q, layer, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_seq_len, q.shape[-1] ** -0.5,
         scores,
     )  # fmt: skip
@@ -151,8 +151,8 @@ def test_the_switch_reports_the_cpu() -> None:
     if not cpu_native.available():
         pytest.skip(f"native CPU kernels unavailable here: {cpu_native.unavailable_reason()}")
     try:
-        assert cpu_native.attention_simd(False) is False
-        assert cpu_native.attention_simd(True) is _cpu_has_avx2_fma()
-        assert cpu_native.attention_simd() is _cpu_has_avx2_fma()
+        assert cpu_native_attention.attention_simd(False) is False
+        assert cpu_native_attention.attention_simd(True) is _cpu_has_avx2_fma()
+        assert cpu_native_attention.attention_simd() is _cpu_has_avx2_fma()
     finally:
-        cpu_native.attention_simd(True)
+        cpu_native_attention.attention_simd(True)

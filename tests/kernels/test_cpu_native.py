@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.errors import ConfigError
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native, cpu_native_attention, cpu_native_rowwise
 from pdserve.kernels.activation import silu_and_mul_torch
 from pdserve.kernels.rmsnorm import fused_add_rms_norm_torch, rms_norm_torch
 from pdserve.kernels.rotary import apply_rotary_torch, rotary_cos_sin_cache
@@ -65,10 +65,10 @@ def test_the_norms_and_silu_match_their_twins(
 
     x, residual, gate_up = make(width), make(width), make(2 * width, 4.0)
     weight = torch.randn(width, generator=gen).to(BF16)
-    got = cpu_native.rms_norm(x, weight, 1e-6)
+    got = cpu_native_rowwise.rms_norm(x, weight, 1e-6)
     assert got is not None
     _within_one_step(got, rms_norm_torch(x, weight, 1e-6))
-    pair = cpu_native.fused_add_rms_norm(x, residual, weight, 1e-6)
+    pair = cpu_native_rowwise.fused_add_rms_norm(x, residual, weight, 1e-6)
     assert pair is not None
     normed, new_residual = pair
     want_normed, want_residual = fused_add_rms_norm_torch(x, residual, weight, 1e-6)
@@ -76,11 +76,11 @@ def test_the_norms_and_silu_match_their_twins(
     _within_one_step(normed, want_normed)
     lib = cpu_native.library()
     assert lib is not None
-    if gate_up.numel() > cpu_native.silu_cap(lib):
-        assert cpu_native.silu_and_mul(gate_up) is None  # torch's vectorised kernel is faster there
-    monkeypatch.setattr(cpu_native, "MAX_SILU_ELEMENTS", 1 << 20)
-    monkeypatch.setattr(cpu_native, "MAX_SILU_ELEMENTS_SIMD", 1 << 20)
-    act = cpu_native.silu_and_mul(gate_up)
+    if gate_up.numel() > cpu_native_rowwise.silu_cap(lib):
+        assert cpu_native_rowwise.silu_and_mul(gate_up) is None  # torch's vectorised kernel is faster there
+    monkeypatch.setattr(cpu_native_rowwise, "MAX_SILU_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(cpu_native_rowwise, "MAX_SILU_ELEMENTS_SIMD", 1 << 20)
+    act = cpu_native_rowwise.silu_and_mul(gate_up)
     assert act is not None
     _within_one_step(act, silu_and_mul_torch(gate_up))
     if width == 128:  # one 16-lane pass covers the row: the same sum as torch's, the same bits
@@ -101,7 +101,7 @@ def test_silu_rows_of_any_width_and_special_values_match_the_twin(inter: int) ->
     specials = torch.tensor([float("inf"), -float("inf"), float("nan"), -100.0, 100.0, -88.5, 0.0])
     k = min(inter, len(specials))
     gate_up[1, :k] = specials[:k].to(BF16)
-    got = cpu_native.silu_and_mul(gate_up)
+    got = cpu_native_rowwise.silu_and_mul(gate_up)
     assert got is not None
     want = silu_and_mul_torch(gate_up)
     assert torch.equal(got.isnan(), want.isnan())
@@ -123,23 +123,23 @@ def test_the_small_layer_gemm_matches_the_fp32_route(rows: int, bias: bool) -> N
     assert layer.weight_fp32 is not None and layer.weight_fp32_t.is_contiguous()
     x = torch.randn(rows, 96 + 5, generator=gen).to(BF16)[:, :96]  # rows 101 apart
     with torch.inference_mode():
-        got = cpu_native.linear(x, layer.weight_fp32_t, layer.bias_fp32)
+        got = cpu_native_rowwise.linear(x, layer.weight_fp32_t, layer.bias_fp32)
         want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
         assert got is not None
         _within_one_step(got, want.to(BF16))
         assert torch.equal(layer(x), got)  # the layer's forward takes it
-        many = torch.randn(cpu_native.MAX_LINEAR_ROWS + 1, 96).to(BF16)
-        assert cpu_native.linear(many, layer.weight_fp32_t, layer.bias_fp32) is None
+        many = torch.randn(cpu_native_rowwise.MAX_LINEAR_ROWS + 1, 96).to(BF16)
+        assert cpu_native_rowwise.linear(many, layer.weight_fp32_t, layer.bias_fp32) is None
 
 
 @pytest.mark.usefixtures("native")
 def test_a_three_dimensional_input_keeps_its_shape() -> None:
     x = torch.randn(2, 3, 64).to(BF16)
     weight = torch.randn(64).to(BF16)
-    got = cpu_native.rms_norm(x, weight, 1e-5)
+    got = cpu_native_rowwise.rms_norm(x, weight, 1e-5)
     assert got is not None and got.shape == x.shape
     _within_one_step(got, rms_norm_torch(x, weight, 1e-5))
-    act = cpu_native.silu_and_mul(x)
+    act = cpu_native_rowwise.silu_and_mul(x)
     assert act is not None and act.shape == (2, 3, 32)
 
 
@@ -160,7 +160,7 @@ def test_rotary_and_kv_store_give_the_twins_bits(tokens: int) -> None:
         slots[1] = -1
     cache = torch.randn(6, 2, 2, BLOCK, nkv, HEAD_DIM, generator=gen).to(BF16)
     want_cache = cache.clone()
-    got = cpu_native.rotary_store_kv(q, k, v, positions, cos_sin, cache[:, 1], slots)
+    got = cpu_native_attention.rotary_store_kv(q, k, v, positions, cos_sin, cache[:, 1], slots)
     assert got is not None and got.is_contiguous()
     q_ref, k_ref = apply_rotary_torch(q, k, positions, cos_sin)
     write_kv_cache(k_ref, v, want_cache[:, 1], slots)
@@ -212,11 +212,11 @@ def test_attention_matches_the_fp32_reference_and_the_twin(
             )
             row += 1
     meta = build_metadata(query_lens, seq_lens, tables, BLOCK)
-    scores = cpu_native.attention_scores(query_lens, seq_lens, nh)
+    scores = cpu_native_attention.attention_scores(query_lens, seq_lens, nh)
     assert scores == nh * sum(
         s - n + t + 1 for n, s in zip(query_lens, seq_lens, strict=True) for t in range(n)
     )
-    got = cpu_native.attention(
+    got = cpu_native_attention.attention(
         q,
         layer,
         meta.block_tables,
@@ -238,54 +238,66 @@ def test_attention_matches_the_fp32_reference_and_the_twin(
 def test_cases_not_for_the_native_kernels_get_none() -> None:
     x = torch.randn(2, 64)
     w = torch.randn(64)
-    assert cpu_native.rms_norm(x, w, 1e-6) is None  # fp32
-    assert cpu_native.rms_norm(x.to(BF16), w, 1e-6) is None  # weight of another dtype
-    assert cpu_native.rms_norm(x.to(BF16)[:, ::2], w[:32].to(BF16), 1e-6) is None  # strided columns
-    assert cpu_native.rms_norm(x.to(BF16).requires_grad_(), w.to(BF16), 1e-6) is None
-    assert cpu_native.silu_and_mul(torch.randn(2, 7).to(BF16)) is None  # odd width
+    assert cpu_native_rowwise.rms_norm(x, w, 1e-6) is None  # fp32
+    assert cpu_native_rowwise.rms_norm(x.to(BF16), w, 1e-6) is None  # weight of another dtype
+    assert cpu_native_rowwise.rms_norm(x.to(BF16)[:, ::2], w[:32].to(BF16), 1e-6) is None  # strided columns
+    assert cpu_native_rowwise.rms_norm(x.to(BF16).requires_grad_(), w.to(BF16), 1e-6) is None
+    assert cpu_native_rowwise.silu_and_mul(torch.randn(2, 7).to(BF16)) is None  # odd width
     lib = cpu_native.library()
     assert lib is not None
-    assert cpu_native.silu_and_mul(torch.zeros(1, cpu_native.silu_cap(lib) + 2, dtype=BF16)) is None
+    assert (
+        cpu_native_rowwise.silu_and_mul(torch.zeros(1, cpu_native_rowwise.silu_cap(lib) + 2, dtype=BF16))
+        is None
+    )
     qkv = torch.randn(3, 8, HEAD_DIM).to(BF16)
     cache = torch.zeros(4, 2, BLOCK, 2, HEAD_DIM, dtype=BF16)
     cos_sin = rotary_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2) / HEAD_DIM), 16)
     pos, slots = torch.arange(3), torch.arange(3)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
-    assert cpu_native.rotary_store_kv(q, k, v, pos, cos_sin, cache, slots) is not None
-    assert cpu_native.rotary_store_kv(q, k.clone(), v, pos, cos_sin, cache, slots) is None  # not adjacent
-    assert cpu_native.rotary_store_kv(q, k, v, pos.int(), cos_sin, cache, slots) is None  # int32 positions
+    assert cpu_native_attention.rotary_store_kv(q, k, v, pos, cos_sin, cache, slots) is not None
+    assert (
+        cpu_native_attention.rotary_store_kv(q, k.clone(), v, pos, cos_sin, cache, slots) is None
+    )  # not adjacent
+    assert (
+        cpu_native_attention.rotary_store_kv(q, k, v, pos.int(), cos_sin, cache, slots) is None
+    )  # int32 positions
     meta = build_metadata([1], [40], [list(range(10))], BLOCK)
     one = torch.randn(1, 2, HEAD_DIM).to(BF16)
     cache1 = torch.zeros(10, 2, BLOCK, 1, HEAD_DIM, dtype=BF16)
     args = (cache1, meta.block_tables, meta.query_start_loc, meta.seq_lens, 40, 0.1)
-    assert cpu_native.attention(one, *args, cpu_native.attention_scores([1], [40], 2)) is not None
-    over = cpu_native.score_cap(decode=True) + 1
-    assert cpu_native.attention(one, *args, over) is None  # over the cap
+    assert (
+        cpu_native_attention.attention(one, *args, cpu_native_attention.attention_scores([1], [40], 2))
+        is not None
+    )
+    over = cpu_native_attention.score_cap(decode=True) + 1
+    assert cpu_native_attention.attention(one, *args, over) is None  # over the cap
 
 
 def test_indices_that_leave_the_buffers_fail_the_step_check() -> None:
     meta = build_metadata([1, 1], [5, 3], [[2, 1], [0]], BLOCK)
     ok = (meta.slot_mapping, meta.seq_lens, meta.block_tables, meta.max_seq_len)
-    assert cpu_native.kv_indices_ok(*ok, num_blocks=3, block_size=BLOCK)
-    assert cpu_native.kv_indices_ok(*ok, 3, BLOCK, meta.query_start_loc)
+    assert cpu_native_attention.kv_indices_ok(*ok, num_blocks=3, block_size=BLOCK)
+    assert cpu_native_attention.kv_indices_ok(*ok, 3, BLOCK, meta.query_start_loc)
     for bad_starts in ([0, 1, 3], [1, 1, 2], [0, 2, 1]):  # past the tokens, not from 0, decreasing
-        assert not cpu_native.kv_indices_ok(*ok, 3, BLOCK, torch.tensor(bad_starts, dtype=torch.int32))
+        assert not cpu_native_attention.kv_indices_ok(
+            *ok, 3, BLOCK, torch.tensor(bad_starts, dtype=torch.int32)
+        )
     long_query = build_metadata([5, 1], [5, 3], [[2, 1], [0]], BLOCK)
     starts = torch.tensor([0, 4, 6], dtype=torch.int32)  # request 1: 2 queries, 3 keys: fine
-    assert cpu_native.kv_indices_ok(
+    assert cpu_native_attention.kv_indices_ok(
         long_query.slot_mapping, long_query.seq_lens, long_query.block_tables, 5, 3, BLOCK, starts
     )
     starts = torch.tensor([0, 0, 6], dtype=torch.int32)  # request 1: 6 queries over 3 keys
-    assert not cpu_native.kv_indices_ok(
+    assert not cpu_native_attention.kv_indices_ok(
         long_query.slot_mapping, long_query.seq_lens, long_query.block_tables, 5, 3, BLOCK, starts
     )
-    assert not cpu_native.kv_indices_ok(*ok, num_blocks=2, block_size=BLOCK)  # block 2 is out
+    assert not cpu_native_attention.kv_indices_ok(*ok, num_blocks=2, block_size=BLOCK)  # block 2 is out
     bad_len = meta.seq_lens.clone()
     bad_len[1] = 99
-    assert not cpu_native.kv_indices_ok(meta.slot_mapping, bad_len, meta.block_tables, 5, 3, BLOCK)
-    assert cpu_native.positions_ok(torch.tensor([0, 15]), 16)
-    assert not cpu_native.positions_ok(torch.tensor([0, 16]), 16)
-    assert not cpu_native.positions_ok(torch.tensor([-1]), 16)
+    assert not cpu_native_attention.kv_indices_ok(meta.slot_mapping, bad_len, meta.block_tables, 5, 3, BLOCK)
+    assert cpu_native_attention.positions_ok(torch.tensor([0, 15]), 16)
+    assert not cpu_native_attention.positions_ok(torch.tensor([0, 16]), 16)
+    assert not cpu_native_attention.positions_ok(torch.tensor([-1]), 16)
 
 
 @pytest.mark.usefixtures("native")
@@ -300,14 +312,14 @@ def test_a_bf16_model_step_takes_the_native_kernels_and_stays_close_to_the_twins
 
     calls = {"rotary_store_kv": 0, "attention": 0}
     for name in calls:
-        real = getattr(cpu_native, name)
+        real = getattr(cpu_native_attention, name)
 
         def spy(*a: object, _real=real, _name=name) -> object:  # type: ignore[no-untyped-def]
             out = _real(*a)
             calls[_name] += out is not None
             return out
 
-        monkeypatch.setattr(cpu_native, name, spy)
+        monkeypatch.setattr(cpu_native_attention, name, spy)
     model16, cfg = load_model(tiny_models["llama"], BF16, "cpu")
     model32, _ = load_model(tiny_models["llama"], torch.float32, "cpu")
     gen = torch.Generator().manual_seed(5)
@@ -408,7 +420,7 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
     assert lib is not None and Path(lib.__file__) == built
     x = torch.randn(3, 64).to(BF16)
     w = torch.randn(64).to(BF16)
-    got = cpu_native.rms_norm(x, w, 1e-6)
+    got = cpu_native_rowwise.rms_norm(x, w, 1e-6)
     assert got is not None
     _within_one_step(got, rms_norm_torch(x, w, 1e-6))
     # the AVX2 attention is in the portable build too, behind its cpuid check
@@ -416,7 +428,9 @@ def test_a_portable_build_in_the_cache_serves_a_host_without_a_compiler(
     has_avx2_fma = any(
         ln.startswith("flags") and {"avx2", "fma"} <= set(ln.split()) for ln in flags.splitlines()
     )
-    assert cpu_native.attention_simd() is (platform.machine() in ("x86_64", "AMD64") and has_avx2_fma)
+    assert cpu_native_attention.attention_simd() is (
+        platform.machine() in ("x86_64", "AMD64") and has_avx2_fma
+    )
     # and the packed GEMM's vector kernel, behind the same check: the portable module runs it
     simd = platform.machine() in ("x86_64", "AMD64") and has_avx2_fma
     assert bool(lib.gemm_simd()) is simd
@@ -457,7 +471,7 @@ def test_the_grammar_mask_equals_the_twin(
     bitmask[3], bitmask[5] = -1, 0
     rows = torch.tensor([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 19]) if named_rows else None
     got, want = logits.clone(), logits.clone()
-    assert cpu_native.apply_bitmask_(got, bitmask, rows)
+    assert cpu_native_rowwise.apply_bitmask_(got, bitmask, rows)
     apply_token_bitmask_torch(want, bitmask, rows)
     assert torch.equal(got, want)
     assert int(torch.isinf(got).sum()) > 0
@@ -471,11 +485,13 @@ def test_grammar_masks_it_does_not_take_write_nothing() -> None:
     logits = torch.randn(4, 64)
     before = logits.clone()
     bitmask = torch.zeros(2, 2, dtype=torch.int32)
-    assert not cpu_native.apply_bitmask_(logits.to(torch.float64), bitmask, None)  # dtype
-    assert not cpu_native.apply_bitmask_(logits.t().contiguous().t(), bitmask, None)  # column stride
-    assert not cpu_native.apply_bitmask_(logits, bitmask, torch.tensor([0, 1], dtype=torch.int32))
-    assert not cpu_native.apply_bitmask_(logits, bitmask, torch.tensor([0, 4]))  # row 4 of 4
-    assert not cpu_native.apply_bitmask_(logits, torch.zeros(5, 2, dtype=torch.int32), None)  # 5 rows of 4
+    assert not cpu_native_rowwise.apply_bitmask_(logits.to(torch.float64), bitmask, None)  # dtype
+    assert not cpu_native_rowwise.apply_bitmask_(logits.t().contiguous().t(), bitmask, None)  # column stride
+    assert not cpu_native_rowwise.apply_bitmask_(logits, bitmask, torch.tensor([0, 1], dtype=torch.int32))
+    assert not cpu_native_rowwise.apply_bitmask_(logits, bitmask, torch.tensor([0, 4]))  # row 4 of 4
+    assert not cpu_native_rowwise.apply_bitmask_(
+        logits, torch.zeros(5, 2, dtype=torch.int32), None
+    )  # 5 rows of 4
     assert torch.equal(logits, before)
 
 
@@ -483,14 +499,14 @@ def test_grammar_masks_it_does_not_take_write_nothing() -> None:
 def test_empty_inputs_are_no_work() -> None:
     none = torch.empty(0, 64, dtype=BF16)
     w = torch.randn(64).to(BF16)
-    got = cpu_native.rms_norm(none, w, 1e-6)
+    got = cpu_native_rowwise.rms_norm(none, w, 1e-6)
     assert got is not None and got.shape == (0, 64)
-    pair = cpu_native.fused_add_rms_norm(none, none, w, 1e-6)
+    pair = cpu_native_rowwise.fused_add_rms_norm(none, none, w, 1e-6)
     assert pair is not None and pair[0].shape == pair[1].shape == (0, 64)
-    act = cpu_native.silu_and_mul(none)
+    act = cpu_native_rowwise.silu_and_mul(none)
     assert act is not None and act.shape == (0, 32)
     logits = torch.zeros(2, 40)
-    assert cpu_native.apply_bitmask_(
+    assert cpu_native_rowwise.apply_bitmask_(
         logits, torch.zeros(0, 2, dtype=torch.int32), torch.empty(0, dtype=torch.long)
     )
     assert torch.equal(logits, torch.zeros(2, 40))

@@ -168,7 +168,7 @@ def test_one_request_in_half_precision_takes_the_short_path_with_the_same_attent
     _one_request_attention (keys cut to the request's length, one causal call); a chunk after
     cached context and a decode of many KV heads (the eager form) do not. Same attention as the
     general path within bf16 rounding. The native kernels are kept out: a decode step would take
-    cpu_native.decode_attention first (tests/kernels/test_cpu_native.py)."""
+    cpu_native_attention.attention first (tests/kernels/test_cpu_native.py)."""
     from pdserve.models import attention_torch as at
     from pdserve.models.paged_attention import attend_cached
 
