@@ -1,6 +1,6 @@
 """What one Steps stream of a decode or colocated node has not sent yet (``Outbox``).
 
-``DecodeServicer.steps_session`` (services/decode/server.py) puts each request's deltas and
+``run_steps_session`` (services/decode/steps_session.py) puts each request's deltas and
 ends here on the event loop and its writer takes them as one ``StepBatch`` whenever the previous
 write is done; requests with a flush interval are held and merged here. Deltas the engine thread
 writes to a socket itself (services/steps_direct.py) do not come here.

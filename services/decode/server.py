@@ -1,12 +1,14 @@
 """The decode node: receives KV from prefill, generates the rest, streams tokens.
 
 Also serves colocated requests (``remote_prefill`` false): prefill runs here, nothing moves.
+``DecodeNode`` wires the engine to its KVConsumer (the pulls a step asks for, their end back to
+the engine, the pull metrics); ``DecodeServicer`` is its DecodeService. Both of its token paths
+admit through services/decode/admission.py; the Steps stream runs in
+services/decode/steps_session.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -18,23 +20,18 @@ from prometheus_client import Histogram
 from pdserve import tracing
 from pdserve.config.choices import KvLoadFailurePolicy
 from pdserve.config.node_spec import NodeSpec
-from pdserve.engine.outputs import GenerationDelta
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.kvtransfer.checksum import kv_blocks_digest
 from pdserve.kvtransfer.consumer import KVConsumer
-from pdserve.kvtransfer.handshake import HandshakeError
 from pdserve.kvtransfer.load_policy import KV_LOAD_FAILED_KEY
-from pdserve.kvtransfer.params import KVLoadSpec, RemotePrefillParams
-from pdserve.kvtransfer.peer import PeerCallError
+from pdserve.kvtransfer.params import KVLoadSpec
 from pdserve.rpc import channel, convert
 from pdserve.rpc import node_pb2 as pb
 from pdserve.rpc import node_pb2_grpc as pb_grpc
-from pdserve.rpc.mm_convert import items_from_pb, to_engine_items
 from pdserve.rpc.prefill_client import PrefillClient
-from services.decode.outbox import Outbox
-from services.decode.trace_spans import trace_decode
-from services.lora_rpc import LoRAServicer, request_lora_refusal
+from services.decode.admission import Refusal, open_request
+from services.decode.steps_session import run_steps_session
+from services.lora_rpc import LoRAServicer
 from services.node import NodeBase
 from services.steps_direct import DirectSteps
 
@@ -134,95 +131,11 @@ class DecodeServicer(LoRAServicer, pb_grpc.DecodeServiceServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
 
-    async def _open(self, request: pb.DecodeRequest) -> _Admission:
-        """Check a DecodeRequest and, for remote prefill, handshake with its prefill node and open
-        its KV record (last: a refusal leaves nothing behind): what to admit on the engine; a
-        refusal raises ``_Refusal`` with the gRPC status."""
-        node = self.node
-        try:
-            params = convert.sampling_from_pb(request.sampling)
-        except PdserveError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        if request.remote_prefill:
-            if not request.transfer_id or not request.prefill_address:
-                raise _Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT, "remote_prefill needs transfer_id and prefill_address"
-                )
-            if bool(request.output_token_ids) == request.first_token_from_prefill:
-                raise _Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "remote_prefill needs the first token (output_token_ids), or first_token_from_prefill "
-                    "without it (the pull brings it)",
-                )
-        embeds = None
-        if request.HasField("prompt_embeds"):
-            try:
-                embeds = convert.tensor_from_pb(request.prompt_embeds)
-            except PdserveError as e:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_embeds: {e}") from e
-        mm_items: list[Any] = []
-        no_recompute = False
-        if request.mm_items:
-            try:
-                wire = items_from_pb(request.mm_items, node.opts.mm_policy)
-                if not request.remote_prefill and any(it.embeds is None for it in wire):
-                    raise PdserveError(
-                        "decode prefills this prompt itself (no remote prefill), but its image items "
-                        "carry no embeddings; send them to a prefill node (EC consumer) instead"
-                    )
-            except PdserveError as e:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-            mm_items = to_engine_items(wire, [it.embeds for it in wire])
-            # images' tensors not here: a failed pull cannot be recomputed on this node
-            no_recompute = any(it.embeds is None for it in wire)
-        assert node.engine_loop is not None
-        why = request_lora_refusal(node.engine_loop.engine, request.lora_name, request.lora_ident)
-        if why is not None:  # never continue KV under other adapter weights than it was made with
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, why)
-        kv_params = None
-        if request.remote_prefill:
-            await self._open_transfer(request, no_recompute)
-            kv_params = RemotePrefillParams(request.transfer_id, request.prefill_address)
-        return _Admission(
-            list(request.prompt_token_ids),
-            params,
-            request.request_id,
-            dict(
-                kv_transfer_params=kv_params,
-                output_token_ids=list(request.output_token_ids) or None,
-                prompt_embeds=embeds,
-                mm_items=mm_items,
-                lora_name=request.lora_name,
-            ),
-        )
-
-    async def _open_transfer(self, request: pb.DecodeRequest, no_recompute: bool) -> None:
-        """The request's KV record on the consumer (handshake with its prefill node first)."""
-        addr = request.prefill_address
-        try:
-            await self.node.kv_consumer.open(
-                request.request_id,
-                request.transfer_id,
-                addr,
-                prefill_epoch=request.prefill_epoch,
-                # opened with its prefill leg: the pull asks prefill to wait for the KV and brings
-                # the first token; a failed one is the router's to re-drive, never recomputed here
-                early=request.first_token_from_prefill,
-                no_recompute=no_recompute,
-            )
-        except HandshakeError as e:
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"refused at handshake: {e}") from e
-        except PeerCallError as e:
-            raise _Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION if e.stale_peer else grpc.StatusCode.UNAVAILABLE,
-                f"handshake with prefill {addr} failed: {e.details}",
-            ) from e
-
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
         node = self.node
         try:
-            adm = await self._open(request)
-        except _Refusal as r:
+            adm = await open_request(node, request)
+        except Refusal as r:
             node.kv_consumer.forget(request.request_id)
             await context.abort(r.code, r.details)
         except BaseException:
@@ -246,135 +159,12 @@ class DecodeServicer(LoRAServicer, pb_grpc.DecodeServiceServicer):
             node.kv_consumer.forget(request.request_id)
             await gen.aclose()
 
-    async def steps_session(
+    def steps_session(
         self, request_iterator: AsyncIterator[pb.StepCommand], direct: DirectSteps
     ) -> AsyncIterator[pb.StepBatch]:
-        """One Steps stream: one router connection to the Steps socket (services/steps_socket.py),
-        every decode leg the router has on this node.
-
-        The engine thread writes the requests' token deltas to the connection itself
-        (``direct``, services/steps_direct.py). Each request runs as a task whose ends, refusals
-        and error deltas go into the outbox; this yields the outbox as one batch whenever the
-        previous write is done. The stream ending (the router went away) cancels every request's
-        task, which aborts it on the engine."""
-        outbox = Outbox()
-        tasks: dict[str, asyncio.Task[None]] = {}
-
-        def admit(r: pb.DecodeRequest) -> None:
-            rid = r.request_id
-            gate = self.node.drain_gate
-            if gate is not None and gate.draining:
-                outbox.end(rid, grpc.StatusCode.UNAVAILABLE, "node is draining: Decode refused, use another")
-                return
-            if not rid or rid in tasks:
-                outbox.end(rid, grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or in use")
-                return
-            task = asyncio.get_running_loop().create_task(
-                self._step_request(r, outbox, direct), name=f"step-{rid}"
-            )
-            tasks[rid] = task
-
-            def done(_t: asyncio.Task[None], rid: str = rid) -> None:
-                tasks.pop(rid, None)
-                outbox.wake()
-
-            task.add_done_callback(done)
-
-        async def read() -> None:
-            async for cmd in request_iterator:
-                for r in cmd.start:
-                    admit(r)
-                for rid in cmd.abort:
-                    t = tasks.get(rid)
-                    if t is not None:
-                        t.cancel()
-
-        reader = asyncio.get_running_loop().create_task(read(), name="steps-reader")
-        try:
-            while True:
-                batch = await outbox.take(reader, lambda: reader.done() and not tasks)
-                if batch is None:
-                    break
-                yield batch
-        finally:
-            reader.cancel()
-            pending = list(tasks.values())
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(reader, *pending, return_exceptions=True)
-
-    async def _step_request(self, request: pb.DecodeRequest, outbox: Outbox, direct: DirectSteps) -> None:
-        """One request of a Steps stream: admit it; the engine thread writes its token deltas
-        (``direct``) and hands the rest to the outbox (a callback per step, no task wake-up per
-        step); this task only waits for the end. Cancelling it (router abort, stream gone)
-        aborts the request."""
-        node = self.node
-        rid = request.request_id
-        times = [time.monotonic()]  # admitted, first delta (traces)
-        gate = node.drain_gate
-        if gate is not None:
-            gate.active += 1
-        try:
-            try:
-                adm = await self._open(request)
-            except _Refusal as r:
-                outbox.end(rid, r.code, r.details)
-                return
-            loop = node.engine_loop
-            assert loop is not None
-            ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            interval = request.flush_interval_ms / 1000.0
-            if interval > 0:
-                direct.hold(rid, interval)  # merged on the engine thread, as Outbox would
-
-            def on_delta(d: GenerationDelta) -> None:
-                if ended.done():
-                    return
-                if len(times) == 1:
-                    times.append(time.monotonic())
-                if direct.takes(d):
-                    # the engine thread wrote it; only its end is this callback's (finishing deltas)
-                    if d.finish_reason is not None:
-                        ended.set_result(None)
-                    return
-                if d.finish_reason == "error" and d.overloaded:
-                    outbox.end(rid, grpc.StatusCode.RESOURCE_EXHAUSTED, d.error or "node is full")
-                elif d.finish_reason == "error" and node.kv_consumer.wants_reprefill(rid):
-                    outbox.end(
-                        rid,
-                        grpc.StatusCode.ABORTED,
-                        f"{d.error} (kv_load_failure_policy reprefill)",
-                        kv_load_failed=True,
-                    )
-                else:
-                    outbox.put(d, interval)
-                    if d.finish_reason is None:
-                        return
-                ended.set_result(None)
-
-            try:
-                await loop.admit(adm.prompt_token_ids, adm.params, rid, on_delta, direct=direct, **adm.kwargs)
-            except PdserveError as e:
-                outbox.end(rid, channel.error_to_status(e), str(e))
-                return
-            finished = False
-            try:
-                await ended
-                finished = True
-            finally:
-                loop.release(rid, abort=not finished)
-                if not finished:
-                    outbox.drop(rid)
-                pull = node.pull_times.pop(rid, [])
-                if request.traceparent and tracing.enabled():
-                    trace_decode(node, request, times, pull, finished)
-        finally:
-            # every exit drops the request's KV record: a refusal, a failed admit, the end, and a
-            # cancellation while admitting (the router aborted or its stream went away)
-            node.kv_consumer.forget(rid)
-            direct.forget(rid)
-            if gate is not None:
-                gate.active -= 1
+        """One Steps stream (services/decode/steps_session.py), served by the Steps socket
+        (services/steps_socket.py)."""
+        return run_steps_session(self.node, request_iterator, direct)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         assert self.node.engine_loop is not None
@@ -386,20 +176,3 @@ class DecodeServicer(LoRAServicer, pb_grpc.DecodeServiceServicer):
         report = await self.node.answer_load(pb, context)
         report.num_pulls_in_flight = self.node.kv_consumer.pulls_in_flight()
         return report
-
-
-class _Refusal(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-@dataclasses.dataclass
-class _Admission:
-    """What ``LLMEngine.add_request`` gets for a checked DecodeRequest."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    kwargs: dict[str, Any]
