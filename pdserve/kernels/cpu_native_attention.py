@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import cpu_native
-from pdserve.kernels.cpu_native import bf16_gemm_hardware
 
 # Caps on one call's work: past them torch's kernels (vectorised, threaded) are as fast or faster.
 MAX_HEAD_DIM = 512  # the C side's stack buffers
@@ -31,7 +30,11 @@ _BF16 = torch.bfloat16
 
 def score_cap(decode: bool) -> int:
     """The most (query, key) pairs x heads one ``attention`` call takes."""
-    return MAX_DECODE_SCORES_NO_BF16_HW if decode and not bf16_gemm_hardware() else MAX_ATTENTION_SCORES
+    return (
+        MAX_DECODE_SCORES_NO_BF16_HW
+        if decode and not cpu_native.bf16_gemm_hardware()
+        else MAX_ATTENTION_SCORES
+    )
 
 
 def _cache_ok(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> bool:

@@ -13,7 +13,8 @@ An early pull (decode opened with the prefill leg) may come before its prefill i
 ``wait_held`` waits for the hold on the event loop (no thread), and fails as soon as the prefill
 ends without holding (``forget`` / ``refuse``); the ids and their waiters are kept in a
 ``TransferTable`` (kvtransfer/transfer_table.py). Every push answers with the first tokens that
-``on_hold`` stored (``first_token_ids``), dropped with the transfer.
+``on_hold`` stored (``first_token_ids``) and moves the other KV groups' held tables it stored,
+both dropped with the transfer.
 """
 
 from __future__ import annotations

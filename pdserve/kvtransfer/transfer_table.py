@@ -2,8 +2,9 @@
 
 ``KVProducer`` (kvtransfer/connector.py) keeps one ``TransferTable``: an id enters when a
 Prefill is admitted (``admit``) or an early pull asks for it first (``wait_held``), is held
-(``hold``), and leaves when freed, failed or aborted (``forget``) or refused before admission
-(``refuse``). An early pull (decode opened with the prefill leg) may come before its prefill is
+(``hold``: with the request's first tokens and, for a model with per-group tables, the held
+tables of its other KV groups), and leaves with all of it when freed, failed or aborted
+(``forget``) or refused before admission (``refuse``). An early pull (decode opened with the prefill leg) may come before its prefill is
 admitted: ``wait_held`` waits for the hold on the event loop (no thread), and fails as soon as
 the prefill ends without holding. Ids that ended are remembered (``ENDED_KEEP`` at most), so a
 pull that comes after its prefill ended fails at once.
