@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 
 from pdserve.config.engine import CacheSizes, EngineConfig
-from pdserve.engine.model_runner import ModelRunner, PendingStep
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.pending_step import PendingStep
 from pdserve.engine.pipeline import PipelineExecutor
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.tensor_parallel import TPModelRunner

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config.engine import CacheSizes, EngineConfig
+from pdserve.config.engine import CacheSizes, EngineConfig, usable_cpus
 from pdserve.distributed.parallel_state import tp_size
 from pdserve.engine.cuda_graphs import CudaGraphRunner, cuda_graphs_off_reason
 from pdserve.engine.device import resolve_device, resolve_dtype
@@ -48,7 +48,6 @@ from pdserve.engine.profile_memory import gpu_memory
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.step_sampling import SeededStreams, launch_sampler, sample_step
-from pdserve.engine.structured import usable_cpus
 from pdserve.lora.manager import LoRAManager
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.attention_backend import select_attention_backend

@@ -22,7 +22,8 @@ from pdserve.distributed.pp_stage import (
 )
 from pdserve.distributed.workers import WorkerGroup
 from pdserve.engine.kv_workers import WorkerKV
-from pdserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.pending_step import PendingStep, RunnerOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import (
     DropFinished,

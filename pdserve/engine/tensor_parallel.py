@@ -27,7 +27,8 @@ from pdserve.distributed.parallel_state import destroy_tp, init_tp
 from pdserve.distributed.pp_stage import KVWorkers, StageEndpoint
 from pdserve.distributed.workers import TPWorkerError, WorkerGroup
 from pdserve.engine.kv_workers import WorkerKV
-from pdserve.engine.model_runner import ModelRunner, PendingStep
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.pending_step import PendingStep
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import (
     DropFinished,

@@ -40,8 +40,9 @@ from pdserve.config.engine import EngineConfig
 from pdserve.distributed.parallel_state import destroy_tp, init_tp
 from pdserve.distributed.workers import Ack, Shutdown, WorkerFailed
 from pdserve.engine.device import set_intra_op_threads
-from pdserve.engine.model_runner import ModelRunner, PendingStep
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.pending_step import PendingStep
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.kvoffload.copier import KVOffloadCopier
 from pdserve.kvoffload.stages import InitKVOffload, StoreKVBlocks, run_stage_copies, stage_copier

@@ -1,5 +1,5 @@
-/* pdserve's native CPU kernels for small bf16 steps: a CPython extension module (see cpu_native.py,
- * which builds it with the host's C compiler and imports it). Its functions take buffer addresses
+/* pdserve's native CPU kernels for small bf16 steps: a CPython extension module (cpu_native_build.py
+ * builds it with the host's C compiler; cpu_native.py loads it). Its functions take buffer addresses
  * (tensor.data_ptr()) and sizes as Python ints: one call costs ~0.2 us, against ~2 us through
  * ctypes, which mattered as much as the kernels.
  *

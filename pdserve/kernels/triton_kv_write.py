@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from pdserve.kernels.backend import TRITON_DTYPES
 
 
 @triton.jit
@@ -99,4 +99,4 @@ def write_kv_cache(
     )
 
 
-__all__ = ["TRITON_DTYPES", "check_kv_cache", "write_kv_cache"]
+__all__ = ["check_kv_cache", "write_kv_cache"]

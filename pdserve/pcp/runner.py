@@ -45,7 +45,8 @@ import torch
 from pdserve.config.engine import CacheSizes, EngineConfig
 from pdserve.distributed.workers import WorkerError, WorkerGroup
 from pdserve.engine.device import set_intra_op_threads
-from pdserve.engine.model_runner import ModelRunner, PendingStep
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.pending_step import PendingStep
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.workers import DropFinished, ExecuteStep, InitKVCache, SizeKVCache
 from pdserve.pcp.checks import check_pcp_config, rank_config

@@ -19,7 +19,8 @@ from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.spec_decode.verify import VerifyGroup, verify
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner, PendingStep
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.pending_step import PendingStep
 
 
 def launch_verify(

@@ -91,7 +91,7 @@ def test_pinned_staging_reuses_a_slot_only_after_its_copies_ran() -> None:
 
 def test_a_hung_step_fails_after_step_timeout() -> None:
     """A step whose device work outlives step_timeout_s raises instead of blocking forever."""
-    from pdserve.engine.model_runner import PendingStep
+    from pdserve.engine.pending_step import PendingStep
     from pdserve.errors import EngineStalledError
 
     torch.cuda.synchronize()
