@@ -20,6 +20,7 @@ split count), which take the Triton path.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -30,9 +31,7 @@ from pdserve.errors import UnsupportedError
 from pdserve.models.attention import AttentionBackend
 
 TRITON_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_triton_impl: ModuleType | None = None
-_triton_kv_write_impl: ModuleType | None = None
-_triton_kv_splits_impl: ModuleType | None = None
+_triton_modules: dict[str, ModuleType] = {}  # name -> the pdserve.kernels module, once imported
 
 
 def triton_attention_unsupported_reason(
@@ -69,31 +68,25 @@ def select_attention_backend(
     return "triton"
 
 
-def triton_impl() -> ModuleType:
-    """``pdserve.kernels.triton_attention``, imported on first use (it imports triton)."""
-    global _triton_impl
-    if _triton_impl is None:
-        from pdserve.kernels import triton_attention
+def triton_module(name: str) -> ModuleType:
+    """``pdserve.kernels.<name>``, a Triton kernel module, imported on first use (importing it
+    imports triton, which CPU-only paths never need)."""
+    mod = _triton_modules.get(name)
+    if mod is None:
+        mod = _triton_modules[name] = importlib.import_module(f"pdserve.kernels.{name}")
+    return mod
 
-        _triton_impl = triton_attention
-    return _triton_impl
+
+def triton_impl() -> ModuleType:
+    """``pdserve.kernels.triton_attention``: the paged attention kernel's launcher."""
+    return triton_module("triton_attention")
 
 
 def triton_kv_write_impl() -> ModuleType:
-    """``pdserve.kernels.triton_kv_write``, imported on first use (it imports triton)."""
-    global _triton_kv_write_impl
-    if _triton_kv_write_impl is None:
-        from pdserve.kernels import triton_kv_write
-
-        _triton_kv_write_impl = triton_kv_write
-    return _triton_kv_write_impl
+    """``pdserve.kernels.triton_kv_write``: the KV cache write."""
+    return triton_module("triton_kv_write")
 
 
 def triton_kv_splits_impl() -> ModuleType:
-    """``pdserve.kernels.triton_kv_splits``, imported on first use (it imports triton)."""
-    global _triton_kv_splits_impl
-    if _triton_kv_splits_impl is None:
-        from pdserve.kernels import triton_kv_splits
-
-        _triton_kv_splits_impl = triton_kv_splits
-    return _triton_kv_splits_impl
+    """``pdserve.kernels.triton_kv_splits``: the split count and the SM count."""
+    return triton_module("triton_kv_splits")
